@@ -1,0 +1,44 @@
+"""Sessions: `nox -s demo`, `nox -s tests`, `nox -s bench`.
+
+Every session installs through pip with constraints.txt, which pins torch to the CPU
+wheel on the project's machines (uv would not find it).
+"""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_existing_virtualenvs = True
+nox.options.sessions = ["tests"]
+
+CONSTRAINTS = ("-c", "constraints.txt")
+
+
+def _install(session: nox.Session, extras: str = "") -> None:
+    session.install("--upgrade", "pip")
+    session.install(*CONSTRAINTS, "-e", f".{extras}")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Test suite, then ruff and mypy --strict on src/."""
+    _install(session, "[test]")
+    session.run("pytest", "-m", "not slow", *session.posargs)
+    session.run("ruff", "check", "src", "tests", "benchmarks", "noxfile.py")
+    session.run("ruff", "format", "--check", "src", "tests", "benchmarks", "noxfile.py")
+    session.run("mypy")
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job: an async training run that checkpoints, and loads the result back."""
+    _install(session)
+    session.run("python", "-m", "aiosnap.demo", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """The benchmark suite (pass e.g. `-- --size 64MiB` for a quick run)."""
+    _install(session, "[test]")
+    session.run("python", "benchmarks/bench.py", *session.posargs)

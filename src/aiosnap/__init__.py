@@ -1,0 +1,93 @@
+"""aiosnap: asyncio-native checkpointing for PyTorch and NumPy training.
+
+A save is ``await writer(filename, out_dir, state)``. The call returns as soon as the
+state is *captured* -- its tensors copied into a reusable staging arena laid out as
+the file image -- and training goes on while the image is committed in the
+background: written to a temp file in the target directory, fsynced, renamed over the
+target and the directory fsynced, in a worker thread or a worker process that reads
+the arena from shared memory.
+
+Data flows one way, one module a step: ``_tree`` captures the state tree, ``_stage``
+copies it into the arena, ``_format`` encodes the safetensors-compatible header with
+checksums, ``_engine`` runs the commit through a ``_storage`` backend. Loading runs
+it backwards in ``_load``, verifying every checksum. The writers in ``_writers`` only
+choose *when* each step runs; all blocking work passes through ``_offload``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ._api import load_into_sync as load_into_sync
+from ._api import load_sync as load_sync
+from ._api import save as save
+from ._api import save_sync as save_sync
+from ._api import verify_sync as verify_sync
+from ._errors import CheckpointError as CheckpointError
+from ._errors import CheckpointKeyError as CheckpointKeyError
+from ._errors import CheckpointNotFoundError as CheckpointNotFoundError
+from ._errors import CorruptCheckpointError as CorruptCheckpointError
+from ._errors import PickleNotAllowedError as PickleNotAllowedError
+from ._errors import StateMismatchError as StateMismatchError
+from ._errors import UnsupportedTypeError as UnsupportedTypeError
+from ._errors import WorkerCrashedError as WorkerCrashedError
+from ._errors import WriterClosedError as WriterClosedError
+from ._handle import SaveHandle as SaveHandle
+from ._handle import SaveStats as SaveStats
+from ._load import VerifyReport as VerifyReport
+from ._load import load as load
+from ._load import load_into as load_into
+from ._load import verify as verify
+from ._storage import TEMP_PREFIX as TEMP_PREFIX
+from ._storage import CommitTimes as CommitTimes
+from ._storage import LocalStorage as LocalStorage
+from ._storage import ReadHandle as ReadHandle
+from ._storage import Storage as Storage
+from ._writers import ProcessQueueWriter as ProcessQueueWriter
+from ._writers import ProcessWriter as ProcessWriter
+from ._writers import QueueWriter as QueueWriter
+from ._writers import SimpleWriter as SimpleWriter
+from ._writers import StandardWriter as StandardWriter
+from ._writers import ThreadQueueWriter as ThreadQueueWriter
+from ._writers import ThreadWriter as ThreadWriter
+from ._writers import Writer as Writer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointKeyError",
+    "CheckpointNotFoundError",
+    "CommitTimes",
+    "CorruptCheckpointError",
+    "LocalStorage",
+    "PickleNotAllowedError",
+    "ProcessQueueWriter",
+    "ProcessWriter",
+    "QueueWriter",
+    "ReadHandle",
+    "SaveHandle",
+    "SaveStats",
+    "SimpleWriter",
+    "StandardWriter",
+    "StateMismatchError",
+    "Storage",
+    "TEMP_PREFIX",
+    "ThreadQueueWriter",
+    "ThreadWriter",
+    "UnsupportedTypeError",
+    "VerifyReport",
+    "WorkerCrashedError",
+    "Writer",
+    "WriterClosedError",
+    "load",
+    "load_into",
+    "load_into_sync",
+    "load_sync",
+    "save",
+    "save_sync",
+    "verify",
+    "verify_sync",
+]
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())

@@ -1,0 +1,52 @@
+"""One-shot saving, and the blocking twins of the async API for scripts and notebooks."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Awaitable, Callable
+from typing import Any, ParamSpec, TypeVar
+
+import anyio
+
+from ._engine import SaveFun
+from ._handle import SaveStats
+from ._load import VerifyReport, load, load_into, verify
+from ._storage import LocalStorage, Storage
+from ._writers import SimpleWriter
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+async def save(path: str, target: object, *, savefun: SaveFun | None = None,
+               allow_pickle: bool = False, storage: Storage | None = None) -> SaveStats:  # fmt: skip
+    """Durably save ``target`` to ``path`` and return when it is committed."""
+    storage = storage if storage is not None else LocalStorage()
+    directory, name = storage.split(path)
+    async with SimpleWriter(storage=storage, allow_pickle=allow_pickle) as writer:
+        handle = await writer(name, directory, target, savefun=savefun)
+        return await handle.wait()
+
+
+def _blocking(fn: Callable[P, Awaitable[T]]) -> Callable[P, T]:
+    @functools.wraps(fn)
+    def twin(*args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return anyio.run(functools.partial(fn, *args, **kwargs))
+        raise RuntimeError(
+            f"aiosnap.{fn.__name__}_sync was called inside a running event loop; "
+            f"use `await aiosnap.{fn.__name__}(...)` there instead"
+        )
+
+    twin.__name__ = twin.__qualname__ = f"{fn.__name__}_sync"
+    twin.__doc__ = f"Blocking twin of :func:`aiosnap.{fn.__name__}` (no event loop may be running)."
+    return twin
+
+
+save_sync: Callable[..., SaveStats] = _blocking(save)
+load_sync: Callable[..., Any] = _blocking(load)
+load_into_sync: Callable[..., Any] = _blocking(load_into)
+verify_sync: Callable[..., VerifyReport] = _blocking(verify)

@@ -1,0 +1,69 @@
+"""The one exception hierarchy of aiosnap.
+
+    CheckpointError
+    ├── CheckpointNotFoundError   (also FileNotFoundError)
+    ├── CorruptCheckpointError    (also ValueError)
+    ├── CheckpointKeyError        (also KeyError)
+    ├── PickleNotAllowedError     (also ValueError)
+    ├── StateMismatchError        (also ValueError)
+    ├── UnsupportedTypeError      (also TypeError)
+    ├── WorkerCrashedError        (also RuntimeError)
+    └── WriterClosedError         (also RuntimeError)
+
+Failures of a background save are *not* wrapped: the original exception (an
+``OSError`` from a full disk, the exception a ``savefun`` raised, ...) is re-raised
+with its own type, so callers can keep catching what they already catch.
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base class of every error aiosnap raises itself."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """The checkpoint file does not exist."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(f"no checkpoint at {path!r}")
+        self.path = path
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class CorruptCheckpointError(CheckpointError, ValueError):
+    """The file is truncated, altered or not a checkpoint at all."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+class CheckpointKeyError(CheckpointError, KeyError):
+    """A requested key is not in the checkpoint."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class PickleNotAllowedError(CheckpointError, ValueError):
+    """The checkpoint holds pickled objects and ``allow_pickle`` was not given."""
+
+
+class StateMismatchError(CheckpointError, ValueError):
+    """``load_into`` found missing, unexpected or differently shaped entries."""
+
+
+class UnsupportedTypeError(CheckpointError, TypeError):
+    """A value in the state tree cannot be stored without pickle."""
+
+
+class WorkerCrashedError(CheckpointError, RuntimeError):
+    """The offload worker process died while it held a save."""
+
+
+class WriterClosedError(CheckpointError, RuntimeError):
+    """The writer is not open: use ``async with`` before saving, not after."""

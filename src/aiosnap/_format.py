@@ -1,0 +1,256 @@
+"""The file format: safetensors bytes, with aiosnap's tree and checksums in the header.
+
+    u64 little-endian N | N bytes of JSON header, space-padded | data section
+
+The header is safetensors' (``{"name": {"dtype", "shape", "data_offsets"}, ...}``),
+padded so the data section starts at a multiple of ``ALIGN``. Its ``__metadata__``
+holds two strings: ``aiosnap`` (JSON: format version, tree, and per tensor its kind,
+real dtype, shape and crc32c) and ``aiosnap_crc32c``, the crc32c of the first 8 + N
+bytes with that value read as ``00000000``. Together they cover every byte of the file.
+See docs/format.md.
+
+Parsing trusts nothing: every length, offset, shape and dtype is checked against the
+file size before anything is allocated, and every failure is a CorruptCheckpointError.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import crc32c as _crc32c
+
+from . import _dtypes
+from ._errors import CorruptCheckpointError
+from ._storage import ReadHandle
+
+FORMAT_VERSION = 1
+ALIGN = 4096
+META_KEY = "aiosnap"
+CRC_KEY = "aiosnap_crc32c"
+_CRC_ZERO = "00000000"
+#: A larger header is refused before it is read (a lying length must not allocate).
+MAX_HEADER = 1 << 30
+KINDS = ("tensor", "ndarray", "npscalar", "pickle")
+
+
+def crc32c(data: memoryview | bytes | bytearray, value: int = 0) -> int:
+    return int(_crc32c.crc32c(data, value))
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """One entry of the data section, as aiosnap describes it."""
+
+    name: str
+    kind: str  # one of KINDS
+    dtype: str  # torch dtype name, NumPy dtype.str, or "|u1" for pickles
+    shape: tuple[int, ...]
+    start: int  # offsets inside the data section
+    end: int
+    crc: int | None  # None in plain safetensors files
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    """A parsed, validated header."""
+
+    data_start: int  # file offset of the data section
+    tensors: dict[str, TensorInfo]
+    tree: Any  # the skeleton, or None for a plain safetensors file
+    version: int | None
+
+
+def itemsize(kind: str, dtype: str) -> int | None:
+    """Element size of a dtype read from a file; None if it is not a valid one."""
+    if kind == "tensor":
+        tdt = _dtypes.TORCH_DTYPES.get(dtype)
+        return None if tdt is None else tdt.itemsize
+    npdt = _dtypes.numpy_from_name(dtype)
+    if npdt is None or (kind == "pickle" and dtype != "|u1"):
+        return None
+    return npdt.itemsize
+
+
+def st_entry(kind: str, dtype: str, shape: tuple[int, ...], nbytes: int) -> tuple[str, list[int]]:
+    """The safetensors (dtype code, shape) an entry is written under."""
+    if kind == "tensor":
+        code = _dtypes.torch_st_code(_dtypes.TORCH_DTYPES[dtype])
+    elif kind == "pickle":
+        code = "U8"
+    else:
+        code = _dtypes.numpy_st_code(_dtypes.numpy_from_name(dtype))  # type: ignore[arg-type]
+    native = code != "U8" or (dtype in ("uint8", "|u1") and kind != "pickle")
+    return (code, list(shape)) if native else ("U8", [nbytes])
+
+
+def encode_header(tensors: list[TensorInfo], tree: Any, *, size: int | None = None) -> bytes:
+    """The first ``data_start`` bytes of the file; ``size`` pins the padded length."""
+    meta = {
+        "version": FORMAT_VERSION,
+        "checksum": "crc32c",
+        "tree": tree,
+        "tensors": {
+            t.name: {"kind": t.kind, "dtype": t.dtype, "shape": list(t.shape),
+                     "crc32c": f"{t.crc or 0:08x}"}
+            for t in tensors
+        },
+    }  # fmt: skip
+    header: dict[str, Any] = {"__metadata__": {META_KEY: _dumps(meta), CRC_KEY: _CRC_ZERO}}
+    for t in tensors:
+        code, shape = st_entry(t.kind, t.dtype, t.shape, t.nbytes)
+        header[t.name] = {"dtype": code, "shape": shape, "data_offsets": [t.start, t.end]}
+    text = _dumps(header).encode()
+    total = size if size is not None else -(-(8 + len(text)) // ALIGN) * ALIGN
+    if total < 8 + len(text):
+        raise ValueError("header grew after its size was fixed")
+    raw = bytearray(struct.pack("<Q", total - 8) + text + b" " * (total - 8 - len(text)))
+    at = raw.index(f'"{CRC_KEY}":"{_CRC_ZERO}"'.encode()) + len(CRC_KEY) + 4
+    raw[at : at + 8] = f"{crc32c(raw):08x}".encode()
+    return bytes(raw)
+
+
+def _dumps(obj: object) -> str:
+    return json.dumps(obj, separators=(",", ":"), allow_nan=False)
+
+
+def read_header(f: ReadHandle) -> Header:
+    """Read and validate the header of an open file."""
+    return _Parser(f).parse()
+
+
+class _Parser:
+    def __init__(self, f: ReadHandle) -> None:
+        self.f = f
+
+    def fail(self, reason: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(self.f.path, reason)
+
+    def parse(self) -> Header:
+        size = self.f.size
+        if size < 8:
+            raise self.fail(f"truncated: {size} bytes, less than the 8-byte header length")
+        prefix = bytearray(8)
+        self.f.readinto(0, memoryview(prefix))
+        (n,) = struct.unpack("<Q", prefix)
+        if n < 2 or n > size - 8 or n > MAX_HEADER:
+            raise self.fail(f"header length {n} does not fit a file of {size} bytes")
+        raw = bytearray(8 + n)
+        self.f.readinto(0, memoryview(raw))
+        obj = self.json(bytes(raw[8:]), "header")
+        if not isinstance(obj, dict):
+            raise self.fail("header is not a JSON object")
+        entries = self.entries(obj, size - 8 - n)
+        meta = obj.get("__metadata__")
+        if meta is None or (isinstance(meta, dict) and META_KEY not in meta):
+            return Header(8 + n, self.plain(entries), None, None)
+        if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+            raise self.fail("__metadata__ is not a map of strings")
+        self.check_header_crc(raw, meta)
+        return self.aiosnap(8 + n, entries, self.json(meta[META_KEY].encode(), "metadata"))
+
+    def json(self, data: bytes, what: str) -> Any:
+        try:
+            return json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+            raise self.fail(f"{what} is not valid JSON ({type(exc).__name__})") from None
+
+    def entries(self, obj: dict[str, Any], data_len: int) -> dict[str, tuple[str, list[int], int, int]]:
+        found: dict[str, tuple[str, list[int], int, int]] = {}
+        for name, e in obj.items():
+            if name == "__metadata__":
+                continue
+            if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
+                raise self.fail(f"tensor {name!r}: malformed entry")
+            code, shape, offsets = e["dtype"], e["shape"], e["data_offsets"]
+            if code not in _dtypes.ST_ITEMSIZE:
+                raise self.fail(f"tensor {name!r}: unknown dtype {code!r}")
+            if not _ints(shape) or not _ints(offsets) or len(offsets) != 2:
+                raise self.fail(f"tensor {name!r}: shape or offsets are not non-negative integers")
+            start, end = offsets
+            if end - start != math.prod(shape) * _dtypes.ST_ITEMSIZE[code]:
+                raise self.fail(f"tensor {name!r}: offsets {offsets} do not match shape {shape}")
+            found[name] = (code, shape, start, end)
+        self.check_layout(found, data_len)
+        return found
+
+    def check_layout(self, entries: dict[str, tuple[str, list[int], int, int]], data_len: int) -> None:
+        pos = 0
+        for name, (_, _, start, end) in sorted(entries.items(), key=lambda kv: kv[1][2:]):
+            if start != pos:
+                what = "overlaps the previous one" if start < pos else "leaves a gap before it"
+                raise self.fail(f"tensor {name!r} at offset {start} {what}")
+            pos = end
+        if pos > data_len:
+            raise self.fail(f"truncated: tensors need {pos} data bytes, the file has {data_len}")
+        if pos < data_len:
+            raise self.fail(f"{data_len - pos} unexpected bytes after the last tensor")
+
+    def plain(self, entries: dict[str, tuple[str, list[int], int, int]]) -> dict[str, TensorInfo]:
+        return {
+            name: TensorInfo(name, "tensor", _dtypes.torch_name(_dtypes.ST_TORCH[code]),
+                             tuple(shape), start, end, None)
+            for name, (code, shape, start, end) in entries.items()
+        }  # fmt: skip
+
+    def check_header_crc(self, raw: bytearray, meta: dict[str, str]) -> None:
+        stored = meta.get(CRC_KEY)
+        if stored is None or len(stored) != 8:
+            raise self.fail("header checksum is missing")
+        needle = f'"{CRC_KEY}":"{stored}"'.encode()
+        at = raw.find(needle)
+        if at < 0 or raw.find(needle, at + 1) >= 0:
+            raise self.fail("header checksum is not where the format puts it")
+        at += len(CRC_KEY) + 4
+        raw[at : at + 8] = _CRC_ZERO.encode()
+        if f"{crc32c(raw):08x}" != stored:
+            raise self.fail("header checksum mismatch: the header was altered")
+
+    def aiosnap(self, data_start: int, entries: dict[str, tuple[str, list[int], int, int]],
+                meta: Any) -> Header:  # fmt: skip
+        if not isinstance(meta, dict) or not isinstance(meta.get("tensors"), dict):
+            raise self.fail("aiosnap metadata is malformed")
+        version = meta.get("version")
+        if version != FORMAT_VERSION:
+            raise self.fail(f"format version {version!r} is not {FORMAT_VERSION}")
+        described = meta["tensors"]
+        if set(described) != set(entries):
+            raise self.fail("aiosnap metadata and safetensors entries list different tensors")
+        tensors = {name: self.info(name, d, entries[name]) for name, d in described.items()}
+        return Header(data_start, tensors, meta.get("tree"), version)
+
+    def info(self, name: str, d: Any, entry: tuple[str, list[int], int, int]) -> TensorInfo:
+        code, st_shape, start, end = entry
+        if not isinstance(d, dict) or d.get("kind") not in KINDS or not isinstance(d.get("dtype"), str):
+            raise self.fail(f"tensor {name!r}: malformed description")
+        kind, dtype, shape, crc = d["kind"], d["dtype"], d.get("shape"), d.get("crc32c")
+        size = itemsize(kind, dtype)
+        if size is None:
+            raise self.fail(f"tensor {name!r}: unknown {kind} dtype {dtype!r}")
+        if not _ints(shape):
+            raise self.fail(f"tensor {name!r}: shape {shape!r} is not a list of non-negative integers")
+        assert isinstance(shape, list)
+        if math.prod(shape) * size != end - start:
+            raise self.fail(f"tensor {name!r}: shape {shape!r} does not match its {end - start} bytes")
+        if (kind == "npscalar" and shape) or (kind == "pickle" and len(shape) != 1):
+            raise self.fail(f"tensor {name!r}: bad shape for a {kind}")
+        if st_entry(kind, dtype, tuple(shape), end - start) != (code, st_shape):
+            raise self.fail(f"tensor {name!r}: safetensors entry disagrees with its description")
+        if not isinstance(crc, str) or len(crc) != 8 or not _is_hex(crc):
+            raise self.fail(f"tensor {name!r}: bad checksum field")
+        return TensorInfo(name, kind, dtype, tuple(shape), start, end, int(crc, 16))
+
+
+def _ints(value: Any) -> bool:
+    return isinstance(value, list) and all(type(v) is int and v >= 0 for v in value)
+
+
+def _is_hex(s: str) -> bool:
+    return all(c in "0123456789abcdef" for c in s)

@@ -1,0 +1,313 @@
+"""Loading: read, verify and rebuild a checkpoint; or copy it into live objects.
+
+Each call does its blocking work as one worker-thread call. Every tensor is read
+straight into the memory of the tensor or array that is returned, and its crc32c
+is checked before the tree is handed back.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, final
+
+import numpy as np
+import torch
+
+from . import _dtypes, _offload
+from ._errors import (
+    CheckpointError,
+    CheckpointKeyError,
+    CorruptCheckpointError,
+    PickleNotAllowedError,
+    StateMismatchError,
+)
+from ._format import Header, TensorInfo, crc32c, read_header
+from ._storage import LocalStorage, ReadHandle, Storage
+from ._tree import format_path, is_stateful, rebuild, walk_leaves
+
+#: verify() reads in pieces of this size, so it needs no memory for the tensors.
+_VERIFY_PIECE = 64 << 20
+
+MapLocation = str | torch.device | None
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class VerifyReport:
+    """What ``verify`` checked."""
+
+    path: str
+    tensors: int
+    bytes: int
+    checksummed: bool  # False for a plain safetensors file: structure only
+
+
+async def load(path: str, *, keys: Sequence[str] | None = None, map_location: MapLocation = None,
+               allow_pickle: bool = False, storage: Storage | None = None) -> Any:  # fmt: skip
+    """Read a checkpoint back as the tree that was saved.
+
+    ``keys`` are dotted paths (``["model.layer1", "optimizer"]``); the result is the
+    same tree pruned to those subtrees. A plain safetensors file loads as a flat dict.
+    """
+    return await _offload.run_io(
+        _load_blocking, storage or LocalStorage(), path, keys, map_location, allow_pickle
+    )
+
+
+async def verify(path: str, *, storage: Storage | None = None) -> VerifyReport:
+    """Recompute every checksum; raise CorruptCheckpointError on any mismatch."""
+    return await _offload.run_io(_verify_blocking, storage or LocalStorage(), path)
+
+
+async def load_into(path: str, target: Any, *, strict: bool = True, allow_pickle: bool = False,
+                    storage: Storage | None = None) -> Any:  # fmt: skip
+    """Load a checkpoint into existing tensors, arrays, containers and Stateful objects.
+
+    Tensors and arrays are updated in place; with ``strict`` a missing or unexpected
+    key, or a shape or dtype mismatch, raises StateMismatchError. Returns ``target``.
+    """
+    tree = await load(path, allow_pickle=allow_pickle, storage=storage)
+    await _offload.run_cpu(_assign, target, tree, (), strict)
+    return target
+
+
+def _load_blocking(storage: Storage, path: str, keys: Sequence[str] | None,
+                   map_location: MapLocation, allow_pickle: bool) -> Any:  # fmt: skip
+    f = storage.open_read(path)
+    try:
+        header = read_header(f)
+        tree = _plain_tree(header) if header.tree is None else header.tree
+        try:
+            if keys is not None:
+                tree = _prune(tree, list(keys), path)
+            return rebuild(tree, _Reader(f, header, map_location, allow_pickle).resolve)
+        except CheckpointError:
+            raise
+        except ValueError as exc:
+            raise CorruptCheckpointError(path, f"bad tree: {exc}") from None
+    finally:
+        f.close()
+
+
+def _plain_tree(header: Header) -> Any:
+    items = sorted(header.tensors.values(), key=lambda t: t.start)
+    return {"$": "dict", "items": [[t.name, {"$": "tensor", "n": t.name}] for t in items]}
+
+
+class _Reader:
+    def __init__(self, f: ReadHandle, header: Header, map_location: MapLocation,
+                 allow_pickle: bool) -> None:  # fmt: skip
+        self.f, self.header = f, header
+        self.map_location, self.allow_pickle = map_location, allow_pickle
+        self.made: dict[str, object] = {}
+
+    def info(self, name: str) -> TensorInfo:
+        info = self.header.tensors.get(name)
+        if info is None:
+            raise ValueError(f"the tree refers to a missing tensor {name!r}")
+        return info
+
+    def resolve(self, kind: str, name: str, path: tuple[object, ...]) -> object:
+        # A name reached twice (tied weights) resolves to the same object.
+        if name not in self.made:
+            info = self.info(name)
+            if info.kind != kind:
+                raise ValueError(f"{format_path(path)} is a {kind} but {name!r} is a {info.kind}")
+            self.made[name] = self.read(info, path)
+        return self.made[name]
+
+    def read(self, info: TensorInfo, path: tuple[object, ...]) -> object:
+        if info.kind == "pickle" and not self.allow_pickle:
+            raise PickleNotAllowedError(
+                f"{self.f.path}: {format_path(path)} is pickled; loading it runs code from the "
+                "file, so it needs allow_pickle=True"
+            )
+        if info.kind == "tensor":
+            tensor = torch.empty(info.shape, dtype=_dtypes.TORCH_DTYPES[info.dtype])
+            self.fill(info, tensor.reshape(-1).view(torch.uint8).numpy())
+            return tensor if self.map_location is None else tensor.to(self.map_location)
+        array = np.empty(info.shape, dtype=np.dtype(info.dtype))
+        self.fill(info, array.reshape(-1).view(np.uint8))
+        if info.kind == "pickle":
+            return pickle.loads(array.tobytes())  # the caller opted in
+        return array[()] if info.kind == "npscalar" else array
+
+    def fill(self, info: TensorInfo, dst: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
+        if info.nbytes:
+            self.f.readinto(self.header.data_start + info.start, memoryview(dst))  # type: ignore[arg-type]
+        if info.crc is not None and crc32c(memoryview(dst)) != info.crc:  # type: ignore[arg-type]
+            raise CorruptCheckpointError(self.f.path, f"checksum mismatch in tensor {info.name!r}")
+
+
+def _prune(tree: Any, keys: list[str], path: str) -> Any:
+    found: set[str] = set()
+    pruned = _prune_node(tree, (), keys, found)
+    if pruned is _NOTHING:
+        pruned = None
+    missing = [k for k in keys if k not in found]
+    if missing:
+        raise CheckpointKeyError(f"{path}: no entry {', '.join(map(repr, missing))}")
+    return pruned
+
+
+def _prune_node(node: Any, path: tuple[object, ...], keys: list[str], found: set[str]) -> Any:
+    """The node cut down to the selected subtrees, or _NOTHING if none is inside.
+
+    Dict entries outside the selection are dropped; list and tuple elements outside
+    it become None, so the indices of the selected ones stay what they were.
+    """
+    here = format_path(path) if path else ""
+    hits = [k for k in keys if here == k or here.startswith(k + ".")]
+    if hits:
+        found.update(hits)
+        return node
+    if path and not any(k.startswith(here + ".") for k in keys):
+        return _NOTHING
+    tag = node.get("$") if isinstance(node, dict) else None
+    if tag == "dict":
+        items = []
+        for key_node, value in _pairs(node):
+            kept = _prune_node(value, (*path, rebuild(key_node, _no_leaf)), keys, found)
+            if kept is not _NOTHING:
+                items.append([key_node, kept])
+        return {"$": "dict", "items": items}
+    if isinstance(node, list) or tag == "tuple":
+        values = node if isinstance(node, list) else node.get("v")
+        if not isinstance(values, list):
+            raise ValueError(f"bad tuple node at {format_path(path)}")
+        kept_values = [_prune_node(v, (*path, i), keys, found) for i, v in enumerate(values)]
+        kept_values = [None if v is _NOTHING else v for v in kept_values]
+        return kept_values if isinstance(node, list) else {"$": "tuple", "v": kept_values}
+    return _NOTHING
+
+
+def _pairs(node: dict[str, Any]) -> list[list[Any]]:
+    items = node.get("items")
+    if not isinstance(items, list) or not all(isinstance(p, list) and len(p) == 2 for p in items):
+        raise ValueError("bad dict node")
+    return items
+
+
+def _no_leaf(kind: str, name: str, path: tuple[object, ...]) -> object:
+    raise ValueError("a dict key cannot be a leaf")
+
+
+_NOTHING: Any = object()
+
+
+def _verify_blocking(storage: Storage, path: str) -> VerifyReport:
+    f = storage.open_read(path)
+    try:
+        header = read_header(f)
+        buf = np.empty(min(_VERIFY_PIECE, max(t.nbytes for t in header.tensors.values()) if
+                           header.tensors else 0), dtype=np.uint8)  # fmt: skip
+        for info in header.tensors.values():
+            _verify_one(f, header, info, buf)
+        if header.tree is not None:
+            try:
+                for _, kind, name in walk_leaves(header.tree):
+                    if name not in header.tensors or header.tensors[name].kind != kind:
+                        raise ValueError(f"the tree refers to a missing {kind} {name!r}")
+            except ValueError as exc:
+                raise CorruptCheckpointError(path, f"bad tree: {exc}") from None
+        total = sum(t.nbytes for t in header.tensors.values())
+        return VerifyReport(path, len(header.tensors), total, header.tree is not None)
+    finally:
+        f.close()
+
+
+def _verify_one(f: ReadHandle, header: Header, info: TensorInfo, buf: np.ndarray[Any, Any]) -> None:
+    crc, pos = 0, info.start
+    while pos < info.end:
+        piece = memoryview(buf[: min(len(buf), info.end - pos)])  # type: ignore[arg-type]
+        f.readinto(header.data_start + pos, piece)
+        crc = crc32c(piece, crc)
+        pos += len(piece)
+    if info.crc is not None and crc != info.crc:
+        raise CorruptCheckpointError(f.path, f"checksum mismatch in tensor {info.name!r}")
+
+
+def _assign(target: Any, value: Any, path: tuple[object, ...], strict: bool) -> Any:
+    """Update ``target`` in place from ``value``; return what the parent should hold."""
+    where = format_path(path)
+    if isinstance(target, torch.Tensor):
+        _check_like(value, torch.Tensor, target.shape, target.dtype, where)
+        with torch.no_grad():
+            target.copy_(value)
+        return target
+    if isinstance(target, np.ndarray):
+        _check_like(value, np.ndarray, target.shape, target.dtype, where)
+        np.copyto(target, value)
+        return target
+    if isinstance(target, dict):
+        _assign_dict(target, value, path, strict)
+        return target
+    if isinstance(target, (list, tuple)) and not _holds_live(target):
+        # A sequence of plain values is a value: the checkpoint's replaces it.
+        if isinstance(target, list) and isinstance(value, (list, tuple)):
+            target[:] = value
+            return target
+        return value
+    if isinstance(target, (list, tuple)):
+        _assign_seq(target, value, path, strict)
+        return target
+    if is_stateful(target):
+        _load_state(target, value, where, strict)
+        return target
+    return value
+
+
+def _holds_live(obj: Any) -> bool:
+    """Whether obj holds something that must be updated in place."""
+    if isinstance(obj, (torch.Tensor, np.ndarray)) or is_stateful(obj):
+        return True
+    if isinstance(obj, dict):
+        return any(_holds_live(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_holds_live(v) for v in obj)
+    return False
+
+
+def _check_like(value: Any, kind: type[Any], shape: Any, dtype: Any, where: str) -> None:
+    if not isinstance(value, kind):
+        raise StateMismatchError(f"{where}: checkpoint holds {type(value).__name__}, not {kind.__name__}")
+    if tuple(value.shape) != tuple(shape) or value.dtype != dtype:
+        raise StateMismatchError(
+            f"{where}: checkpoint has {value.dtype} {tuple(value.shape)}, target {dtype} {tuple(shape)}"
+        )
+
+
+def _assign_dict(target: dict[Any, Any], value: Any, path: tuple[object, ...], strict: bool) -> None:
+    if not isinstance(value, dict):
+        raise StateMismatchError(f"{format_path(path)}: checkpoint holds {type(value).__name__}, not dict")
+    missing = [k for k in target if k not in value]
+    unexpected = [k for k in value if k not in target]
+    if strict and (missing or unexpected):
+        raise StateMismatchError(f"{format_path(path)}: missing keys {missing}, unexpected keys {unexpected}")
+    for key in target:
+        if key in value:
+            target[key] = _assign(target[key], value[key], (*path, key), strict)
+
+
+def _assign_seq(target: list[Any] | tuple[Any, ...], value: Any, path: tuple[object, ...],
+                strict: bool) -> None:  # fmt: skip
+    if not isinstance(value, (list, tuple)) or len(value) != len(target):
+        raise StateMismatchError(f"{format_path(path)}: checkpoint holds a different sequence")
+    for i, (old, new) in enumerate(zip(target, value, strict=True)):
+        result = _assign(old, new, (*path, i), strict)
+        if isinstance(target, list):
+            target[i] = result
+        elif result is not old and result != old:
+            raise StateMismatchError(f"{format_path((*path, i))}: a tuple cannot be updated in place")
+
+
+def _load_state(target: Any, value: Any, where: str, strict: bool) -> None:
+    kwargs = {"strict": strict} if isinstance(target, torch.nn.Module) else {}
+    try:
+        result = target.load_state_dict(value, **kwargs)
+    except (RuntimeError, KeyError, ValueError, TypeError) as exc:
+        raise StateMismatchError(f"{where}: load_state_dict failed: {exc}") from exc
+    if strict and (getattr(result, "missing_keys", None) or getattr(result, "unexpected_keys", None)):
+        raise StateMismatchError(f"{where}: {result}")

@@ -1,0 +1,58 @@
+"""The only door from the event loop to blocking work.
+
+Every file operation, copy, checksum and pickle of aiosnap goes through here, with an
+explicit capacity limiter per kind of work, so that the loop keeps serving other tasks
+(data loading, the training step) while checkpoints are staged and written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections.abc import Callable
+from typing import TypeVar
+
+import anyio
+import anyio.to_thread
+
+T = TypeVar("T")
+
+#: Bulk writes and fsyncs: the disk is the bottleneck, a few threads keep it busy.
+IO_THREADS = 4
+#: Copies, checksums, pickling: bounded by the cores (2 on the reference machine).
+CPU_THREADS = 2
+
+_limiters: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, anyio.CapacityLimiter]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _limiter(kind: str) -> anyio.CapacityLimiter:
+    # Limiters belong to one event loop: keep one set per running loop.
+    loop = asyncio.get_running_loop()
+    per_loop = _limiters.get(loop)
+    if per_loop is None:
+        per_loop = {
+            "io": anyio.CapacityLimiter(IO_THREADS),
+            "cpu": anyio.CapacityLimiter(CPU_THREADS),
+        }
+        _limiters[loop] = per_loop
+    return per_loop[kind]
+
+
+async def run_io(fn: Callable[..., T], *args: object) -> T:
+    """Run blocking file I/O in a worker thread."""
+    return await anyio.to_thread.run_sync(fn, *args, limiter=_limiter("io"))
+
+
+async def run_cpu(fn: Callable[..., T], *args: object) -> T:
+    """Run a blocking copy, checksum or (un)pickle in a worker thread."""
+    return await anyio.to_thread.run_sync(fn, *args, limiter=_limiter("cpu"))
+
+
+async def warm() -> None:
+    """Pay the one-time costs (backend import, first thread) before the first save."""
+    async with anyio.create_task_group():
+        pass
+    await run_io(int)
+    await run_cpu(int)

@@ -1,0 +1,201 @@
+"""Where checkpoint bytes live: a small interface, and the local filesystem behind it.
+
+Everything above this module speaks in storage paths (strings joined by the storage),
+never in POSIX calls, so a remote tier (fsspec) can stand behind the same interface.
+Every method is blocking and is called from a worker thread or the worker process;
+this module imports nothing but the standard library, so the worker process starts
+fast.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import stat
+import time
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, Protocol, runtime_checkable
+
+from ._errors import CheckpointNotFoundError, CorruptCheckpointError
+
+#: Temp files of unfinished commits start with this; nothing else does.
+TEMP_PREFIX = ".aiosnap-tmp-"
+
+#: Bytes handed to one write(2); large enough to keep the disk streaming.
+WRITE_PIECE = 16 << 20
+
+
+class CommitTimes(NamedTuple):
+    """Seconds spent writing and making durable one file."""
+
+    write_s: float
+    fsync_s: float
+
+
+class ReadHandle(Protocol):
+    """An open checkpoint file, read by offset."""
+
+    size: int
+    path: str
+
+    def readinto(self, offset: int, buf: memoryview) -> None:
+        """Fill ``buf`` from ``offset``; a short read raises CorruptCheckpointError."""
+
+    def close(self) -> None:
+        """Release the file."""
+
+
+@runtime_checkable
+class Storage(Protocol):
+    """The operations the save and load paths need, and no more."""
+
+    def join(self, *parts: str) -> str:
+        """Join path parts the way this storage does."""
+
+    def split(self, path: str) -> tuple[str, str]:
+        """Split a path into (directory, name)."""
+
+    def write_atomic(self, path: str, data: Sequence[memoryview]) -> CommitTimes:
+        """Durably replace ``path`` with ``data``, or leave it as it was."""
+
+    def write_atomic_with(self, path: str, produce: Callable[[str], object]) -> CommitTimes:
+        """Like write_atomic, with ``produce(temp_path)`` writing the bytes."""
+
+    def open_read(self, path: str) -> ReadHandle:
+        """Open a checkpoint for reading."""
+
+    def exists(self, path: str) -> bool:
+        """Whether a committed file is at ``path``."""
+
+    def remove(self, path: str) -> None:
+        """Delete a committed file; a missing one is not an error."""
+
+    def listdir(self, path: str) -> list[str]:
+        """Names in a directory, temp files of unfinished commits excluded."""
+
+    def sweep_temp(self, path: str) -> list[str]:
+        """Delete temp files that crashed commits left in a directory."""
+
+
+class _LocalReadHandle:
+    def __init__(self, path: str) -> None:
+        try:
+            self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(path) from None
+        self.path = path
+        st = os.fstat(self._fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(self._fd)
+            raise CorruptCheckpointError(path, "is not a regular file (a directory?)")
+        self.size = st.st_size
+
+    def readinto(self, offset: int, buf: memoryview) -> None:
+        done = 0
+        while done < len(buf):
+            n = os.preadv(self._fd, [buf[done : done + WRITE_PIECE * 4]], offset + done)
+            if n == 0:
+                raise CorruptCheckpointError(
+                    self.path, f"truncated: wanted {len(buf)} bytes at offset {offset}"
+                )
+            done += n
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def _write_all(fd: int, data: Sequence[memoryview]) -> None:
+    for view in data:
+        view = view.cast("B")
+        for start in range(0, len(view), WRITE_PIECE):
+            piece = view[start : start + WRITE_PIECE]
+            while len(piece):
+                piece = piece[os.write(fd, piece) :]
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class LocalStorage:
+    """The local filesystem, with durable atomic commits.
+
+    A commit writes a temp file with a random name in the target directory
+    (``O_EXCL``), fsyncs and closes it, renames it over the target and fsyncs the
+    directory. On any error the temp file is removed and the previous file is
+    untouched; a crash can leave only a temp file, which ``sweep_temp`` removes.
+    """
+
+    def __reduce__(self) -> tuple[type[LocalStorage], tuple[()]]:
+        return (LocalStorage, ())
+
+    def join(self, *parts: str) -> str:
+        return os.path.join(*parts)
+
+    def split(self, path: str) -> tuple[str, str]:
+        return os.path.split(path)
+
+    def write_atomic(self, path: str, data: Sequence[memoryview]) -> CommitTimes:
+        return self._commit(path, lambda fd, tmp: _write_all(fd, data))
+
+    def write_atomic_with(self, path: str, produce: Callable[[str], object]) -> CommitTimes:
+        return self._commit(path, lambda fd, tmp: produce(tmp))
+
+    def _commit(self, path: str, fill: Callable[[int, str], object]) -> CommitTimes:
+        directory, name = os.path.split(path)
+        if directory:
+            os.makedirs(directory, exist_ok=True)
+        tmp = os.path.join(directory, f"{TEMP_PREFIX}{name}.{secrets.token_hex(6)}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            try:
+                t0 = time.perf_counter()
+                fill(fd, tmp)
+                t1 = time.perf_counter()
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
+        _fsync_dir(directory)
+        # The rename is only durable once the directory is: count it with the fsyncs.
+        return CommitTimes(t1 - t0, time.perf_counter() - t1)
+
+    def open_read(self, path: str) -> ReadHandle:
+        return _LocalReadHandle(path)
+
+    def exists(self, path: str) -> bool:
+        return os.path.isfile(path)
+
+    def remove(self, path: str) -> None:
+        _unlink_quietly(path)
+
+    def listdir(self, path: str) -> list[str]:
+        try:
+            names = os.listdir(path)
+        except FileNotFoundError:
+            return []
+        return sorted(n for n in names if not n.startswith(TEMP_PREFIX))
+
+    def sweep_temp(self, path: str) -> list[str]:
+        try:
+            names = os.listdir(path)
+        except FileNotFoundError:
+            return []
+        swept = [os.path.join(path, n) for n in names if n.startswith(TEMP_PREFIX)]
+        for tmp in swept:
+            _unlink_quietly(tmp)
+        return swept
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

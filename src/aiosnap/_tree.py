@@ -1,0 +1,252 @@
+"""Capture: turn a state tree into a JSON skeleton plus a list of array leaves.
+
+The skeleton holds every container and small value *by value* (so the caller may
+mutate them once the save call returns); tensors and arrays become references by
+name, and their bytes are copied by the staging step. Objects with
+``state_dict()``/``load_state_dict()`` are captured through ``state_dict()``.
+
+Node encoding (JSON):
+    None, bool, int, str      -> themselves
+    finite float              -> itself; nan/inf -> {"$": "float", "v": "nan"}
+    list                      -> [node, ...]
+    tuple                     -> {"$": "tuple", "v": [node, ...]}
+    dict                      -> {"$": "dict", "items": [[key-node, node], ...]}
+    bytes                     -> {"$": "bytes", "v": base64}
+    torch.Tensor              -> {"$": "tensor", "n": name}
+    numpy.ndarray / scalar    -> {"$": "ndarray" | "npscalar", "n": name}
+    anything else (opt-in)    -> {"$": "pickle", "n": name}
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._dtypes import is_storable_torch, numpy_file_dtype
+from ._errors import UnsupportedTypeError
+
+Node = Any  # a JSON value, as described in the module docstring
+_KEY_TYPES = (str, int, float, bool, type(None))
+_PLAIN_TENSORS = tuple(
+    cls for cls in (torch.Tensor, torch.nn.Parameter, getattr(torch.nn, "Buffer", None)) if cls
+)
+
+
+@dataclass(slots=True)
+class Leaf:
+    """A value whose bytes go to the data section: tensor, array or pickle."""
+
+    name: str
+    kind: str  # "tensor" | "ndarray" | "npscalar" | "pickle"
+    value: Any
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """The captured state: the skeleton, and the leaves it refers to by name."""
+
+    tree: Node
+    leaves: list[Leaf] = field(default_factory=list)
+
+
+def is_stateful(obj: object) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def format_path(parts: tuple[object, ...]) -> str:
+    return ".".join(str(p) for p in parts) if parts else "<root>"
+
+
+def capture(target: object, *, allow_pickle: bool = False) -> Snapshot:
+    """Capture ``target``; raise UnsupportedTypeError naming the first bad place."""
+    return _Capture(allow_pickle).run(target)
+
+
+class _Capture:
+    def __init__(self, allow_pickle: bool) -> None:
+        self.allow_pickle = allow_pickle
+        self.snapshot = Snapshot(tree=None)
+        self.names: set[str] = set()
+        self.aliases: dict[object, str] = {}
+        self.active: set[int] = set()
+
+    def run(self, target: object) -> Snapshot:
+        self.snapshot.tree = self.node(target, ())
+        return self.snapshot
+
+    def node(self, obj: object, path: tuple[object, ...]) -> Node:
+        if isinstance(obj, np.generic):  # before float: np.float64 is a float subclass
+            return self.array(obj, path, "npscalar")
+        if obj is None or isinstance(obj, (bool, int, str)):
+            return obj if type(obj) in (bool, int, str, type(None)) else self.other(obj, path)
+        if isinstance(obj, float):
+            return obj if math.isfinite(obj) else {"$": "float", "v": repr(obj)}
+        if isinstance(obj, torch.Tensor):
+            return self.tensor(obj, path)
+        if isinstance(obj, np.ndarray):
+            return self.array(obj, path, "ndarray")
+        if isinstance(obj, (bytes, bytearray)):
+            return {"$": "bytes", "v": base64.b64encode(obj).decode()}
+        if isinstance(obj, (dict, list)) or type(obj) in (tuple, torch.Size):
+            return self.container(obj, path)
+        if is_stateful(obj):
+            return self.node(obj.state_dict(), path)  # type: ignore[attr-defined]
+        return self.other(obj, path)
+
+    def container(self, obj: Any, path: tuple[object, ...]) -> Node:
+        if id(obj) in self.active:
+            raise UnsupportedTypeError(f"the state tree contains itself at {format_path(path)}")
+        self.active.add(id(obj))
+        try:
+            if isinstance(obj, dict):
+                return {"$": "dict", "items": [self.item(k, v, path) for k, v in obj.items()]}
+            values = [self.node(v, (*path, i)) for i, v in enumerate(obj)]
+            return values if isinstance(obj, list) else {"$": "tuple", "v": values}
+        finally:
+            self.active.discard(id(obj))
+
+    def item(self, key: object, value: object, path: tuple[object, ...]) -> list[Node]:
+        if not isinstance(key, _KEY_TYPES):
+            raise UnsupportedTypeError(
+                f"dict key {key!r} of type {type(key).__name__} at {format_path(path)}: "
+                "keys must be str, int, float, bool or None"
+            )
+        return [self.node(key, path), self.node(value, (*path, key))]
+
+    def tensor(self, t: torch.Tensor, path: tuple[object, ...]) -> Node:
+        problem = _tensor_problem(t)
+        if problem:
+            return self.other(t, path, problem)
+        key = ("tensor", t.device, t.dtype, t.untyped_storage().data_ptr(), t.storage_offset(),
+               tuple(t.shape), t.stride())  # fmt: skip
+        return {"$": "tensor", "n": self.leaf(key, t, path, "tensor")}
+
+    def array(self, a: np.ndarray[Any, Any] | np.generic, path: tuple[object, ...], kind: str) -> Node:
+        if numpy_file_dtype(a.dtype) is None:
+            return self.other(a, path, f"NumPy dtype {a.dtype} has no raw form")
+        key = ("ndarray", id(a)) if kind == "ndarray" else None
+        return {"$": kind, "n": self.leaf(key, a, path, kind)}
+
+    def leaf(self, key: object, value: object, path: tuple[object, ...], kind: str) -> str:
+        # The same tensor reached twice (tied weights) is stored once and loads as one.
+        if key is not None and key in self.aliases:
+            return self.aliases[key]
+        name = self.unique_name(format_path(path))
+        self.snapshot.leaves.append(Leaf(name, kind, value))
+        if key is not None:
+            self.aliases[key] = name
+        return name
+
+    def unique_name(self, base: str) -> str:
+        name, n = base, 1
+        while name in self.names or name == "__metadata__":
+            n += 1
+            name = f"{base}#{n}"
+        self.names.add(name)
+        return name
+
+    def other(self, obj: object, path: tuple[object, ...], why: str = "") -> Node:
+        if self.allow_pickle:
+            return {"$": "pickle", "n": self.leaf(None, obj, path, "pickle")}
+        reason = why or f"{type(obj).__module__}.{type(obj).__qualname__} is not a state type"
+        raise UnsupportedTypeError(
+            f"cannot store the value at {format_path(path)}: {reason}; "
+            "pass allow_pickle=True to store it pickled"
+        )
+
+
+def _tensor_problem(t: torch.Tensor) -> str:
+    if type(t) not in _PLAIN_TENSORS:
+        return f"tensor subclass {type(t).__name__} is not supported"
+    if t.layout != torch.strided:
+        return f"{t.layout} tensors are not supported"
+    if not is_storable_torch(t.dtype):
+        return f"quantized dtype {t.dtype} is not supported"
+    if t.device.type == "meta":
+        return "meta tensors hold no data"
+    return ""
+
+
+def rebuild(node: Node, resolve: Callable[[str, str, tuple[object, ...]], object]) -> object:
+    """Turn a skeleton back into objects; ``resolve(kind, name, path)`` gives leaves."""
+    return _rebuild(node, resolve, ())
+
+
+def _rebuild(node: Node, resolve: Callable[[str, str, tuple[object, ...]], object],
+             path: tuple[object, ...]) -> object:  # fmt: skip
+    if node is None or isinstance(node, (bool, int, float, str)):
+        return node
+    if isinstance(node, list):
+        return [_rebuild(v, resolve, (*path, i)) for i, v in enumerate(node)]
+    if not isinstance(node, dict):
+        raise ValueError(f"bad node at {format_path(path)}")
+    tag = node.get("$")
+    if tag == "dict":
+        out: dict[object, object] = {}
+        for key_node, value in _items(node, path):
+            key = _rebuild(key_node, resolve, path)
+            out[key] = _rebuild(value, resolve, (*path, key))
+        return out
+    if tag == "tuple":
+        return tuple(_rebuild(v, resolve, (*path, i)) for i, v in enumerate(_list(node, path)))
+    if tag == "float":
+        return float(_str(node, "v", path, ("nan", "inf", "-inf")))
+    if tag == "bytes":
+        return base64.b64decode(_str(node, "v", path), validate=True)
+    if tag in ("tensor", "ndarray", "npscalar", "pickle"):
+        return resolve(tag, _str(node, "n", path), path)
+    raise ValueError(f"unknown node type {tag!r} at {format_path(path)}")
+
+
+def _items(node: dict[str, Any], path: tuple[object, ...]) -> Iterator[tuple[Node, Node]]:
+    items = node.get("items")
+    if not isinstance(items, list):
+        raise ValueError(f"bad dict node at {format_path(path)}")
+    for pair in items:
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise ValueError(f"bad dict item at {format_path(path)}")
+        if not (pair[0] is None or isinstance(pair[0], (bool, int, float, str, dict))):
+            raise ValueError(f"bad dict key at {format_path(path)}")
+        yield pair[0], pair[1]
+
+
+def _list(node: dict[str, Any], path: tuple[object, ...]) -> list[Node]:
+    values = node.get("v")
+    if not isinstance(values, list):
+        raise ValueError(f"bad tuple node at {format_path(path)}")
+    return values
+
+
+def _str(node: dict[str, Any], key: str, path: tuple[object, ...],
+         allowed: tuple[str, ...] | None = None) -> str:  # fmt: skip
+    value = node.get(key)
+    if not isinstance(value, str) or (allowed is not None and value not in allowed):
+        raise ValueError(f"bad {node.get('$')} node at {format_path(path)}")
+    return value
+
+
+def walk_leaves(node: Node, path: tuple[object, ...] = ()) -> Iterator[tuple[tuple[object, ...], str, str]]:
+    """Yield (path, kind, name) of every leaf reference; keys are decoded as in rebuild."""
+    if isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from walk_leaves(v, (*path, i))
+    elif isinstance(node, dict):
+        tag = node.get("$")
+        if tag == "dict":
+            for key_node, value in _items(node, path):
+                yield from walk_leaves(value, (*path, _rebuild(key_node, _no_leaf, path)))
+        elif tag == "tuple":
+            for i, v in enumerate(_list(node, path)):
+                yield from walk_leaves(v, (*path, i))
+        elif tag in ("tensor", "ndarray", "npscalar", "pickle"):
+            yield path, tag, _str(node, "n", path)
+
+
+def _no_leaf(kind: str, name: str, path: tuple[object, ...]) -> object:
+    raise ValueError(f"a dict key cannot be a {kind} (at {format_path(path)})")

@@ -1,0 +1,421 @@
+"""The writers: when capture, stage and commit run, and who waits for what.
+
+Every save runs in a task of the writer's own task group: capture (copy into an
+arena, in a worker thread) and then commit (engine). The caller awaits only the
+capture, through an event, so plain-asyncio cancellation of the caller can never
+interrupt a copy or a commit half-way: a save cancelled before its capture finished
+is dropped whole; after it, it commits whole.
+"""
+
+from __future__ import annotations
+
+import abc
+import inspect
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Literal, Protocol, Self, final
+
+import anyio
+import anyio.abc
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from . import _offload
+from ._engine import Engine, ProcessEngine, SaveFun, ThreadEngine
+from ._errors import WriterClosedError
+from ._handle import SaveHandle, SaveStats
+from ._stage import ArenaPool, StagedImage, stage
+from ._storage import LocalStorage, Storage
+from ._tree import Snapshot, capture
+
+logger = logging.getLogger(__name__)
+
+Offload = Literal["thread", "process"]
+WhenFull = Literal["block", "skip", "replace"]
+PostSaveHook = Callable[[SaveStats], object] | Callable[[SaveStats], Awaitable[object]]
+
+
+class Writer(Protocol):
+    """What every writer does; user code should depend on this, not a class."""
+
+    async def __call__(self, filename: str, out_dir: str, target: object, *,
+                       savefun: SaveFun | None = None) -> SaveHandle: ...  # fmt: skip
+
+    async def flush(self) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+@dataclass(eq=False, slots=True)
+class _Save:
+    handle: SaveHandle
+    snapshot: Snapshot | None
+    savefun: SaveFun | None
+    t0: float
+    captured: anyio.Event = field(default_factory=anyio.Event)
+    staged: StagedImage | None = None
+    capture_error: BaseException | None = None
+    abandoned: bool = False
+    stall_s: float = 0.0
+
+
+class _WriterBase(abc.ABC):
+    """Behaviour shared by all writers; subclasses decide what follows a capture."""
+
+    _arenas_kept = 1
+
+    def __init__(self, *, offload: Offload = "thread", storage: Storage | None = None,
+                 allow_pickle: bool = False) -> None:  # fmt: skip
+        if offload not in ("thread", "process"):
+            raise ValueError(f"offload must be 'thread' or 'process', not {offload!r}")
+        self.offload = offload
+        self._storage: Storage = storage if storage is not None else LocalStorage()
+        self._engine: Engine = ProcessEngine() if offload == "process" else ThreadEngine()
+        self._pool = ArenaPool(shared=self._engine.shared, keep=self._arenas_kept)
+        self._allow_pickle = allow_pickle
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._state: Literal["new", "open", "closing", "closed"] = "new"
+        self._inflight: set[_Save] = set()
+        self._errors: list[BaseException] = []
+        self._hooks: list[PostSaveHook] = []
+        self._capture_lock = anyio.Lock()
+
+    # -- lifecycle ---------------------------------------------------------------------
+    async def __aenter__(self) -> Self:
+        if self._state != "new":
+            raise WriterClosedError("a writer can be opened only once")
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        self._tg, self._state = tg, "open"
+        try:
+            await self._engine.start()
+            self._on_open(tg)
+        except BaseException:
+            self._state = "closed"
+            await self._exit_task_group(cancel=True)
+            raise
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:  # fmt: skip
+        # The body's own exception propagates as it is, never wrapped in a group: the
+        # task group is exited clean, after aclose() has drained every save.
+        try:
+            await self.aclose()
+        except BaseException as error:
+            await self._exit_task_group(cancel=not isinstance(error, Exception))
+            raise
+        await self._exit_task_group(cancel=False)
+
+    async def _exit_task_group(self, *, cancel: bool) -> None:
+        assert self._tg is not None
+        if cancel:
+            self._tg.cancel_scope.cancel()
+        await self._tg.__aexit__(None, None, None)
+
+    async def aclose(self) -> None:
+        """Wait for every accepted save, stop the workers, raise any unreported failure.
+
+        Idempotent. Cancelling it stops the wait, not the saves that are running.
+        """
+        if self._state in ("new", "closed"):
+            self._state = "closed"
+            return
+        self._state = "closing"
+        try:
+            await self._drain()
+        finally:
+            await self._engine.aclose()
+            self._pool.close()
+            self._state = "closed"
+        self._raise_pending(final=True)
+
+    async def flush(self) -> None:
+        """Wait until every save accepted so far is durable; raise a failed one."""
+        for save in list(self._inflight):
+            await save.handle._done.wait()
+        self._raise_pending()
+
+    def add_post_save_hook(self, hook: PostSaveHook) -> None:
+        """Call ``hook(stats)`` after each commit (async hooks are awaited, sync ones run
+        in a worker thread). A failing hook fails its save's handle."""
+        self._hooks.append(hook)
+
+    def _on_open(self, tg: anyio.abc.TaskGroup) -> None:  # noqa: B027 - optional hook
+        """Start the writer's own background tasks."""
+
+    async def _drain(self) -> None:
+        for save in list(self._inflight):
+            await save.handle._done.wait()
+
+    def _raise_pending(self, *, final: bool = False) -> None:
+        if not self._errors:
+            return
+        error, rest = self._errors[0], self._errors[1:]
+        self._errors = [] if final else rest
+        if final and rest:
+            for other in rest:
+                logger.error("another background save failed too", exc_info=other)
+            error.add_note(f"aiosnap: {len(rest)} more background save(s) failed; see the log")
+        raise error
+
+    # -- one save ------------------------------------------------------------------------
+    async def __call__(self, filename: str, out_dir: str, target: object, *,
+                       savefun: SaveFun | None = None) -> SaveHandle:  # fmt: skip
+        """Capture ``target`` now and write it to ``out_dir/filename``.
+
+        Returns once the state is captured: from then on ``target`` may change. With a
+        ``savefun(obj, path)`` (such as ``torch.save``) that function writes the file
+        from the captured copy, still through the durable atomic commit; it implies
+        ``allow_pickle`` for values that are not state types.
+        """
+        t0 = time.perf_counter()
+        if self._state != "open":
+            raise WriterClosedError(
+                "the writer is closed" if self._state != "new" else
+                "the writer is not open: use `async with writer:` around the saves"
+            )  # fmt: skip
+        self._raise_pending()
+        path = self._storage.join(out_dir, filename) if out_dir else filename
+        snapshot = capture(target, allow_pickle=self._allow_pickle or savefun is not None)
+        return await self._submit(_Save(SaveHandle(path), snapshot, savefun, t0))
+
+    @abc.abstractmethod
+    async def _submit(self, save: _Save) -> SaveHandle:
+        """Run the save; return its handle once it is captured (or done, or skipped)."""
+
+    def _start(self, save: _Save, after: Callable[[_Save], Awaitable[None]]) -> None:
+        assert self._tg is not None
+        self._inflight.add(save)
+        self._tg.start_soon(self._capture_then, save, after)
+
+    async def _capture_then(self, save: _Save, after: Callable[[_Save], Awaitable[None]]) -> None:
+        try:
+            async with self._capture_lock:
+                save.staged = await _offload.run_cpu(stage, save.snapshot, self._pool)
+        except BaseException as exc:
+            save.capture_error = exc
+            if not isinstance(exc, Exception):
+                self._drop(save, WriterClosedError("the writer closed during a capture"))
+                raise
+        finally:
+            save.snapshot = None
+            save.captured.set()
+        if save.capture_error is not None or save.abandoned:
+            self._drop(save, save.capture_error or WriterClosedError("the caller was cancelled"))
+            return
+        await after(save)
+
+    def _drop(self, save: _Save, error: BaseException) -> None:
+        self._settle(save, error)
+        self._dropped(save)
+
+    def _dropped(self, save: _Save) -> None:  # noqa: B027 - optional hook
+        """A save ended before it was handed on (capture failed or was abandoned)."""
+
+    async def _await_capture(self, save: _Save) -> None:
+        try:
+            await save.captured.wait()
+        except BaseException:
+            save.abandoned = True  # dropped whole: the caller may be changing the state
+            raise
+        if save.capture_error is not None:
+            raise save.capture_error
+        save.stall_s = time.perf_counter() - save.t0
+
+    async def _commit(self, save: _Save) -> None:
+        staged = save.staged
+        assert staged is not None
+        try:
+            times = await self._engine.commit(self._storage, save.handle.path, staged, save.savefun)
+            stats = SaveStats(
+                save.handle.path,
+                staged.size,
+                save.stall_s,
+                staged.stage_s,
+                times.write_s,
+                times.fsync_s,
+                time.perf_counter() - save.t0,
+            )
+            for hook in self._hooks:
+                await _call_hook(hook, stats)
+        except Exception as exc:
+            logger.warning("background save of %s failed: %r", save.handle.path, exc)
+            self._errors.append(exc)
+            self._settle(save, exc)
+        except BaseException:
+            self._settle(save, WriterClosedError("the writer closed during a commit"))
+            raise
+        else:
+            self._settle(save, None, stats)
+
+    def _settle(self, save: _Save, error: BaseException | None, stats: SaveStats | None = None) -> None:
+        if save.staged is not None:
+            self._pool.release(save.staged.arena)
+            save.staged = None
+        self._inflight.discard(save)
+        if save.handle.done():
+            return
+        if stats is not None:
+            save.handle._finish(stats)
+        elif error is not None:
+            save.handle._fail(error)
+        else:
+            save.handle._skip()
+
+
+async def _call_hook(hook: PostSaveHook, stats: SaveStats) -> None:
+    if inspect.iscoroutinefunction(hook) or inspect.iscoroutinefunction(
+        getattr(hook, "__call__", None)  # noqa: B004 - async callable objects
+    ):
+        await hook(stats)  # type: ignore[misc]
+        return
+    result = await _offload.run_io(hook, stats)
+    if inspect.isawaitable(result):
+        await result
+
+
+@final
+class SimpleWriter(_WriterBase):
+    """Persists before returning: the call ends when the file is durable."""
+
+    async def _submit(self, save: _Save) -> SaveHandle:
+        self._start(save, self._commit)
+        await self._await_capture(save)
+        await save.handle._done.wait()
+        if save.handle._error is not None:
+            # Raised here, to the caller: do not report it a second time later.
+            if save.handle._error in self._errors:
+                self._errors.remove(save.handle._error)
+            raise save.handle._error
+        return save.handle
+
+
+class StandardWriter(_WriterBase):
+    """One save in flight: a call first waits for the previous save to be durable."""
+
+    def __init__(self, *, offload: Offload = "thread", storage: Storage | None = None,
+                 allow_pickle: bool = False) -> None:  # fmt: skip
+        super().__init__(offload=offload, storage=storage, allow_pickle=allow_pickle)
+        self._last: _Save | None = None
+        self._turn = anyio.Lock()
+
+    async def _submit(self, save: _Save) -> SaveHandle:
+        async with self._turn:
+            if self._last is not None:
+                await self._last.handle._done.wait()
+            self._raise_pending()
+            self._start(save, self._commit)
+            await self._await_capture(save)
+            self._last = save
+        return save.handle
+
+
+@final
+class ThreadWriter(StandardWriter):
+    """StandardWriter committing in a worker thread (the seeds' ThreadWriter)."""
+
+    def __init__(self, *, storage: Storage | None = None, allow_pickle: bool = False) -> None:
+        super().__init__(offload="thread", storage=storage, allow_pickle=allow_pickle)
+
+
+@final
+class ProcessWriter(StandardWriter):
+    """StandardWriter committing in a worker process (the seeds' ProcessWriter)."""
+
+    def __init__(self, *, storage: Storage | None = None, allow_pickle: bool = False) -> None:
+        super().__init__(offload="process", storage=storage, allow_pickle=allow_pickle)
+
+
+class QueueWriter(_WriterBase):
+    """A bounded queue of captured saves, committed in order by one consumer task.
+
+    ``max_pending`` saves may wait behind the one being committed. When the queue is
+    full, ``when_full`` decides: ``"block"`` waits for room, ``"skip"`` drops the new
+    save (its handle says skipped), ``"replace"`` drops the oldest waiting save so the
+    newest state always gets written. Host memory is bounded by ``max_pending + 1``
+    staged images, reused across saves.
+    """
+
+    def __init__(self, *, max_pending: int = 2, when_full: WhenFull = "block",
+                 offload: Offload = "thread", storage: Storage | None = None,
+                 allow_pickle: bool = False) -> None:  # fmt: skip
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be at least 1, not {max_pending}")
+        if when_full not in ("block", "skip", "replace"):
+            raise ValueError(f"when_full must be 'block', 'skip' or 'replace', not {when_full!r}")
+        self._arenas_kept = max_pending + 1
+        super().__init__(offload=offload, storage=storage, allow_pickle=allow_pickle)
+        self.max_pending = max_pending
+        self.when_full = when_full
+        self._slots = anyio.Semaphore(max_pending)
+        self._send: MemoryObjectSendStream[_Save]
+        self._receive: MemoryObjectReceiveStream[_Save]
+        self._send, self._receive = anyio.create_memory_object_stream[_Save](max_pending)
+
+    def _on_open(self, tg: anyio.abc.TaskGroup) -> None:
+        tg.start_soon(self._consume)
+
+    async def _consume(self) -> None:
+        async with self._receive:
+            async for save in self._receive:
+                self._slots.release()
+                await self._commit(save)
+
+    async def _drain(self) -> None:
+        await super()._drain()
+        self._send.close()
+
+    async def _submit(self, save: _Save) -> SaveHandle:
+        if not await self._take_slot():
+            save.handle._skip()
+            return save.handle
+        self._start(save, self._enqueue)
+        await self._await_capture(save)
+        return save.handle
+
+    async def _take_slot(self) -> bool:
+        try:
+            self._slots.acquire_nowait()
+            return True
+        except anyio.WouldBlock:
+            if self.when_full == "skip":
+                return False
+        if self.when_full == "replace":
+            try:
+                oldest = self._receive.receive_nowait()
+            except anyio.WouldBlock:
+                pass
+            else:
+                self._settle(oldest, None)  # its slot passes to the new save
+                return True
+        await self._slots.acquire()
+        return True
+
+    async def _enqueue(self, save: _Save) -> None:
+        self._send.send_nowait(save)
+
+    def _dropped(self, save: _Save) -> None:
+        self._slots.release()
+
+
+@final
+class ThreadQueueWriter(QueueWriter):
+    """QueueWriter committing in a worker thread (the seeds' ThreadQueueWriter)."""
+
+    def __init__(self, *, max_pending: int = 2, when_full: WhenFull = "block",
+                 storage: Storage | None = None, allow_pickle: bool = False) -> None:  # fmt: skip
+        super().__init__(max_pending=max_pending, when_full=when_full, offload="thread",
+                         storage=storage, allow_pickle=allow_pickle)  # fmt: skip
+
+
+@final
+class ProcessQueueWriter(QueueWriter):
+    """QueueWriter committing in a worker process (the seeds' ProcessQueueWriter)."""
+
+    def __init__(self, *, max_pending: int = 2, when_full: WhenFull = "block",
+                 storage: Storage | None = None, allow_pickle: bool = False) -> None:  # fmt: skip
+        super().__init__(max_pending=max_pending, when_full=when_full, offload="process",
+                         storage=storage, allow_pickle=allow_pickle)  # fmt: skip

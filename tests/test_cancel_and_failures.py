@@ -1,0 +1,141 @@
+"""Cancellation at every await, I/O errors, and an event loop that never stalls."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import aiosnap
+
+from .conftest import temp_files
+
+
+async def _value(path: Path) -> float:
+    x = (await aiosnap.load(str(path)))["x"]
+    assert bool((x == x[0]).all()), "a torn checkpoint: values from two moments"
+    return float(x[0])
+
+
+async def test_cancel_at_every_await_commits_whole_or_nothing(
+    make_writer: Callable[[], Any], tmp_path: Path
+) -> None:
+    path = tmp_path / "ckpt"
+    await aiosnap.save(str(path), {"x": torch.zeros(4096)})
+    cancelled_at = []
+    async with make_writer() as writer:
+        for k in range(5000):
+            state = {"x": torch.full((4096,), float(k + 1))}
+
+            async def save(state: dict[str, torch.Tensor] = state) -> None:
+                handle = await writer("ckpt", str(tmp_path), state)
+                await handle.wait()
+
+            task = asyncio.create_task(save())
+            for _ in range(k):
+                await asyncio.sleep(0)
+            finished = task.done()
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            state["x"].fill_(-1.0)  # what the caller does after the cancel must never be saved
+            await writer.flush()
+            assert await _value(path) in (0.0, *range(1, k + 2))
+            if finished:
+                break
+            cancelled_at.append(k)
+    assert len(cancelled_at) >= 2, "the save finished before any await could be cancelled"
+    assert temp_files(tmp_path) == []
+
+
+@pytest.mark.parametrize("offload", ["thread", "process"])
+async def test_asyncio_timeout_during_saves(offload: str, tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    async with aiosnap.QueueWriter(offload=offload) as writer:  # type: ignore[arg-type]
+        for i, timeout in enumerate([0, 1e-4, 5e-4, 1e-3, 3e-3, 1e-2, 0.1]):
+            state = {"x": torch.full((1 << 18,), float(i + 1))}
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await (await writer("ckpt", str(tmp_path), state)).wait()
+            state["x"].fill_(-1.0)
+            await writer.flush()
+            if path.exists():
+                assert await _value(path) in range(1, i + 2)
+    assert temp_files(tmp_path) == []
+
+
+IO_ERROR_SCRIPT = textwrap.dedent(
+    """
+    import asyncio, resource, signal, sys
+    import torch, aiosnap
+
+    async def main(directory, offload):
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        await aiosnap.save(directory + "/ckpt", {"x": torch.zeros(1000)})
+        # A file-size limit makes write(2) fail with EFBIG, as a full disk fails with ENOSPC.
+        # It goes on the process that writes: with offload="process", only the worker.
+        limit = (1 << 20, 1 << 20)
+        async with aiosnap.QueueWriter(offload=offload) as writer:
+            if offload == "process":
+                resource.prlimit(writer._engine._process.pid, resource.RLIMIT_FSIZE, limit)
+            else:
+                resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+            handle = await writer("ckpt", directory, {"x": torch.ones(1 << 20)})
+            try:
+                await handle.wait()
+            except OSError as exc:
+                print("wait", type(exc).__name__, exc.errno)
+            try:
+                await writer.flush()
+            except OSError as exc:
+                print("flush", type(exc).__name__, exc.errno)
+
+    asyncio.run(main(sys.argv[1], sys.argv[2]))
+    """
+)
+
+
+@pytest.mark.parametrize("offload", ["thread", "process"])
+def test_io_error_leaves_the_previous_checkpoint(offload: str, tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", IO_ERROR_SCRIPT, str(tmp_path), offload],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    assert out.stdout.split("\n")[:2] == ["wait OSError 27", "flush OSError 27"], out.stderr
+    assert aiosnap.load_sync(str(tmp_path / "ckpt"))["x"].eq(0).all()
+    assert temp_files(tmp_path) == []
+
+
+@pytest.mark.parametrize("offload", ["thread", "process"])
+async def test_event_loop_never_stalls_during_a_256mib_save(offload: str, tmp_path: Path) -> None:
+    state = {f"w{i}": torch.randn(1 << 22) for i in range(16)}  # 16 x 16 MiB
+    gaps: list[float] = []
+    stop = asyncio.Event()
+
+    async def ticker() -> None:
+        last = time.perf_counter()
+        while not stop.is_set():
+            await asyncio.sleep(0.002)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    async with aiosnap.QueueWriter(offload=offload) as writer:  # type: ignore[arg-type]
+        tick = asyncio.create_task(ticker())
+        await asyncio.sleep(0.01)
+        for i in range(2):
+            handle = await writer(f"ckpt{i}", str(tmp_path), state)
+            await handle.wait()
+        stop.set()
+        await tick
+    assert len(gaps) > 20
+    assert max(gaps) < 0.050, f"the loop stalled for {max(gaps) * 1000:.1f} ms"

@@ -1,0 +1,277 @@
+"""The file format: every dtype round-trips, safetensors reads it, bad files are refused."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import aiosnap
+from aiosnap._dtypes import TORCH_DTYPES
+
+from .conftest import assert_tree_equal, raw_bytes
+
+
+def _creatable(dtype: torch.dtype) -> bool:
+    try:
+        torch.zeros(1, dtype=dtype)
+    except Exception:
+        return False
+    return True
+
+
+ALL_DTYPES = sorted((d for d in TORCH_DTYPES.values() if _creatable(d)), key=str)
+NUMPY_DTYPES = ["?", "i1", "u1", "<i2", ">i2", "<u4", "<f2", "<f4", ">f8", "<c8", "<c16", "<i8", "<u8"]
+
+
+def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    n = int(np.prod(shape)) * dtype.itemsize
+    data = np.random.default_rng(seed).integers(0, 256, size=n, dtype=np.uint8)
+    return torch.from_numpy(data).view(dtype).reshape(shape) if n else torch.empty(shape, dtype=dtype)
+
+
+shapes = st.lists(st.integers(0, 5), min_size=0, max_size=4).map(tuple)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    dtype=st.sampled_from(ALL_DTYPES),
+    shape=shapes,
+    seed=st.integers(0, 2**16),
+    transpose=st.booleans(),
+    np_dtype=st.sampled_from(NUMPY_DTYPES),
+)
+def test_every_dtype_and_shape_round_trips(
+    tmp_path: Path, dtype: torch.dtype, shape: tuple[int, ...], seed: int, transpose: bool, np_dtype: str
+) -> None:
+    tensor = random_tensor(dtype, shape, seed)
+    if transpose and tensor.dim() >= 2:
+        tensor = tensor.transpose(0, 1)  # non-contiguous
+    array = np.random.default_rng(seed).integers(0, 100, size=shape).astype(np_dtype)
+    base = torch.arange(24.0)
+    state = {"t": tensor, "a": array, "view1": base[2:10], "view2": base[5:20:3], "scalar": np.int16(-3)}
+    path = str(tmp_path / "c.snap")
+    aiosnap.save_sync(path, state)
+    loaded = aiosnap.load_sync(path)
+    # Files are little-endian: big-endian arrays come back with the same values, byte-swapped.
+    state["a"] = array.astype(array.dtype.newbyteorder("<"))
+    assert_tree_equal(state, loaded)
+    aiosnap.verify_sync(path)
+
+
+def test_safetensors_reads_every_tensor(tmp_path: Path) -> None:
+    state = {f"t_{str(d)[6:]}": random_tensor(d, (3, 2), i) for i, d in enumerate(ALL_DTYPES)}
+    state["nested"] = {"np": np.arange(6, dtype=np.float32).reshape(2, 3)}
+    path = tmp_path / "c.snap"
+    aiosnap.save_sync(str(path), state)
+    with safe_open(str(path), "pt") as f:
+        names = set(f.keys())
+        assert names == {*(k for k in state if k != "nested"), "nested.np"}
+        for name in names:
+            got = f.get_tensor(name)
+            want = state["nested"]["np"] if name == "nested.np" else state[name]
+            if isinstance(want, np.ndarray):
+                want = torch.from_numpy(want)
+            if got.dtype == want.dtype:
+                assert torch.equal(raw_bytes(got), raw_bytes(want))
+            else:  # dtypes safetensors has no code for arrive as their raw bytes
+                assert got.dtype == torch.uint8 and torch.equal(got, raw_bytes(want))
+
+
+def test_plain_safetensors_file_loads_as_flat_dict(tmp_path: Path) -> None:
+    tensors = {"layer.weight": torch.randn(4, 3), "layer.bias": torch.randn(4), "x": torch.ones(2).half()}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    loaded = aiosnap.load_sync(str(tmp_path / "model.safetensors"))
+    assert set(loaded) == set(tensors)
+    for k, v in tensors.items():
+        assert torch.equal(loaded[k], v)
+    assert not aiosnap.verify_sync(str(tmp_path / "model.safetensors")).checksummed
+    model = {"layer.weight": torch.zeros(4, 3), "layer.bias": torch.zeros(4), "x": torch.zeros(2).half()}
+    aiosnap.load_into_sync(str(tmp_path / "model.safetensors"), model)
+    assert torch.equal(model["layer.weight"], tensors["layer.weight"])
+
+
+def test_values_of_every_kind_round_trip(tmp_path: Path) -> None:
+    state: dict[Any, Any] = {
+        "none": None, "bools": [True, False], "ints": [0, -1, 2**70], "floats": [1.0, -0.0, 1e-300],
+        "special": [float("inf"), float("-inf"), float("nan")], "str": "ünï\"côdé", "bytes": b"\x00\xff",
+        "tuple": (1, (2, 3)), "int keys": {0: "a", 1: "b"}, "mixed keys": {None: 1, 2.5: 2, True: 3},
+        "empty": {"d": {}, "l": [], "t": ()}, "zero-d": torch.tensor(3.5), "empty tensor": torch.zeros(0, 4),
+        "npbool": np.bool_(True), "npf": np.float64(2.5), "size": torch.Size([2, 3]),
+    }  # fmt: skip
+    path = str(tmp_path / "c")
+    aiosnap.save_sync(path, state)
+    loaded = aiosnap.load_sync(path)
+    state["size"] = (2, 3)
+    assert_tree_equal(state, loaded)
+
+
+def test_tied_tensors_are_stored_once_and_load_tied(tmp_path: Path) -> None:
+    shared = torch.randn(100, 100)
+    path = str(tmp_path / "c")
+    aiosnap.save_sync(path, {"embed": shared, "head": shared})
+    loaded = aiosnap.load_sync(path)
+    assert loaded["embed"] is loaded["head"]
+    assert (tmp_path / "c").stat().st_size < 2 * shared.numel() * 4
+
+
+def test_keys_prune_the_tree(tmp_path: Path) -> None:
+    model = {"layer1.weight": torch.ones(2), "layer1.bias": torch.zeros(2), "layer2.w": torch.ones(1)}
+    state = {"model": model, "optimizer": {"state": {0: {"m": torch.ones(1)}}}, "lst": [1, torch.ones(1), 3]}
+    path = str(tmp_path / "c")
+    aiosnap.save_sync(path, state)
+    got = aiosnap.load_sync(path, keys=["model.layer1", "optimizer.state.0", "lst.1"])
+    assert set(got) == {"model", "optimizer", "lst"}
+    assert set(got["model"]) == {"layer1.weight", "layer1.bias"}
+    assert torch.equal(got["optimizer"]["state"][0]["m"], torch.ones(1))
+    assert got["lst"][0] is None and torch.equal(got["lst"][1], torch.ones(1))
+    with pytest.raises(aiosnap.CheckpointKeyError, match="nope"):
+        aiosnap.load_sync(path, keys=["nope"])
+
+
+def test_map_location(tmp_path: Path) -> None:
+    aiosnap.save_sync(str(tmp_path / "c"), {"t": torch.ones(2)})
+    assert aiosnap.load_sync(str(tmp_path / "c"), map_location="cpu")["t"].device.type == "cpu"
+    meta = aiosnap.load_sync(str(tmp_path / "c"), map_location="meta")
+    assert meta["t"].device.type == "meta"
+
+
+# -- bad input -------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def good_file(tmp_path: Path) -> Path:
+    path = tmp_path / "good"
+    aiosnap.save_sync(str(path), {"a": torch.arange(100.0), "b": {"c": np.arange(10)}, "n": 3})
+    return path
+
+
+def _header(path: Path) -> tuple[int, dict[str, Any]]:
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    return n, json.loads(data[8 : 8 + n])
+
+
+def _rewrite_header(path: Path, edit: Any) -> None:
+    data = path.read_bytes()
+    n, header = _header(path)
+    edit(header)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= n
+    text += b" " * (n - len(text))
+    path.write_bytes(data[:8] + text + data[8 + n :])
+
+
+def _corrupt(path: Path, match: str) -> None:
+    for call in (aiosnap.load_sync, aiosnap.verify_sync):
+        with pytest.raises(aiosnap.CorruptCheckpointError, match=match) as info:
+            call(str(path))
+        assert info.value.path == str(path)
+
+
+def test_every_flipped_bit_is_detected(good_file: Path) -> None:
+    data = bytearray(good_file.read_bytes())
+    rng = np.random.default_rng(0)
+    positions = sorted({*range(0, 16), *rng.integers(0, len(data), 300).tolist(), len(data) - 1})
+    for pos in positions:
+        flipped = bytearray(data)
+        flipped[pos] ^= 1 << int(rng.integers(0, 8))
+        good_file.write_bytes(flipped)
+        with pytest.raises(aiosnap.CorruptCheckpointError):
+            aiosnap.verify_sync(str(good_file))
+        with pytest.raises(aiosnap.CorruptCheckpointError):
+            aiosnap.load_sync(str(good_file))
+
+
+@pytest.mark.parametrize("cut", [0, 3, 8, 100, -1, -400])
+def test_truncated_file(good_file: Path, cut: int) -> None:
+    data = good_file.read_bytes()
+    good_file.write_bytes(data[:cut])
+    _corrupt(good_file, "truncated|does not fit|not valid JSON")
+
+
+def test_trailing_bytes(good_file: Path) -> None:
+    good_file.write_bytes(good_file.read_bytes() + b"x")
+    _corrupt(good_file, "unexpected bytes")
+
+
+def test_header_length_that_lies(good_file: Path) -> None:
+    data = bytearray(good_file.read_bytes())
+    data[:8] = struct.pack("<Q", 2**62)
+    good_file.write_bytes(data)
+    _corrupt(good_file, "header length")
+
+
+def test_sizes_larger_than_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "big.safetensors"
+    header = json.dumps({"x": {"dtype": "F32", "shape": [2**40], "data_offsets": [0, 2**42]}}).encode()
+    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 16)
+    _corrupt(path, "truncated")
+
+
+def test_overlapping_offsets(tmp_path: Path) -> None:
+    save_file({"a": torch.ones(4), "b": torch.ones(4)}, str(tmp_path / "f"))
+    _rewrite_header(tmp_path / "f", lambda h: h["b"].update(data_offsets=[8, 24]))
+    _corrupt(tmp_path / "f", "overlaps|gap|do not match")
+    save_file({"a": torch.ones(4), "b": torch.ones(4)}, str(tmp_path / "g"))
+    _rewrite_header(tmp_path / "g", lambda h: (h["a"].update(data_offsets=[0, 16]), h["b"].update(
+        data_offsets=[0, 16])))  # fmt: skip
+    _corrupt(tmp_path / "g", "overlaps|unexpected bytes")
+
+
+def test_unknown_dtype(tmp_path: Path) -> None:
+    save_file({"a": torch.ones(4)}, str(tmp_path / "f"))
+    _rewrite_header(tmp_path / "f", lambda h: h["a"].update(dtype="F128"))
+    _corrupt(tmp_path / "f", "unknown dtype")
+
+
+def test_hostile_aiosnap_metadata_is_caught_by_the_header_checksum(good_file: Path) -> None:
+    def edit(h: dict[str, Any]) -> None:
+        meta = json.loads(h["__metadata__"]["aiosnap"])
+        meta["tensors"]["a"]["dtype"] = "object"
+        h["__metadata__"]["aiosnap"] = json.dumps(meta)
+
+    _rewrite_header(good_file, edit)
+    _corrupt(good_file, "header checksum")
+
+
+def test_not_json_and_deep_nesting(tmp_path: Path) -> None:
+    for name, body in [
+        ("nonutf8", b"\xff\xfe{}"),
+        ("nested", b"[" * 100000 + b"]" * 100000),
+        ("list", b"[]"),
+    ]:
+        path = tmp_path / name
+        path.write_bytes(struct.pack("<Q", len(body)) + body)
+        _corrupt(path, "JSON")
+
+
+def test_missing_file_and_directory(tmp_path: Path) -> None:
+    with pytest.raises(aiosnap.CheckpointNotFoundError):
+        aiosnap.load_sync(str(tmp_path / "nope"))
+    with pytest.raises(FileNotFoundError):
+        aiosnap.load_sync(str(tmp_path / "nope"))
+    with pytest.raises(aiosnap.CorruptCheckpointError, match="directory"):
+        aiosnap.load_sync(str(tmp_path))
+
+
+def test_pickle_in_a_file_never_runs_without_opt_in(tmp_path: Path) -> None:
+    class Evil:
+        def __reduce__(self) -> Any:
+            return (Path(tmp_path / "pwned").write_text, ("x",))
+
+    path = str(tmp_path / "c")
+    aiosnap.save_sync(path, {"evil": Evil()}, allow_pickle=True)
+    with pytest.raises(aiosnap.PickleNotAllowedError):
+        aiosnap.load_sync(path)
+    aiosnap.verify_sync(path)
+    assert not (tmp_path / "pwned").exists()

@@ -1,0 +1,88 @@
+"""load_into: in-place restore into tensors, arrays, containers and Stateful objects."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import aiosnap
+
+from .conftest import assert_tree_equal, training_state
+
+
+async def test_load_into_updates_in_place(tmp_path: Path) -> None:
+    saved = {"w": torch.arange(6.0).reshape(2, 3), "a": np.arange(4), "n": 3, "l": [1, torch.ones(2)]}
+    await aiosnap.save(str(tmp_path / "c"), saved)
+    target = {"w": torch.zeros(2, 3, requires_grad=True), "a": np.zeros(4, dtype=np.int64), "n": 0,
+              "l": [0, torch.zeros(2)]}  # fmt: skip
+    w, a, t = target["w"], target["a"], target["l"][1]
+    assert await aiosnap.load_into(str(tmp_path / "c"), target) is target
+    assert target["w"] is w and torch.equal(w.detach(), saved["w"])
+    assert target["a"] is a and (a == np.arange(4)).all()
+    assert target["l"][1] is t and torch.equal(t, torch.ones(2))
+    assert target["n"] == 3 and target["l"][0] == 1
+
+
+async def test_load_into_stateful_objects(tmp_path: Path) -> None:
+    state = training_state(seed=0)
+    await aiosnap.save(str(tmp_path / "c"), state)
+    fresh = training_state(seed=5)
+    await aiosnap.load_into(str(tmp_path / "c"), fresh)
+    assert_tree_equal(state["model"].state_dict(), fresh["model"].state_dict())
+    assert_tree_equal(state["optimizer"].state_dict(), fresh["optimizer"].state_dict())
+    module = torch.nn.Linear(8, 16)
+    await aiosnap.save(str(tmp_path / "m"), module)
+    other = torch.nn.Linear(8, 16)
+    await aiosnap.load_into(str(tmp_path / "m"), other)
+    assert torch.equal(other.weight, module.weight)
+
+
+@pytest.mark.parametrize(
+    ("target", "match"),
+    [
+        ({"w": torch.zeros(3, 2), "n": 0}, "shape|float32"),
+        ({"w": torch.zeros(2, 3, dtype=torch.float64), "n": 0}, "float64"),
+        ({"w": torch.zeros(2, 3)}, "unexpected keys \\['n'\\]"),
+        ({"w": torch.zeros(2, 3), "n": 0, "extra": 1}, "missing keys \\['extra'\\]"),
+        ({"w": np.zeros((2, 3)), "n": 0}, "not ndarray"),
+        ({"w": torch.zeros(2, 3), "n": 0, "m": torch.nn.Linear(2, 2)}, "missing"),
+    ],
+)
+async def test_strict_mismatches_raise(tmp_path: Path, target: dict[str, Any], match: str) -> None:
+    await aiosnap.save(str(tmp_path / "c"), {"w": torch.ones(2, 3), "n": 1})
+    with pytest.raises(aiosnap.StateMismatchError, match=match):
+        await aiosnap.load_into(str(tmp_path / "c"), target)
+
+
+async def test_non_strict_loads_the_common_part(tmp_path: Path) -> None:
+    await aiosnap.save(str(tmp_path / "c"), {"w": torch.ones(2, 3), "n": 1})
+    target = {"w": torch.zeros(2, 3), "extra": 5}
+    await aiosnap.load_into(str(tmp_path / "c"), target, strict=False)
+    assert torch.equal(target["w"], torch.ones(2, 3)) and target["extra"] == 5
+
+
+async def test_module_mismatch_is_translated(tmp_path: Path) -> None:
+    await aiosnap.save(str(tmp_path / "m"), torch.nn.Linear(8, 16))
+    with pytest.raises(aiosnap.StateMismatchError, match="load_state_dict failed") as info:
+        await aiosnap.load_into(str(tmp_path / "m"), torch.nn.Linear(8, 4))
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_blocking_twins_refuse_a_running_loop(tmp_path: Path) -> None:
+    aiosnap.save_sync(str(tmp_path / "c"), {"x": torch.ones(1)})
+    target = {"x": torch.zeros(1)}
+    aiosnap.load_into_sync(str(tmp_path / "c"), target)
+    assert float(target["x"][0]) == 1.0
+    assert aiosnap.verify_sync(str(tmp_path / "c")).tensors == 1
+
+    async def inside() -> None:
+        aiosnap.load_sync(str(tmp_path / "c"))
+
+    import asyncio
+
+    with pytest.raises(RuntimeError, match="await aiosnap.load"):
+        asyncio.run(inside())

@@ -1,0 +1,328 @@
+"""The writer protocol: capture on call, handles, flush, aclose, failures, hooks."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import aiosnap
+
+from .conftest import assert_tree_equal, temp_files, training_state
+
+
+async def test_state_may_change_right_after_the_call(make_writer: Callable[[], Any], tmp_path: Path) -> None:
+    big = torch.arange(1 << 20, dtype=torch.float32)
+    state = {"big": big, "arr": np.ones(1000), "nested": {"list": [1, 2], "t": torch.zeros(3)}}
+    async with make_writer() as writer:
+        handle = await writer("ckpt", str(tmp_path), state)
+        big.add_(1)
+        state["arr"][:] = 7
+        state["nested"]["list"].append(3)
+        state["nested"]["t"].fill_(5)
+        stats = await handle.wait()
+    loaded = await aiosnap.load(str(tmp_path / "ckpt"))
+    assert torch.equal(loaded["big"], torch.arange(1 << 20, dtype=torch.float32))
+    assert (loaded["arr"] == 1).all()
+    assert loaded["nested"]["list"] == [1, 2]
+    assert torch.equal(loaded["nested"]["t"], torch.zeros(3))
+    assert stats.bytes == (tmp_path / "ckpt").stat().st_size
+    assert stats.total_s >= stats.stall_s > 0 and not stats.skipped
+    assert temp_files(tmp_path) == []
+
+
+async def test_training_state_round_trip(make_writer: Callable[[], Any], tmp_path: Path) -> None:
+    state = training_state()
+    async with make_writer() as writer:
+        await writer("ckpt", str(tmp_path), state)
+    fresh = training_state(seed=1)
+    await aiosnap.load_into(str(tmp_path / "ckpt"), fresh)
+    assert_tree_equal(state["model"].state_dict(), fresh["model"].state_dict())
+    assert_tree_equal(state["optimizer"].state_dict(), fresh["optimizer"].state_dict())
+    assert fresh["step"] == 7 and fresh["history"] == [0.5, 0.25]
+
+
+async def test_flush_waits_for_every_accepted_save(tmp_path: Path) -> None:
+    async with aiosnap.QueueWriter(max_pending=3) as writer:
+        handles = [await writer(f"s{i}", str(tmp_path), {"x": torch.full((1000,), i)}) for i in range(5)]
+        await writer.flush()
+        assert all(h.done() for h in handles)
+        assert sorted(p.name for p in tmp_path.iterdir()) == [f"s{i}" for i in range(5)]
+
+
+async def test_saves_to_one_file_commit_in_call_order(tmp_path: Path) -> None:
+    async with aiosnap.QueueWriter(max_pending=4) as writer:
+        async with asyncio.TaskGroup() as tg:
+            for i in range(6):
+                tg.create_task(writer("latest", str(tmp_path), {"i": torch.tensor(i)}))
+                await asyncio.sleep(0)
+    assert int((await aiosnap.load(str(tmp_path / "latest")))["i"]) == 5
+
+
+async def test_skip_drops_new_saves_when_full(tmp_path: Path) -> None:
+    gate = asyncio.Event()
+
+    async def slow_savefun(obj: Any, path: str) -> None:
+        raise AssertionError("not used")
+
+    async with aiosnap.QueueWriter(max_pending=1, when_full="skip") as writer:
+        writer.add_post_save_hook(_waiter(gate))
+        first = await writer("a", str(tmp_path), {"x": torch.ones(2)})
+        second = await _when_started(writer, first, "b", tmp_path)
+        third = await writer("c", str(tmp_path), {"x": torch.ones(2)})
+        assert third.skipped and third.done() and (await third.wait()).skipped
+        gate.set()
+        assert not (await second.wait()).skipped
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
+
+
+async def test_replace_keeps_the_newest_waiting_save(tmp_path: Path) -> None:
+    gate = asyncio.Event()
+    async with aiosnap.QueueWriter(max_pending=1, when_full="replace") as writer:
+        writer.add_post_save_hook(_waiter(gate))
+        await writer("a", str(tmp_path), {"x": torch.ones(2)})
+        await asyncio.sleep(0.05)  # "a" is committing and holds at the hook
+        b = await writer("b", str(tmp_path), {"x": torch.ones(2)})
+        c = await writer("c", str(tmp_path), {"x": torch.ones(2)})
+        assert b.skipped and not c.done()
+        gate.set()
+        assert not (await c.wait()).skipped
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "c"]
+
+
+async def test_block_waits_for_room(tmp_path: Path) -> None:
+    gate = asyncio.Event()
+    async with aiosnap.QueueWriter(max_pending=1, when_full="block") as writer:
+        writer.add_post_save_hook(_waiter(gate))
+        await writer("a", str(tmp_path), {"x": torch.ones(2)})
+        await asyncio.sleep(0.05)
+        await writer("b", str(tmp_path), {"x": torch.ones(2)})
+        blocked = asyncio.create_task(writer("c", str(tmp_path), {"x": torch.ones(2)}))
+        await asyncio.sleep(0.05)
+        assert not blocked.done()
+        gate.set()
+        await (await blocked).wait()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "c"]
+
+
+def _waiter(gate: asyncio.Event) -> Callable[[aiosnap.SaveStats], Any]:
+    async def hook(stats: aiosnap.SaveStats) -> None:
+        await gate.wait()
+
+    return hook
+
+
+async def _when_started(writer: Any, first: aiosnap.SaveHandle, name: str, tmp_path: Path) -> Any:
+    await asyncio.sleep(0.05)  # the consumer has taken the first save: the queue is empty
+    return await writer(name, str(tmp_path), {"x": torch.ones(2)})
+
+
+async def test_standard_writer_waits_for_the_previous_save(tmp_path: Path) -> None:
+    order: list[str] = []
+
+    async def hook(stats: aiosnap.SaveStats) -> None:
+        await asyncio.sleep(0.05)
+        order.append(Path(stats.path).name)
+
+    async with aiosnap.ThreadWriter() as writer:
+        writer.add_post_save_hook(hook)
+        first = await writer("a", str(tmp_path), {"x": torch.ones(2)})
+        await writer("b", str(tmp_path), {"x": torch.ones(2)})
+        assert first.done() and order == ["a"]
+    assert order == ["a", "b"]
+
+
+async def test_hooks_sync_and_async_see_the_stats(tmp_path: Path) -> None:
+    seen: list[tuple[str, int]] = []
+
+    def sync_hook(stats: aiosnap.SaveStats) -> None:
+        seen.append(("sync", stats.bytes))
+
+    async def async_hook(stats: aiosnap.SaveStats) -> None:
+        seen.append(("async", stats.bytes))
+
+    async with aiosnap.QueueWriter() as writer:
+        writer.add_post_save_hook(sync_hook)
+        writer.add_post_save_hook(async_hook)
+        handle = await writer("a", str(tmp_path), {"x": torch.ones(2)})
+        stats = await handle.wait()
+    assert seen == [("sync", stats.bytes), ("async", stats.bytes)]
+
+
+async def test_savefun_writes_the_captured_copy_durably(
+    make_writer: Callable[[], Any], tmp_path: Path
+) -> None:
+    state = {"w": torch.arange(10.0), "meta": {"epoch": 3}, "obj": {1, 2}}
+    async with make_writer() as writer:
+        handle = await writer("ckpt.pt", str(tmp_path), state, savefun=torch.save)
+        state["w"].zero_()
+        await handle.wait()
+    loaded = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+    assert torch.equal(loaded["w"], torch.arange(10.0))
+    assert loaded["meta"] == {"epoch": 3} and loaded["obj"] == {1, 2}
+    assert temp_files(tmp_path) == []
+
+
+class Boom(Exception):
+    pass
+
+
+def failing_savefun(obj: Any, path: str) -> None:
+    with open(path, "wb") as f:
+        f.write(b"partial")
+    raise Boom("disk on fire")
+
+
+QUEUED = [
+    pytest.param(lambda: aiosnap.ThreadWriter(), id="thread"),
+    pytest.param(lambda: aiosnap.ProcessWriter(), id="process"),
+    pytest.param(lambda: aiosnap.ThreadQueueWriter(), id="queue-thread"),
+    pytest.param(lambda: aiosnap.ProcessQueueWriter(), id="queue-process"),
+]
+
+
+@pytest.mark.parametrize("make", QUEUED)
+async def test_failed_save_raises_from_wait_and_next_call(make: Callable[[], Any], tmp_path: Path) -> None:
+    (tmp_path / "ckpt").write_bytes(b"previous")
+    async with make() as writer:
+        handle = await writer("ckpt", str(tmp_path), {"x": torch.ones(3)}, savefun=failing_savefun)
+        with pytest.raises(Boom, match="disk on fire") as info:
+            await handle.wait()
+        assert info.value.__cause__ is not None or writer.offload == "thread"
+        with pytest.raises(Boom):
+            await writer("next", str(tmp_path), {"x": torch.ones(3)})
+        # Reported once: the writer keeps working.
+        await (await writer("next", str(tmp_path), {"x": torch.ones(3)})).wait()
+    assert (tmp_path / "ckpt").read_bytes() == b"previous"
+    assert temp_files(tmp_path) == []
+
+
+@pytest.mark.parametrize("make", QUEUED)
+async def test_failed_save_raises_from_flush(make: Callable[[], Any], tmp_path: Path) -> None:
+    async with make() as writer:
+        await writer("ckpt", str(tmp_path), {"x": torch.ones(3)}, savefun=failing_savefun)
+        with pytest.raises(Boom):
+            await writer.flush()
+        await writer.flush()  # reported already
+
+
+@pytest.mark.parametrize("make", QUEUED)
+async def test_failed_save_raises_from_aclose(make: Callable[[], Any], tmp_path: Path) -> None:
+    with pytest.raises(Boom):
+        async with make() as writer:
+            await writer("ckpt", str(tmp_path), {"x": torch.ones(3)}, savefun=failing_savefun)
+    await writer.aclose()  # idempotent, and the failure was already reported
+    assert temp_files(tmp_path) == []
+
+
+async def test_simple_writer_raises_from_the_call(tmp_path: Path) -> None:
+    async with aiosnap.SimpleWriter() as writer:
+        with pytest.raises(Boom):
+            await writer("ckpt", str(tmp_path), {"x": torch.ones(3)}, savefun=failing_savefun)
+        await writer.flush()
+
+
+@pytest.mark.parametrize("make", QUEUED)
+async def test_unwritable_directory_fails_without_hanging(make: Callable[[], Any], tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    async with make() as writer:
+        handle = await writer("ckpt", str(blocker / "sub"), {"x": torch.ones(3)})
+        with pytest.raises((NotADirectoryError, FileExistsError)):
+            await asyncio.wait_for(handle.wait(), 30)
+        with pytest.raises(OSError):
+            await writer.flush()
+
+
+async def test_several_failures_are_all_reported(tmp_path: Path) -> None:
+    with pytest.raises(Boom) as info:
+        async with aiosnap.QueueWriter(max_pending=3) as writer:
+            for i in range(3):
+                await writer(f"c{i}", str(tmp_path), {"x": torch.ones(1)}, savefun=failing_savefun)
+    assert any("2 more background save(s) failed" in n for n in info.value.__notes__)
+
+
+async def test_unsupported_values_are_refused_with_their_place(tmp_path: Path) -> None:
+    async with aiosnap.QueueWriter() as writer:
+        with pytest.raises(aiosnap.UnsupportedTypeError, match=r"opt\.groups\.1"):
+            await writer("c", str(tmp_path), {"opt": {"groups": [1, object()]}})
+        with pytest.raises(aiosnap.UnsupportedTypeError, match="contains itself"):
+            loop: list[Any] = []
+            loop.append(loop)
+            await writer("c", str(tmp_path), {"loop": loop})
+        with pytest.raises(aiosnap.UnsupportedTypeError, match="key"):
+            await writer("c", str(tmp_path), {("a", 1): 2})
+    assert list(tmp_path.iterdir()) == []
+
+
+async def test_pickle_is_opt_in_at_save_and_at_load(tmp_path: Path) -> None:
+    state = {"obj": {1, 2, 3}, "t": torch.ones(2)}
+    async with aiosnap.QueueWriter(allow_pickle=True) as writer:
+        await writer("c", str(tmp_path), state)
+    with pytest.raises(aiosnap.PickleNotAllowedError, match="obj"):
+        await aiosnap.load(str(tmp_path / "c"))
+    assert (await aiosnap.load(str(tmp_path / "c"), allow_pickle=True))["obj"] == {1, 2, 3}
+    assert torch.equal((await aiosnap.load(str(tmp_path / "c"), keys=["t"]))["t"], torch.ones(2))
+
+
+async def test_writer_must_be_open(tmp_path: Path) -> None:
+    writer = aiosnap.QueueWriter()
+    with pytest.raises(aiosnap.WriterClosedError, match="async with"):
+        await writer("c", str(tmp_path), {})
+    async with writer:
+        pass
+    with pytest.raises(aiosnap.WriterClosedError):
+        await writer("c", str(tmp_path), {})
+    with pytest.raises(aiosnap.WriterClosedError):
+        async with writer:
+            pass
+
+
+def test_options_are_checked() -> None:
+    with pytest.raises(ValueError, match="offload"):
+        aiosnap.QueueWriter(offload="fork")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="when_full"):
+        aiosnap.QueueWriter(when_full="drop")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_pending"):
+        aiosnap.QueueWriter(max_pending=0)
+
+
+async def test_memory_is_reused_across_saves(tmp_path: Path) -> None:
+    state = {"x": torch.randn(1 << 18)}
+    async with aiosnap.QueueWriter() as writer:
+        for i in range(6):
+            await (await writer(f"s{i}", str(tmp_path), state)).wait()
+        assert len(writer._pool._free) == 1  # one arena, handed from save to save
+
+
+async def test_a_killed_worker_process_fails_one_save_and_is_replaced(tmp_path: Path) -> None:
+    import os
+    import signal
+
+    async with aiosnap.ProcessQueueWriter() as writer:
+        os.kill(writer._engine._process.pid, signal.SIGKILL)
+        await asyncio.sleep(0.1)
+        handle = await writer("a", str(tmp_path), {"x": torch.ones(3)})
+        with pytest.raises(aiosnap.WorkerCrashedError):
+            await handle.wait()
+        with pytest.raises(aiosnap.WorkerCrashedError):
+            await writer.flush()
+        await (await writer("b", str(tmp_path), {"x": torch.ones(3)})).wait()
+    assert [p.name for p in tmp_path.iterdir()] == ["b"]
+
+
+async def test_cancelling_wait_does_not_cancel_the_save(tmp_path: Path) -> None:
+    gate = asyncio.Event()
+    async with aiosnap.QueueWriter() as writer:
+        writer.add_post_save_hook(_waiter(gate))
+        handle = await writer("a", str(tmp_path), {"x": torch.ones(3)})
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.05):
+                await handle.wait()
+        gate.set()
+        assert (await handle.wait()).bytes > 0
