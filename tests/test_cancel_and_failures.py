@@ -108,8 +108,11 @@ IO_ERROR_SCRIPT = textwrap.dedent(
 def test_io_error_leaves_the_previous_checkpoint(offload: str, tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-c", IO_ERROR_SCRIPT, str(tmp_path), offload],
-        capture_output=True, text=True, timeout=120, check=True,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     assert out.stdout.split("\n")[:2] == ["wait OSError 27", "flush OSError 27"], out.stderr
     assert aiosnap.load_sync(str(tmp_path / "ckpt"))["x"].eq(0).all()
     assert temp_files(tmp_path) == []

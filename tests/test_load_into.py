@@ -17,8 +17,12 @@ from .conftest import assert_tree_equal, training_state
 async def test_load_into_updates_in_place(tmp_path: Path) -> None:
     saved = {"w": torch.arange(6.0).reshape(2, 3), "a": np.arange(4), "n": 3, "l": [1, torch.ones(2)]}
     await aiosnap.save(str(tmp_path / "c"), saved)
-    target = {"w": torch.zeros(2, 3, requires_grad=True), "a": np.zeros(4, dtype=np.int64), "n": 0,
-              "l": [0, torch.zeros(2)]}  # fmt: skip
+    target = {
+        "w": torch.zeros(2, 3, requires_grad=True),
+        "a": np.zeros(4, dtype=np.int64),
+        "n": 0,
+        "l": [0, torch.zeros(2)],
+    }
     w, a, t = target["w"], target["a"], target["l"][1]
     assert await aiosnap.load_into(str(tmp_path / "c"), target) is target
     assert target["w"] is w and torch.equal(w.detach(), saved["w"])

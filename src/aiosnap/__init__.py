@@ -27,6 +27,7 @@ from ._errors import CheckpointError as CheckpointError
 from ._errors import CheckpointKeyError as CheckpointKeyError
 from ._errors import CheckpointNotFoundError as CheckpointNotFoundError
 from ._errors import CorruptCheckpointError as CorruptCheckpointError
+from ._errors import DirectoryLockedError as DirectoryLockedError
 from ._errors import PickleNotAllowedError as PickleNotAllowedError
 from ._errors import StateMismatchError as StateMismatchError
 from ._errors import UnsupportedTypeError as UnsupportedTypeError
@@ -38,11 +39,28 @@ from ._load import VerifyReport as VerifyReport
 from ._load import load as load
 from ._load import load_into as load_into
 from ._load import verify as verify
+from ._manager import CheckpointManager as CheckpointManager
+from ._manager import Restored as Restored
+from ._records import CheckpointRecord as CheckpointRecord
+from ._retention import AnyOf as AnyOf
+from ._retention import KeepBest as KeepBest
+from ._retention import KeepEvery as KeepEvery
+from ._retention import KeepLast as KeepLast
+from ._retention import KeepWithin as KeepWithin
+from ._retention import RetentionPolicy as RetentionPolicy
 from ._storage import TEMP_PREFIX as TEMP_PREFIX
 from ._storage import CommitTimes as CommitTimes
 from ._storage import LocalStorage as LocalStorage
 from ._storage import ReadHandle as ReadHandle
 from ._storage import Storage as Storage
+from ._storage import StorageLock as StorageLock
+from ._triggers import AnyTrigger as AnyTrigger
+from ._triggers import AtSteps as AtSteps
+from ._triggers import EveryNEpochs as EveryNEpochs
+from ._triggers import EveryNSeconds as EveryNSeconds
+from ._triggers import EveryNSteps as EveryNSteps
+from ._triggers import Moment as Moment
+from ._triggers import Trigger as Trigger
 from ._writers import ProcessQueueWriter as ProcessQueueWriter
 from ._writers import ProcessWriter as ProcessWriter
 from ._writers import QueueWriter as QueueWriter
@@ -55,26 +73,44 @@ from ._writers import Writer as Writer
 __version__ = "0.1.0"
 
 __all__ = [
+    "AnyOf",
+    "AnyTrigger",
+    "AtSteps",
     "CheckpointError",
     "CheckpointKeyError",
+    "CheckpointManager",
     "CheckpointNotFoundError",
+    "CheckpointRecord",
     "CommitTimes",
     "CorruptCheckpointError",
+    "DirectoryLockedError",
+    "EveryNEpochs",
+    "EveryNSeconds",
+    "EveryNSteps",
+    "KeepBest",
+    "KeepEvery",
+    "KeepLast",
+    "KeepWithin",
     "LocalStorage",
+    "Moment",
     "PickleNotAllowedError",
     "ProcessQueueWriter",
     "ProcessWriter",
     "QueueWriter",
     "ReadHandle",
+    "Restored",
+    "RetentionPolicy",
     "SaveHandle",
     "SaveStats",
     "SimpleWriter",
     "StandardWriter",
     "StateMismatchError",
     "Storage",
+    "StorageLock",
     "TEMP_PREFIX",
     "ThreadQueueWriter",
     "ThreadWriter",
+    "Trigger",
     "UnsupportedTypeError",
     "VerifyReport",
     "WorkerCrashedError",

@@ -19,8 +19,14 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 
-async def save(path: str, target: object, *, savefun: SaveFun | None = None,
-               allow_pickle: bool = False, storage: Storage | None = None) -> SaveStats:  # fmt: skip
+async def save(
+    path: str,
+    target: object,
+    *,
+    savefun: SaveFun | None = None,
+    allow_pickle: bool = False,
+    storage: Storage | None = None,
+) -> SaveStats:
     """Durably save ``target`` to ``path`` and return when it is committed."""
     storage = storage if storage is not None else LocalStorage()
     directory, name = storage.split(path)

@@ -15,26 +15,63 @@ import torch
 
 #: safetensors code -> element size in bytes.
 ST_ITEMSIZE: dict[str, int] = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E4M3FNUZ": 1, "F8_E5M2": 1,
-    "F8_E5M2FNUZ": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4,
-    "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8,
-}  # fmt: skip
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E4M3FNUZ": 1,
+    "F8_E5M2": 1,
+    "F8_E5M2FNUZ": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+    "C64": 8,
+}
 
 _TORCH_ST: dict[torch.dtype, str] = {
-    torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16",
-    torch.uint16: "U16", torch.float16: "F16", torch.bfloat16: "BF16", torch.int32: "I32",
-    torch.uint32: "U32", torch.float32: "F32", torch.int64: "I64", torch.uint64: "U64",
-    torch.float64: "F64", torch.complex64: "C64",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
-    torch.float8_e5m2: "F8_E5M2", torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
-}  # fmt: skip
+    torch.bool: "BOOL",
+    torch.uint8: "U8",
+    torch.int8: "I8",
+    torch.int16: "I16",
+    torch.uint16: "U16",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int32: "I32",
+    torch.uint32: "U32",
+    torch.float32: "F32",
+    torch.int64: "I64",
+    torch.uint64: "U64",
+    torch.float64: "F64",
+    torch.complex64: "C64",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
+}
 ST_TORCH: dict[str, torch.dtype] = {code: dt for dt, code in _TORCH_ST.items()}
 
 _NUMPY_ST: dict[str, str] = {
-    "|b1": "BOOL", "|u1": "U8", "|i1": "I8", "<i2": "I16", "<u2": "U16", "<f2": "F16",
-    "<i4": "I32", "<u4": "U32", "<f4": "F32", "<i8": "I64", "<u8": "U64", "<f8": "F64",
+    "|b1": "BOOL",
+    "|u1": "U8",
+    "|i1": "I8",
+    "<i2": "I16",
+    "<u2": "U16",
+    "<f2": "F16",
+    "<i4": "I32",
+    "<u4": "U32",
+    "<f4": "F32",
+    "<i8": "I64",
+    "<u8": "U64",
+    "<f8": "F64",
     "<c8": "C64",
-}  # fmt: skip
+}
 
 _QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
 

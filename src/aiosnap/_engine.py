@@ -31,8 +31,9 @@ class Engine(Protocol):
 
     async def start(self) -> None: ...
 
-    async def commit(self, storage: Storage, path: str, staged: StagedImage,
-                     savefun: SaveFun | None) -> CommitTimes: ...  # fmt: skip
+    async def commit(
+        self, storage: Storage, path: str, staged: StagedImage, savefun: SaveFun | None
+    ) -> CommitTimes: ...
 
     async def aclose(self) -> None: ...
 
@@ -53,8 +54,9 @@ class ThreadEngine:
     async def start(self) -> None:
         await _offload.warm()
 
-    async def commit(self, storage: Storage, path: str, staged: StagedImage,
-                     savefun: SaveFun | None) -> CommitTimes:  # fmt: skip
+    async def commit(
+        self, storage: Storage, path: str, staged: StagedImage, savefun: SaveFun | None
+    ) -> CommitTimes:
         return await _offload.run_io(_commit_here, storage, path, staged, savefun)
 
     async def aclose(self) -> None:
@@ -85,8 +87,10 @@ class ProcessEngine:
     async def _spawn(self) -> None:
         self._process = await anyio.open_process(
             [sys.executable, "-c", _worker.BOOTSTRAP, _PKG_DIR],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None,
-        )  # fmt: skip
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=None,
+        )
         assert self._process.stdout is not None
         self._reader = BufferedByteReceiveStream(self._process.stdout)
         await self._receive()  # "ready"
@@ -103,8 +107,9 @@ class ProcessEngine:
             raise WorkerCrashedError("the offload worker process died during a commit") from exc
         return pickle.loads(body)
 
-    async def commit(self, storage: Storage, path: str, staged: StagedImage,
-                     savefun: SaveFun | None) -> CommitTimes:  # fmt: skip
+    async def commit(
+        self, storage: Storage, path: str, staged: StagedImage, savefun: SaveFun | None
+    ) -> CommitTimes:
         # The layout (and with it torch) is only needed where a savefun rebuilds the tree.
         layout = None if savefun is None else (staged.data_start, staged.tensors, staged.tree)
         request = ("commit", storage, path, staged.arena.shm_name, staged.size, savefun, layout)

@@ -3,6 +3,7 @@
     CheckpointError
     ├── CheckpointNotFoundError   (also FileNotFoundError)
     ├── CorruptCheckpointError    (also ValueError)
+    ├── DirectoryLockedError      (also RuntimeError)
     ├── CheckpointKeyError        (also KeyError)
     ├── PickleNotAllowedError     (also ValueError)
     ├── StateMismatchError        (also ValueError)
@@ -25,8 +26,8 @@ class CheckpointError(Exception):
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """The checkpoint file does not exist."""
 
-    def __init__(self, path: str) -> None:
-        super().__init__(f"no checkpoint at {path!r}")
+    def __init__(self, path: str, message: str | None = None) -> None:
+        super().__init__(message or f"no checkpoint at {path!r}")
         self.path = path
 
     def __str__(self) -> str:
@@ -47,6 +48,10 @@ class CheckpointKeyError(CheckpointError, KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0])
+
+
+class DirectoryLockedError(CheckpointError, RuntimeError):
+    """Another CheckpointManager holds the directory."""
 
 
 class PickleNotAllowedError(CheckpointError, ValueError):

@@ -98,11 +98,10 @@ def encode_header(tensors: list[TensorInfo], tree: Any, *, size: int | None = No
         "checksum": "crc32c",
         "tree": tree,
         "tensors": {
-            t.name: {"kind": t.kind, "dtype": t.dtype, "shape": list(t.shape),
-                     "crc32c": f"{t.crc or 0:08x}"}
+            t.name: {"kind": t.kind, "dtype": t.dtype, "shape": list(t.shape), "crc32c": f"{t.crc or 0:08x}"}
             for t in tensors
         },
-    }  # fmt: skip
+    }
     header: dict[str, Any] = {"__metadata__": {META_KEY: _dumps(meta), CRC_KEY: _CRC_ZERO}}
     for t in tensors:
         code, shape = st_entry(t.kind, t.dtype, t.shape, t.nbytes)
@@ -195,10 +194,11 @@ class _Parser:
 
     def plain(self, entries: dict[str, tuple[str, list[int], int, int]]) -> dict[str, TensorInfo]:
         return {
-            name: TensorInfo(name, "tensor", _dtypes.torch_name(_dtypes.ST_TORCH[code]),
-                             tuple(shape), start, end, None)
+            name: TensorInfo(
+                name, "tensor", _dtypes.torch_name(_dtypes.ST_TORCH[code]), tuple(shape), start, end, None
+            )
             for name, (code, shape, start, end) in entries.items()
-        }  # fmt: skip
+        }
 
     def check_header_crc(self, raw: bytearray, meta: dict[str, str]) -> None:
         stored = meta.get(CRC_KEY)
@@ -213,8 +213,9 @@ class _Parser:
         if f"{crc32c(raw):08x}" != stored:
             raise self.fail("header checksum mismatch: the header was altered")
 
-    def aiosnap(self, data_start: int, entries: dict[str, tuple[str, list[int], int, int]],
-                meta: Any) -> Header:  # fmt: skip
+    def aiosnap(
+        self, data_start: int, entries: dict[str, tuple[str, list[int], int, int]], meta: Any
+    ) -> Header:
         if not isinstance(meta, dict) or not isinstance(meta.get("tensors"), dict):
             raise self.fail("aiosnap metadata is malformed")
         version = meta.get("version")

@@ -40,9 +40,9 @@ class SaveHandle:
         self._error: BaseException | None = None
 
     def __repr__(self) -> str:
-        state = "skipped" if self.skipped else "failed" if self._error else (
-            "done" if self.done() else "pending"
-        )  # fmt: skip
+        state = (
+            "skipped" if self.skipped else "failed" if self._error else ("done" if self.done() else "pending")
+        )
         return f"<SaveHandle {self.path!r} {state}>"
 
     def done(self) -> bool:

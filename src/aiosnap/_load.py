@@ -44,8 +44,14 @@ class VerifyReport:
     checksummed: bool  # False for a plain safetensors file: structure only
 
 
-async def load(path: str, *, keys: Sequence[str] | None = None, map_location: MapLocation = None,
-               allow_pickle: bool = False, storage: Storage | None = None) -> Any:  # fmt: skip
+async def load(
+    path: str,
+    *,
+    keys: Sequence[str] | None = None,
+    map_location: MapLocation = None,
+    allow_pickle: bool = False,
+    storage: Storage | None = None,
+) -> Any:
     """Read a checkpoint back as the tree that was saved.
 
     ``keys`` are dotted paths (``["model.layer1", "optimizer"]``); the result is the
@@ -61,8 +67,9 @@ async def verify(path: str, *, storage: Storage | None = None) -> VerifyReport:
     return await _offload.run_io(_verify_blocking, storage or LocalStorage(), path)
 
 
-async def load_into(path: str, target: Any, *, strict: bool = True, allow_pickle: bool = False,
-                    storage: Storage | None = None) -> Any:  # fmt: skip
+async def load_into(
+    path: str, target: Any, *, strict: bool = True, allow_pickle: bool = False, storage: Storage | None = None
+) -> Any:
     """Load a checkpoint into existing tensors, arrays, containers and Stateful objects.
 
     Tensors and arrays are updated in place; with ``strict`` a missing or unexpected
@@ -73,8 +80,9 @@ async def load_into(path: str, target: Any, *, strict: bool = True, allow_pickle
     return target
 
 
-def _load_blocking(storage: Storage, path: str, keys: Sequence[str] | None,
-                   map_location: MapLocation, allow_pickle: bool) -> Any:  # fmt: skip
+def _load_blocking(
+    storage: Storage, path: str, keys: Sequence[str] | None, map_location: MapLocation, allow_pickle: bool
+) -> Any:
     f = storage.open_read(path)
     try:
         header = read_header(f)
@@ -97,8 +105,7 @@ def _plain_tree(header: Header) -> Any:
 
 
 class _Reader:
-    def __init__(self, f: ReadHandle, header: Header, map_location: MapLocation,
-                 allow_pickle: bool) -> None:  # fmt: skip
+    def __init__(self, f: ReadHandle, header: Header, map_location: MapLocation, allow_pickle: bool) -> None:
         self.f, self.header = f, header
         self.map_location, self.allow_pickle = map_location, allow_pickle
         self.made: dict[str, object] = {}
@@ -201,8 +208,10 @@ def _verify_blocking(storage: Storage, path: str) -> VerifyReport:
     f = storage.open_read(path)
     try:
         header = read_header(f)
-        buf = np.empty(min(_VERIFY_PIECE, max(t.nbytes for t in header.tensors.values()) if
-                           header.tensors else 0), dtype=np.uint8)  # fmt: skip
+        buf = np.empty(
+            min(_VERIFY_PIECE, max(t.nbytes for t in header.tensors.values()) if header.tensors else 0),
+            dtype=np.uint8,
+        )
         for info in header.tensors.values():
             _verify_one(f, header, info, buf)
         if header.tree is not None:
@@ -291,8 +300,9 @@ def _assign_dict(target: dict[Any, Any], value: Any, path: tuple[object, ...], s
             target[key] = _assign(target[key], value[key], (*path, key), strict)
 
 
-def _assign_seq(target: list[Any] | tuple[Any, ...], value: Any, path: tuple[object, ...],
-                strict: bool) -> None:  # fmt: skip
+def _assign_seq(
+    target: list[Any] | tuple[Any, ...], value: Any, path: tuple[object, ...], strict: bool
+) -> None:
     if not isinstance(value, (list, tuple)) or len(value) != len(target):
         raise StateMismatchError(f"{format_path(path)}: checkpoint holds a different sequence")
     for i, (old, new) in enumerate(zip(target, value, strict=True)):

@@ -150,8 +150,7 @@ def stage(snapshot: Snapshot, pool: ArenaPool) -> StagedImage:
     except BaseException:
         pool.release(arena)
         raise
-    return StagedImage(arena, data_start + pos, data_start, infos, snapshot.tree,
-                       time.perf_counter() - t0)  # fmt: skip
+    return StagedImage(arena, data_start + pos, data_start, infos, snapshot.tree, time.perf_counter() - t0)
 
 
 def _pickled(leaf: Leaf) -> Leaf:

@@ -9,6 +9,7 @@ fast.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import secrets
 import stat
@@ -16,7 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol, runtime_checkable
 
-from ._errors import CheckpointNotFoundError, CorruptCheckpointError
+from ._errors import CheckpointNotFoundError, CorruptCheckpointError, DirectoryLockedError
 
 #: Temp files of unfinished commits start with this; nothing else does.
 TEMP_PREFIX = ".aiosnap-tmp-"
@@ -75,6 +76,19 @@ class Storage(Protocol):
 
     def sweep_temp(self, path: str) -> list[str]:
         """Delete temp files that crashed commits left in a directory."""
+
+    def read_bytes(self, path: str) -> bytes:
+        """The whole content of a small file (an index)."""
+
+    def lock(self, path: str) -> StorageLock:
+        """Take the exclusive lock of a directory, or raise DirectoryLockedError."""
+
+
+class StorageLock(Protocol):
+    """An exclusive hold on a directory; released by ``release`` or by the holder's death."""
+
+    def release(self) -> None:
+        """Give the lock up."""
 
 
 class _LocalReadHandle:
@@ -192,6 +206,45 @@ class LocalStorage:
         for tmp in swept:
             _unlink_quietly(tmp)
         return swept
+
+    def read_bytes(self, path: str) -> bytes:
+        f = self.open_read(path)
+        try:
+            buf = bytearray(f.size)
+            f.readinto(0, memoryview(buf))
+            return bytes(buf)
+        finally:
+            f.close()
+
+    def lock(self, path: str) -> StorageLock:
+        return _FlockLock(path)
+
+
+class _FlockLock:
+    """``flock`` on a lock file: the kernel drops it when the holder dies, even by SIGKILL."""
+
+    NAME = ".aiosnap.lock"
+
+    def __init__(self, directory: str) -> None:
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, self.NAME)
+        self._fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self._fd, 64, 0).decode(errors="replace").strip()
+            os.close(self._fd)
+            raise DirectoryLockedError(
+                f"{directory} is in use by another CheckpointManager (pid {holder or '?'}); "
+                "two managers on one directory would corrupt each other"
+            ) from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing drops the flock
+            self._fd = None
 
 
 def _unlink_quietly(path: str) -> None:

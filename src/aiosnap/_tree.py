@@ -123,8 +123,15 @@ class _Capture:
         problem = _tensor_problem(t)
         if problem:
             return self.other(t, path, problem)
-        key = ("tensor", t.device, t.dtype, t.untyped_storage().data_ptr(), t.storage_offset(),
-               tuple(t.shape), t.stride())  # fmt: skip
+        key = (
+            "tensor",
+            t.device,
+            t.dtype,
+            t.untyped_storage().data_ptr(),
+            t.storage_offset(),
+            tuple(t.shape),
+            t.stride(),
+        )
         return {"$": "tensor", "n": self.leaf(key, t, path, "tensor")}
 
     def array(self, a: np.ndarray[Any, Any] | np.generic, path: tuple[object, ...], kind: str) -> Node:
@@ -178,8 +185,9 @@ def rebuild(node: Node, resolve: Callable[[str, str, tuple[object, ...]], object
     return _rebuild(node, resolve, ())
 
 
-def _rebuild(node: Node, resolve: Callable[[str, str, tuple[object, ...]], object],
-             path: tuple[object, ...]) -> object:  # fmt: skip
+def _rebuild(
+    node: Node, resolve: Callable[[str, str, tuple[object, ...]], object], path: tuple[object, ...]
+) -> object:
     if node is None or isinstance(node, (bool, int, float, str)):
         return node
     if isinstance(node, list):
@@ -223,8 +231,9 @@ def _list(node: dict[str, Any], path: tuple[object, ...]) -> list[Node]:
     return values
 
 
-def _str(node: dict[str, Any], key: str, path: tuple[object, ...],
-         allowed: tuple[str, ...] | None = None) -> str:  # fmt: skip
+def _str(
+    node: dict[str, Any], key: str, path: tuple[object, ...], allowed: tuple[str, ...] | None = None
+) -> str:
     value = node.get(key)
     if not isinstance(value, str) or (allowed is not None and value not in allowed):
         raise ValueError(f"bad {node.get('$')} node at {format_path(path)}")

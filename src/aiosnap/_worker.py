@@ -49,8 +49,9 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
-def commit_from_shm(storage: Storage, path: str, shm_name: str, size: int,
-                    savefun: Any, layout: Any) -> CommitTimes:  # fmt: skip
+def commit_from_shm(
+    storage: Storage, path: str, shm_name: str, size: int, savefun: Any, layout: Any
+) -> CommitTimes:
     """Commit bytes [0, size) of a shared-memory arena to ``path``."""
     fd = os.open(f"/dev/shm/{shm_name}", os.O_RDWR)
     try:

@@ -40,8 +40,15 @@ PostSaveHook = Callable[[SaveStats], object] | Callable[[SaveStats], Awaitable[o
 class Writer(Protocol):
     """What every writer does; user code should depend on this, not a class."""
 
-    async def __call__(self, filename: str, out_dir: str, target: object, *,
-                       savefun: SaveFun | None = None) -> SaveHandle: ...  # fmt: skip
+    async def __aenter__(self) -> Self: ...
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None: ...
+
+    async def __call__(
+        self, filename: str, out_dir: str, target: object, *, savefun: SaveFun | None = None
+    ) -> SaveHandle: ...
 
     async def flush(self) -> None: ...
 
@@ -66,8 +73,9 @@ class _WriterBase(abc.ABC):
 
     _arenas_kept = 1
 
-    def __init__(self, *, offload: Offload = "thread", storage: Storage | None = None,
-                 allow_pickle: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self, *, offload: Offload = "thread", storage: Storage | None = None, allow_pickle: bool = False
+    ) -> None:
         if offload not in ("thread", "process"):
             raise ValueError(f"offload must be 'thread' or 'process', not {offload!r}")
         self.offload = offload
@@ -98,8 +106,9 @@ class _WriterBase(abc.ABC):
             raise
         return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:  # fmt: skip
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         # The body's own exception propagates as it is, never wrapped in a group: the
         # task group is exited clean, after aclose() has drained every save.
         try:
@@ -162,8 +171,9 @@ class _WriterBase(abc.ABC):
         raise error
 
     # -- one save ------------------------------------------------------------------------
-    async def __call__(self, filename: str, out_dir: str, target: object, *,
-                       savefun: SaveFun | None = None) -> SaveHandle:  # fmt: skip
+    async def __call__(
+        self, filename: str, out_dir: str, target: object, *, savefun: SaveFun | None = None
+    ) -> SaveHandle:
         """Capture ``target`` now and write it to ``out_dir/filename``.
 
         Returns once the state is captured: from then on ``target`` may change. With a
@@ -174,9 +184,10 @@ class _WriterBase(abc.ABC):
         t0 = time.perf_counter()
         if self._state != "open":
             raise WriterClosedError(
-                "the writer is closed" if self._state != "new" else
-                "the writer is not open: use `async with writer:` around the saves"
-            )  # fmt: skip
+                "the writer is closed"
+                if self._state != "new"
+                else "the writer is not open: use `async with writer:` around the saves"
+            )
         self._raise_pending()
         path = self._storage.join(out_dir, filename) if out_dir else filename
         snapshot = capture(target, allow_pickle=self._allow_pickle or savefun is not None)
@@ -296,8 +307,9 @@ class SimpleWriter(_WriterBase):
 class StandardWriter(_WriterBase):
     """One save in flight: a call first waits for the previous save to be durable."""
 
-    def __init__(self, *, offload: Offload = "thread", storage: Storage | None = None,
-                 allow_pickle: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self, *, offload: Offload = "thread", storage: Storage | None = None, allow_pickle: bool = False
+    ) -> None:
         super().__init__(offload=offload, storage=storage, allow_pickle=allow_pickle)
         self._last: _Save | None = None
         self._turn = anyio.Lock()
@@ -339,9 +351,15 @@ class QueueWriter(_WriterBase):
     staged images, reused across saves.
     """
 
-    def __init__(self, *, max_pending: int = 2, when_full: WhenFull = "block",
-                 offload: Offload = "thread", storage: Storage | None = None,
-                 allow_pickle: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        max_pending: int = 2,
+        when_full: WhenFull = "block",
+        offload: Offload = "thread",
+        storage: Storage | None = None,
+        allow_pickle: bool = False,
+    ) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be at least 1, not {max_pending}")
         if when_full not in ("block", "skip", "replace"):
@@ -405,17 +423,39 @@ class QueueWriter(_WriterBase):
 class ThreadQueueWriter(QueueWriter):
     """QueueWriter committing in a worker thread (the seeds' ThreadQueueWriter)."""
 
-    def __init__(self, *, max_pending: int = 2, when_full: WhenFull = "block",
-                 storage: Storage | None = None, allow_pickle: bool = False) -> None:  # fmt: skip
-        super().__init__(max_pending=max_pending, when_full=when_full, offload="thread",
-                         storage=storage, allow_pickle=allow_pickle)  # fmt: skip
+    def __init__(
+        self,
+        *,
+        max_pending: int = 2,
+        when_full: WhenFull = "block",
+        storage: Storage | None = None,
+        allow_pickle: bool = False,
+    ) -> None:
+        super().__init__(
+            max_pending=max_pending,
+            when_full=when_full,
+            offload="thread",
+            storage=storage,
+            allow_pickle=allow_pickle,
+        )
 
 
 @final
 class ProcessQueueWriter(QueueWriter):
     """QueueWriter committing in a worker process (the seeds' ProcessQueueWriter)."""
 
-    def __init__(self, *, max_pending: int = 2, when_full: WhenFull = "block",
-                 storage: Storage | None = None, allow_pickle: bool = False) -> None:  # fmt: skip
-        super().__init__(max_pending=max_pending, when_full=when_full, offload="process",
-                         storage=storage, allow_pickle=allow_pickle)  # fmt: skip
+    def __init__(
+        self,
+        *,
+        max_pending: int = 2,
+        when_full: WhenFull = "block",
+        storage: Storage | None = None,
+        allow_pickle: bool = False,
+    ) -> None:
+        super().__init__(
+            max_pending=max_pending,
+            when_full=when_full,
+            offload="process",
+            storage=storage,
+            allow_pickle=allow_pickle,
+        )

@@ -80,17 +80,22 @@ async def run(out: Path, steps: int, save_every: int, kill_at: int | None, state
             if step % save_every == 0:
                 t0 = time.perf_counter()
                 await writer(f"snapshot_iter_{step}", str(out), state)
-                print(f"  step {step:4d}  loss {loss:.4f}  save accepted, stall "
-                      f"{(time.perf_counter() - t0) * 1e3:.1f} ms", flush=True)  # fmt: skip
+                print(
+                    f"  step {step:4d}  loss {loss:.4f}  save accepted, stall "
+                    f"{(time.perf_counter() - t0) * 1e3:.1f} ms",
+                    flush=True,
+                )
             if step == kill_at:
                 print(f"  step {step:4d}  SIGKILL (queued saves die with the process)", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _report(stats: aiosnap.SaveStats) -> None:
-    print(f"          committed {Path(stats.path).name}: {stats.bytes / 1024:.0f} KiB, "
-          f"call->durable {stats.total_s * 1e3:.1f} ms (fsync {stats.fsync_s * 1e3:.1f} ms)",
-          flush=True)  # fmt: skip
+    print(
+        f"          committed {Path(stats.path).name}: {stats.bytes / 1024:.0f} KiB, "
+        f"call->durable {stats.total_s * 1e3:.1f} ms (fsync {stats.fsync_s * 1e3:.1f} ms)",
+        flush=True,
+    )
 
 
 async def newest_valid(out: Path) -> Path | None:
@@ -117,13 +122,29 @@ async def main_async(args: argparse.Namespace) -> int:
         train_step(reference, data)
     print(f"  final loss {reference['losses'][-1]:.6f}, parameter crc32c {checksum(reference)}")
 
-    print(f"\n[2/3] training in a child process, saving every {args.save_every} steps, "
-          f"killed at step {args.kill_at}")  # fmt: skip
+    print(
+        f"\n[2/3] training in a child process, saving every {args.save_every} steps, "
+        f"killed at step {args.kill_at}"
+    )
     child = await anyio.run_process(
-        [sys.executable, "-m", "aiosnap.demo", "--child", "--out", str(out), "--steps", str(args.steps),
-         "--save-every", str(args.save_every), "--kill-at", str(args.kill_at)],
-        check=False, stdout=None, stderr=None,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "aiosnap.demo",
+            "--child",
+            "--out",
+            str(out),
+            "--steps",
+            str(args.steps),
+            "--save-every",
+            str(args.save_every),
+            "--kill-at",
+            str(args.kill_at),
+        ],
+        check=False,
+        stdout=None,
+        stderr=None,
+    )
     print(f"  child exited with {child.returncode} ({'SIGKILL' if child.returncode == -9 else '?'})")
     on_disk = sorted(await aiofiles.os.listdir(out), key=lambda n: (len(n), n))
     print(f"  on disk: {on_disk}")
@@ -141,8 +162,10 @@ async def main_async(args: argparse.Namespace) -> int:
     print(
         f"  reference run: final loss {reference['losses'][-1]:.6f}, parameter crc32c {checksum(reference)}"
     )
-    print(f"  {'IDENTICAL' if same else 'DIFFERENT'}: the resumed run "
-          f"{'is' if same else 'is NOT'} the run that never stopped")  # fmt: skip
+    print(
+        f"  {'IDENTICAL' if same else 'DIFFERENT'}: the resumed run "
+        f"{'is' if same else 'is NOT'} the run that never stopped"
+    )
     return 0 if same else 1
 
 

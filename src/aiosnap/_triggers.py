@@ -1,0 +1,76 @@
+"""When to save: triggers the manager consults in ``should_save``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol, final
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class Moment:
+    """A point in training: the step, the epoch if known, and monotonic time."""
+
+    step: int
+    epoch: int | None
+    time: float
+
+
+class Trigger(Protocol):
+    """Says whether ``now`` is due for a save, given the last save (None before any)."""
+
+    def __call__(self, now: Moment, last: Moment | None) -> bool: ...
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class EveryNSteps:
+    n: int
+
+    def __call__(self, now: Moment, last: Moment | None) -> bool:
+        return now.step % self.n == 0 and (last is None or last.step != now.step)
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class EveryNEpochs:
+    n: int
+
+    def __call__(self, now: Moment, last: Moment | None) -> bool:
+        if now.epoch is None or now.epoch % self.n:
+            return False
+        return last is None or last.epoch != now.epoch
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class EveryNSeconds:
+    seconds: float
+
+    def __call__(self, now: Moment, last: Moment | None) -> bool:
+        return last is None or now.time - last.time >= self.seconds
+
+
+@final
+class AtSteps:
+    def __init__(self, steps: Iterable[int]) -> None:
+        self.steps = frozenset(steps)
+
+    def __repr__(self) -> str:
+        return f"AtSteps({sorted(self.steps)})"
+
+    def __call__(self, now: Moment, last: Moment | None) -> bool:
+        return now.step in self.steps and (last is None or last.step != now.step)
+
+
+@final
+class AnyTrigger:
+    def __init__(self, *triggers: Trigger) -> None:
+        self.triggers = triggers
+
+    def __repr__(self) -> str:
+        return f"AnyTrigger{self.triggers!r}"
+
+    def __call__(self, now: Moment, last: Moment | None) -> bool:
+        return any(t(now, last) for t in self.triggers)
