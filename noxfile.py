@@ -40,5 +40,5 @@ def demo(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """The benchmark suite (pass e.g. `-- --size 64MiB` for a quick run)."""
-    _install(session, "[test]")
+    _install(session, "[bench]")
     session.run("python", "benchmarks/bench.py", *session.posargs)

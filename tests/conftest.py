@@ -74,3 +74,12 @@ def raw_bytes(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     t = t.view(_SAME_WIDTH.get(t.dtype.itemsize, t.dtype))
     return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

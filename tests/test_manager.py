@@ -10,7 +10,6 @@ import multiprocessing
 import os
 import random
 import signal
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -128,12 +127,13 @@ class FlakyStorage(aiosnap.LocalStorage):
     """The real local storage, with writes to chosen files failing as a full disk does."""
 
     def __init__(self, failing: set[str]) -> None:
+        super().__init__()
         self.failing = failing
 
-    def write_atomic(self, path: str, data: Sequence[memoryview]) -> aiosnap.CommitTimes:
+    def write_image(self, path: str, image: memoryview, size: int) -> aiosnap.CommitTimes:
         if os.path.basename(path) in self.failing:
             raise OSError(errno.ENOSPC, "No space left on device (injected)", path)
-        return super().write_atomic(path, data)
+        return super().write_image(path, image, size)
 
 
 POLICIES = st.one_of(

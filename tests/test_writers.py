@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -239,11 +240,16 @@ async def test_unwritable_directory_fails_without_hanging(make: Callable[[], Any
             await writer.flush()
 
 
+def slow_failing_savefun(obj: Any, path: str) -> None:
+    time.sleep(0.3)  # all three saves are accepted before the first one fails
+    failing_savefun(obj, path)
+
+
 async def test_several_failures_are_all_reported(tmp_path: Path) -> None:
     with pytest.raises(Boom) as info:
         async with aiosnap.QueueWriter(max_pending=3) as writer:
             for i in range(3):
-                await writer(f"c{i}", str(tmp_path), {"x": torch.ones(1)}, savefun=failing_savefun)
+                await writer(f"c{i}", str(tmp_path), {"x": torch.ones(1)}, savefun=slow_failing_savefun)
     assert any("2 more background save(s) failed" in n for n in info.value.__notes__)
 
 

@@ -89,12 +89,19 @@ def _all_torch_dtypes() -> dict[str, torch.dtype]:
 TORCH_DTYPES: dict[str, torch.dtype] = _all_torch_dtypes()
 
 
+_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
+
+
 def torch_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    return _NAMES.get(dtype) or str(dtype).removeprefix("torch.")
 
 
-def torch_st_code(dtype: torch.dtype) -> str:
-    return _TORCH_ST.get(dtype, "U8")
+_ST_BY_NAME = {str(dt).removeprefix("torch."): code for dt, code in _TORCH_ST.items()}
+
+
+def torch_st_code(name: str) -> str:
+    """The safetensors code of a torch dtype, by name (torch.dtype hashes slowly)."""
+    return _ST_BY_NAME.get(name, "U8")
 
 
 def is_storable_torch(dtype: torch.dtype) -> bool:

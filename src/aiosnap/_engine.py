@@ -39,10 +39,9 @@ class Engine(Protocol):
 
 
 def _commit_here(storage: Storage, path: str, staged: StagedImage, savefun: SaveFun | None) -> CommitTimes:
-    image = staged.image()
     if savefun is None:
-        return storage.write_atomic(path, [image])
-    obj = rebuild_image(image, staged.data_start, staged.tensors, staged.tree)
+        return storage.write_image(path, staged.aligned_image(), staged.size)
+    obj = rebuild_image(staged.image(), staged.data_start, staged.tensors, staged.tree)
     return storage.write_atomic_with(path, lambda tmp: savefun(obj, tmp))
 
 

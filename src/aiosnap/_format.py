@@ -82,7 +82,7 @@ def itemsize(kind: str, dtype: str) -> int | None:
 def st_entry(kind: str, dtype: str, shape: tuple[int, ...], nbytes: int) -> tuple[str, list[int]]:
     """The safetensors (dtype code, shape) an entry is written under."""
     if kind == "tensor":
-        code = _dtypes.torch_st_code(_dtypes.TORCH_DTYPES[dtype])
+        code = _dtypes.torch_st_code(dtype)
     elif kind == "pickle":
         code = "U8"
     else:
@@ -91,29 +91,51 @@ def st_entry(kind: str, dtype: str, shape: tuple[int, ...], nbytes: int) -> tupl
     return (code, list(shape)) if native else ("U8", [nbytes])
 
 
-def encode_header(tensors: list[TensorInfo], tree: Any, *, size: int | None = None) -> bytes:
-    """The first ``data_start`` bytes of the file; ``size`` pins the padded length."""
-    meta = {
-        "version": FORMAT_VERSION,
-        "checksum": "crc32c",
-        "tree": tree,
-        "tensors": {
-            t.name: {"kind": t.kind, "dtype": t.dtype, "shape": list(t.shape), "crc32c": f"{t.crc or 0:08x}"}
-            for t in tensors
-        },
-    }
-    header: dict[str, Any] = {"__metadata__": {META_KEY: _dumps(meta), CRC_KEY: _CRC_ZERO}}
-    for t in tensors:
-        code, shape = st_entry(t.kind, t.dtype, t.shape, t.nbytes)
-        header[t.name] = {"dtype": code, "shape": shape, "data_offsets": [t.start, t.end]}
-    text = _dumps(header).encode()
-    total = size if size is not None else -(-(8 + len(text)) // ALIGN) * ALIGN
-    if total < 8 + len(text):
-        raise ValueError("header grew after its size was fixed")
-    raw = bytearray(struct.pack("<Q", total - 8) + text + b" " * (total - 8 - len(text)))
-    at = raw.index(f'"{CRC_KEY}":"{_CRC_ZERO}"'.encode()) + len(CRC_KEY) + 4
-    raw[at : at + 8] = f"{crc32c(raw):08x}".encode()
-    return bytes(raw)
+class HeaderTemplate:
+    """A header laid out before the checksums are known; ``render`` fills them in.
+
+    The JSON is built once per save: the checksums are fixed-width hex, so they are
+    patched into the text and the padded length never changes.
+    """
+
+    _SLOT = f'"crc32c":"{_CRC_ZERO}"'
+
+    def __init__(self, tensors: list[TensorInfo], tree: Any) -> None:
+        meta = {
+            "version": FORMAT_VERSION,
+            "checksum": "crc32c",
+            "tensors": {
+                t.name: {"kind": t.kind, "dtype": t.dtype, "shape": list(t.shape), "crc32c": _CRC_ZERO}
+                for t in tensors
+            },
+            "tree": tree,
+        }
+        # Names and strings inside the JSON are escaped, so an unescaped slot is a real key.
+        self._pieces = _dumps(meta).split(self._SLOT)
+        if len(self._pieces) != len(tensors) + 1:
+            raise ValueError("checksum slots do not match the tensors")
+        entries: dict[str, Any] = {}
+        for t in tensors:
+            code, shape = st_entry(t.kind, t.dtype, t.shape, t.nbytes)
+            entries[t.name] = {"dtype": code, "shape": shape, "data_offsets": [t.start, t.end]}
+        self._entries = _dumps(entries)[1:-1]
+        self.size = -(-(8 + len(self._text([0] * len(tensors)))) // ALIGN) * ALIGN
+
+    def _text(self, crcs: list[int]) -> bytes:
+        filled = [self._pieces[0]]
+        for crc, piece in zip(crcs, self._pieces[1:], strict=True):
+            filled += [f'"crc32c":"{crc:08x}"', piece]
+        metadata = f'{{"{META_KEY}":{json.dumps("".join(filled))},"{CRC_KEY}":"{_CRC_ZERO}"}}'
+        body = f'{{"__metadata__":{metadata}{"," if self._entries else ""}{self._entries}}}'
+        return body.encode()
+
+    def render(self, crcs: list[int]) -> bytes:
+        """The first ``size`` bytes of the file, with these tensor checksums."""
+        text = self._text(crcs)
+        raw = bytearray(struct.pack("<Q", self.size - 8) + text + b" " * (self.size - 8 - len(text)))
+        at = raw.index(f'"{CRC_KEY}":"{_CRC_ZERO}"'.encode()) + len(CRC_KEY) + 4
+        raw[at : at + 8] = f"{crc32c(raw):08x}".encode()
+        return bytes(raw)
 
 
 def _dumps(obj: object) -> str:

@@ -10,8 +10,11 @@ Everything here blocks: it runs in a worker thread through ``_offload``.
 
 from __future__ import annotations
 
+import functools
+import mmap
 import pickle
 import threading
+import time
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 from typing import Any
@@ -20,10 +23,11 @@ import numpy as np
 import torch
 
 from . import _dtypes, _format
+from ._device import DeviceCopier, host_view
 from ._format import TensorInfo
 from ._tree import Leaf, Snapshot
 
-_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_SMALL = 256 << 10
 #: Arena sizes are rounded up to this, so a slightly larger next state reuses them.
 _GRAIN = 1 << 20
 
@@ -34,6 +38,7 @@ class Arena:
     def __init__(self, capacity: int, *, shared: bool) -> None:
         self.capacity = capacity
         self._shm: shared_memory.SharedMemory | None = None
+        self._map: mmap.mmap | None = None
         self.array: np.ndarray[Any, np.dtype[np.uint8]]
         if shared:
             self._shm = shared_memory.SharedMemory(create=True, size=capacity)
@@ -41,7 +46,14 @@ class Arena:
             assert buf is not None
             self.array = np.frombuffer(buf, dtype=np.uint8, count=capacity)
         else:
-            self.array = np.empty(capacity, dtype=np.uint8)
+            # Anonymous mmap: page-aligned, so the image can be written with O_DIRECT.
+            self._map = mmap.mmap(-1, capacity)
+            self.array = np.frombuffer(self._map, dtype=np.uint8, count=capacity)
+
+    @functools.cached_property
+    def tensor(self) -> torch.Tensor:
+        """The arena as a torch uint8 tensor, sharing its memory."""
+        return torch.from_numpy(self.array)
 
     @property
     def shm_name(self) -> str | None:
@@ -52,6 +64,12 @@ class Arena:
 
     def close(self) -> None:
         self.array = np.empty(0, dtype=np.uint8)
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:
+                pass  # a view is still alive somewhere; the mapping goes with it
+            self._map = None
         if self._shm is not None:
             shm, self._shm = self._shm, None
             shm.unlink()
@@ -113,6 +131,10 @@ class StagedImage:
     def image(self) -> memoryview:
         return self.arena.view(0, self.size)
 
+    def aligned_image(self) -> memoryview:
+        """The image extended to a multiple of ALIGN (arenas are always large enough)."""
+        return self.arena.view(0, -(-self.size // _format.ALIGN) * _format.ALIGN)
+
 
 def _describe(leaf: Leaf) -> tuple[str, tuple[int, ...], int]:
     """(file dtype, shape, nbytes) of a leaf; pickles must already be bytes."""
@@ -126,10 +148,15 @@ def _describe(leaf: Leaf) -> tuple[str, tuple[int, ...], int]:
     return dtype.str, tuple(value.shape), value.nbytes
 
 
-def stage(snapshot: Snapshot, pool: ArenaPool) -> StagedImage:
-    """Copy the snapshot's leaves into an arena and checksum them."""
-    import time
+def stage(
+    snapshot: Snapshot, pool: ArenaPool, copier: DeviceCopier | None = None, producers: Any = None
+) -> StagedImage:
+    """Copy the snapshot's leaves into an arena and checksum them.
 
+    Device tensors (with a ``copier``) are copied first and asynchronously; host
+    tensors are staged while those copies run; their bytes are read (checksummed)
+    only after ``copier.finish()``.
+    """
     t0 = time.perf_counter()
     leaves = [_pickled(leaf) for leaf in snapshot.leaves]
     infos, pos = [], 0
@@ -137,20 +164,51 @@ def stage(snapshot: Snapshot, pool: ArenaPool) -> StagedImage:
         dtype, shape, nbytes = _describe(leaf)
         infos.append(TensorInfo(leaf.name, leaf.kind, dtype, shape, pos, pos + nbytes, 0))
         pos += nbytes
-    data_start = len(_format.encode_header(infos, snapshot.tree))
+    template = _format.HeaderTemplate(infos, snapshot.tree)
+    data_start = template.size
     arena = pool.acquire(data_start + pos)
     try:
-        for i, leaf in enumerate(leaves):
-            info = infos[i]
-            dst = arena.array[data_start + info.start : data_start + info.end]
-            _copy(leaf, dst)
-            infos[i] = _with_crc(info, _format.crc32c(memoryview(dst)))  # type: ignore[arg-type]
-        header = _format.encode_header(infos, snapshot.tree, size=data_start)
-        arena.array[:data_start] = np.frombuffer(header, dtype=np.uint8)
+        on_device = _start_device_copies(leaves, infos, arena, data_start, copier, producers)
+        crcs = [0] * len(infos)
+        for i, (leaf, info) in enumerate(zip(leaves, infos, strict=True)):
+            if i not in on_device:
+                start = data_start + info.start
+                _copy(leaf, arena, start, info.nbytes)
+                crcs[i] = _format.crc32c(arena.view(start, start + info.nbytes))
+        if on_device:
+            assert copier is not None
+            copier.finish()  # nothing copied from a device is read before this
+            for i in on_device:
+                start = data_start + infos[i].start
+                crcs[i] = _format.crc32c(arena.view(start, start + infos[i].nbytes))
+        infos = [_with_crc(info, crc) for info, crc in zip(infos, crcs, strict=True)]
+        arena.array[:data_start] = np.frombuffer(template.render(crcs), dtype=np.uint8)
     except BaseException:
         pool.release(arena)
         raise
     return StagedImage(arena, data_start + pos, data_start, infos, snapshot.tree, time.perf_counter() - t0)
+
+
+def _start_device_copies(
+    leaves: list[Leaf],
+    infos: list[TensorInfo],
+    arena: Arena,
+    data_start: int,
+    copier: DeviceCopier | None,
+    producers: Any,
+) -> set[int]:
+    if copier is None:
+        return set()
+    started: set[int] = set()
+    for i, (leaf, info) in enumerate(zip(leaves, infos, strict=True)):
+        if leaf.kind == "tensor" and info.nbytes and copier.is_device(leaf.value):
+            if not started:
+                copier.pin(arena.array)
+            start = data_start + info.start
+            dst, src = host_view(arena.tensor[start : start + info.nbytes], leaf.value.detach())
+            copier.start(src, dst, producers)
+            started.add(i)
+    return started
 
 
 def _pickled(leaf: Leaf) -> Leaf:
@@ -163,33 +221,39 @@ def _with_crc(info: TensorInfo, crc: int) -> TensorInfo:
     return TensorInfo(info.name, info.kind, info.dtype, info.shape, info.start, info.end, crc)
 
 
-def _copy(leaf: Leaf, dst: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
-    if dst.size == 0:
+def _copy(leaf: Leaf, arena: Arena, start: int, nbytes: int) -> None:
+    if nbytes == 0:
         return
     value = leaf.value
+    dst = arena.array[start : start + nbytes]
     if leaf.kind == "pickle":
         dst[:] = np.frombuffer(value, dtype=np.uint8)
     elif leaf.kind == "tensor":
-        _copy_tensor(value, dst)
+        _copy_tensor(value, dst, arena, start)
     else:
         file_dtype = _dtypes.numpy_file_dtype(value.dtype)
         assert file_dtype is not None
         np.copyto(dst.view(file_dtype).reshape(value.shape), value)
 
 
-def _copy_tensor(t: torch.Tensor, dst: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
-    src = t.detach()
+def _copy_tensor(t: torch.Tensor, dst: np.ndarray[Any, np.dtype[np.uint8]], arena: Arena, start: int) -> None:
+    src = t.detach() if t.requires_grad else t
     if src.device.type != "cpu":
         src = src.to("cpu")
-    src = src.resolve_conj().resolve_neg()
+    if src.is_conj() or src.is_neg():
+        src = src.resolve_conj().resolve_neg()
     if src.is_contiguous():
-        # NumPy's memcpy beats Tensor.copy_ by ~2x on this hardware (see BRIEF).
-        np.copyto(dst, src.reshape(-1).view(torch.uint8).numpy())
+        flat = src.reshape(-1).view(torch.uint8)
+        if dst.size < _SMALL:
+            # Small tensors: fewest Python-level steps (per-tensor overhead dominates).
+            arena.tensor[start : start + dst.size].copy_(flat)
+        else:
+            # Large tensors: NumPy's memcpy beats Tensor.copy_ by ~2x here (see BRIEF).
+            np.copyto(dst, flat.numpy())
     else:
         # Copy as same-width integers: copy_ has no kernel for dtypes such as int1 or uint3.
-        as_int = _SAME_WIDTH_INT.get(src.dtype.itemsize, src.dtype)
-        out = torch.from_numpy(dst).view(as_int).view(src.shape)
-        out.copy_(src.view(as_int))
+        out, src = host_view(torch.from_numpy(dst), src)
+        out.copy_(src)
 
 
 def tensor_view(image: memoryview, data_start: int, info: TensorInfo) -> object:

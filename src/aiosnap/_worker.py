@@ -17,7 +17,7 @@ import struct
 import traceback
 from typing import Any
 
-from ._storage import CommitTimes, Storage
+from ._storage import ALIGN, CommitTimes, Storage
 
 #: Run with ``python -c BOOTSTRAP <package dir>``: a bare package, no ``__init__``.
 BOOTSTRAP = (
@@ -55,17 +55,17 @@ def commit_from_shm(
     """Commit bytes [0, size) of a shared-memory arena to ``path``."""
     fd = os.open(f"/dev/shm/{shm_name}", os.O_RDWR)
     try:
-        mapping = mmap.mmap(fd, max(size, 1))
+        mapping = mmap.mmap(fd, -(-max(size, 1) // ALIGN) * ALIGN)
     finally:
         os.close(fd)
     try:
-        image = memoryview(mapping)[:size]
+        image = memoryview(mapping)
         try:
             if savefun is None:
-                return storage.write_atomic(path, [image])
+                return storage.write_image(path, image, size)
             from ._stage import rebuild_image
 
-            obj = rebuild_image(image, *layout)
+            obj = rebuild_image(image[:size], *layout)
             return storage.write_atomic_with(path, lambda tmp: savefun(obj, tmp))
         finally:
             image.release()

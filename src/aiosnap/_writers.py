@@ -23,6 +23,7 @@ import anyio.abc
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from . import _offload
+from ._device import default_copier
 from ._engine import Engine, ProcessEngine, SaveFun, ThreadEngine
 from ._errors import WriterClosedError
 from ._handle import SaveHandle, SaveStats
@@ -66,6 +67,7 @@ class _Save:
     capture_error: BaseException | None = None
     abandoned: bool = False
     stall_s: float = 0.0
+    producers: object = None  # the device streams producing the tensors, seen from the loop
 
 
 class _WriterBase(abc.ABC):
@@ -89,6 +91,7 @@ class _WriterBase(abc.ABC):
         self._errors: list[BaseException] = []
         self._hooks: list[PostSaveHook] = []
         self._capture_lock = anyio.Lock()
+        self._copier = default_copier()
 
     # -- lifecycle ---------------------------------------------------------------------
     async def __aenter__(self) -> Self:
@@ -191,7 +194,11 @@ class _WriterBase(abc.ABC):
         self._raise_pending()
         path = self._storage.join(out_dir, filename) if out_dir else filename
         snapshot = capture(target, allow_pickle=self._allow_pickle or savefun is not None)
-        return await self._submit(_Save(SaveHandle(path), snapshot, savefun, t0))
+        save = _Save(SaveHandle(path), snapshot, savefun, t0)
+        if self._copier is not None:
+            tensors = [leaf.value for leaf in snapshot.leaves if leaf.kind == "tensor"]
+            save.producers = self._copier.producer_streams(tensors)
+        return await self._submit(save)
 
     @abc.abstractmethod
     async def _submit(self, save: _Save) -> SaveHandle:
@@ -205,7 +212,9 @@ class _WriterBase(abc.ABC):
     async def _capture_then(self, save: _Save, after: Callable[[_Save], Awaitable[None]]) -> None:
         try:
             async with self._capture_lock:
-                save.staged = await _offload.run_cpu(stage, save.snapshot, self._pool)
+                save.staged = await _offload.run_cpu(
+                    stage, save.snapshot, self._pool, self._copier, save.producers
+                )
         except BaseException as exc:
             save.capture_error = exc
             if not isinstance(exc, Exception):

@@ -1,0 +1,99 @@
+"""Measuring tools for the benchmarks: peak RSS, event-loop lag, cold caches."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * _PAGE
+
+
+class RssSampler:
+    """Peak RSS above the level at entry, sampled every millisecond by a thread.
+
+    (A thread, not a task: the peers block the event loop while they save.)
+    """
+
+    def __init__(self) -> None:
+        self.peak_extra = 0
+
+    def __enter__(self) -> RssSampler:
+        self._base = rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak_extra = max(self.peak_extra, rss() - self._base)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak_extra = max(self.peak_extra, rss() - self._base)
+
+
+@contextlib.contextmanager
+def loop_lag(period: float = 0.002) -> Iterator[list[float]]:
+    """Lateness of a task that wants to wake every ``period`` seconds, in seconds."""
+    lags: list[float] = []
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        yield lags
+        return
+
+    async def tick() -> None:
+        while True:
+            t0 = time.perf_counter()
+            await asyncio.sleep(period)
+            lags.append(max(0.0, time.perf_counter() - t0 - period))
+
+    task = asyncio.get_running_loop().create_task(tick())
+    try:
+        yield lags
+    finally:
+        task.cancel()
+
+
+def drop_cache(path: Path | str) -> None:
+    """Evict a file from the page cache, so the next read comes from the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def fsync_path(path: Path | str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def o_direct_supported(directory: Path) -> bool:
+    probe = directory / ".odirect-probe"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o644)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return False
+        raise
+    os.close(fd)
+    probe.unlink()
+    return hasattr(os, "O_DIRECT")

@@ -1,0 +1,498 @@
+"""aiosnap benchmark suite: physical limits, aiosnap, and peers, in one run on one state.
+
+    python benchmarks/bench.py [--size 1GiB] [--reps 5] [--dir DIR] [--sweeps] [--quick]
+
+Every figure is the median of ``--reps`` repetitions; the order of the methods rotates
+from one repetition to the next so that machine noise spreads evenly. Writers and
+stagers are opened, warmed with one save, measured, and closed within a repetition,
+so each method's peak RSS is its own. Results: ``benchmarks/results/latest.{md,json,png}``;
+``--publish`` also writes docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import aiosnap
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _harness import RssSampler, drop_cache, loop_lag, o_direct_supported
+from _peers import PEERS
+
+MiB = 1 << 20
+GiB = 1 << 30
+ROOT = Path(__file__).resolve().parent
+Result = dict[str, float]
+
+
+def parse_size(text: str) -> int:
+    units = {"kib": 1 << 10, "mib": MiB, "gib": GiB, "b": 1}
+    low = text.lower()
+    for unit, factor in units.items():
+        if low.endswith(unit):
+            return int(float(low[: -len(unit)]) * factor)
+    return int(low)
+
+
+def make_state(total: int) -> dict[str, Any]:
+    """Big fp32 tensors of 16 MiB, small tensors, and an optimizer-like dict with int keys."""
+    big = max(1, (total - 4 * MiB) // (16 * MiB))
+    piece = min(16 * MiB, total) // 4
+    state: dict[str, Any] = {f"layer{i}.weight": torch.randn(piece) for i in range(big)}
+    state["small"] = {f"bias{i}": torch.randn(1024) for i in range(100)}
+    state["optimizer"] = {
+        "state": {i: {"step": torch.tensor(float(i)), "exp_avg": torch.randn(2048)} for i in range(200)},
+        "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": list(range(200))}],
+    }
+    return state
+
+
+def state_bytes(state: Any) -> int:
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(state_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(state_bytes(v) for v in state)
+    return 0
+
+
+def tensors(state: Any) -> list[torch.Tensor]:
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        return [t for v in state.values() for t in tensors(v)]
+    if isinstance(state, (list, tuple)):
+        return [t for v in state for t in tensors(v)]
+    return []
+
+
+# -- physical limits ---------------------------------------------------------------------------
+
+
+class Limits:
+    def __init__(self, state: dict[str, Any], directory: Path) -> None:
+        self.parts = [t.reshape(-1).view(torch.uint8).numpy() for t in tensors(state)]
+        self.nbytes = sum(p.nbytes for p in self.parts)
+        self.buffer = np.frombuffer(_aligned(self.nbytes), dtype=np.uint8)
+        self.buffer[:] = 1  # touched once, reused: what a warm staging arena costs
+        self.path = directory / "raw.bin"
+
+    def copyto(self) -> Result:
+        t0 = time.perf_counter()
+        pos = 0
+        for p in self.parts:
+            np.copyto(self.buffer[pos : pos + p.nbytes], p)
+            pos += p.nbytes
+        return {"stall": time.perf_counter() - t0, "total": time.perf_counter() - t0}
+
+    def write(self, direct: bool) -> Result:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
+        length = -(-self.nbytes // 4096) * 4096
+        view = memoryview(self.buffer)[:length] if direct else memoryview(self.buffer)[: self.nbytes]
+        t0 = time.perf_counter()
+        fd = os.open(self.path, flags, 0o644)
+        try:
+            for start in range(0, len(view), 16 * MiB):
+                os.write(fd, view[start : start + 16 * MiB])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        total = time.perf_counter() - t0
+        return {"stall": total, "total": total}
+
+    def cold_read(self) -> Result:
+        self.write(direct=False)
+        drop_cache(self.path)
+        t0 = time.perf_counter()
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            view = memoryview(self.buffer)
+            for start in range(0, self.nbytes, 16 * MiB):
+                os.preadv(fd, [view[start : min(start + 16 * MiB, self.nbytes)]], start)
+        finally:
+            os.close(fd)
+        total = time.perf_counter() - t0
+        return {"stall": total, "total": total}
+
+
+def _aligned(n: int) -> Any:
+    import mmap
+
+    return mmap.mmap(-1, -(-n // 4096) * 4096)
+
+
+# -- aiosnap -------------------------------------------------------------------------------------
+
+
+def aiosnap_save(make_writer: Callable[[], Any], lag: bool = False) -> Callable[..., Awaitable[Result]]:
+    async def run(state: dict[str, Any], directory: Path, rss: RssSampler) -> Result:
+        # RSS counts from before the writer opens: its staging arenas are part of its cost.
+        with rss:
+            async with make_writer() as writer:
+                await (await writer("warm", str(directory), state)).wait()
+                with loop_lag() as lags:
+                    t0 = time.perf_counter()
+                    handle = await writer("ckpt", str(directory), state)
+                    stall = time.perf_counter() - t0
+                    stats = await handle.wait()
+                    total = time.perf_counter() - t0
+        result = {"stall": stall, "total": total, "write": stats.write_s, "fsync": stats.fsync_s}
+        if lag:
+            result["lag_p99_ms"] = float(np.percentile(lags, 99)) * 1e3 if lags else 0.0
+            result["lag_max_ms"] = max(lags, default=0.0) * 1e3
+        return result
+
+    return run
+
+
+async def aiosnap_load(state: dict[str, Any], directory: Path, rss: RssSampler, into: bool = False) -> Result:
+    path = directory / "load.snap"
+    await aiosnap.save(str(path), state)
+    target = {k: v for k, v in state.items()} if into else None
+    drop_cache(path)
+    with rss:
+        t0 = time.perf_counter()
+        if into:
+            await aiosnap.load_into(str(path), target)
+        else:
+            await aiosnap.load(str(path))
+        total = time.perf_counter() - t0
+    return {"stall": total, "total": total}
+
+
+METHODS: dict[str, Callable[..., Awaitable[Result]]] = {
+    "aiosnap SimpleWriter (thread)": aiosnap_save(lambda: aiosnap.SimpleWriter()),
+    "aiosnap StandardWriter (thread)": aiosnap_save(lambda: aiosnap.StandardWriter()),
+    "aiosnap StandardWriter (process)": aiosnap_save(lambda: aiosnap.StandardWriter(offload="process")),
+    "aiosnap QueueWriter (thread)": aiosnap_save(lambda: aiosnap.QueueWriter(), lag=True),
+    "aiosnap QueueWriter (process)": aiosnap_save(lambda: aiosnap.QueueWriter(offload="process"), lag=True),
+    "aiosnap load (cold)": aiosnap_load,
+    "aiosnap load_into (cold)": lambda s, d, r: aiosnap_load(s, d, r, into=True),
+}
+
+
+async def measure_all(
+    state: dict[str, Any], directory: Path, reps: int, direct: bool
+) -> dict[str, list[Result]]:
+    limits = Limits(state, directory)
+    sync_methods: dict[str, Callable[[], Result]] = {
+        "limit: np.copyto into a reused buffer": limits.copyto,
+        "limit: write + fsync, buffered": lambda: limits.write(direct=False),
+        "limit: cold read": limits.cold_read,
+    }
+    if direct:
+        sync_methods["limit: write + fsync, O_DIRECT"] = lambda: limits.write(direct=True)
+    names = [*sync_methods, *METHODS, *PEERS]
+    results: dict[str, list[Result]] = {n: [] for n in names}
+    for rep in range(reps):
+        order = names[rep % len(names) :] + names[: rep % len(names)]
+        for name in order:
+            rss = RssSampler()
+            if name in sync_methods:
+                with rss:
+                    result = sync_methods[name]()
+            elif name in METHODS:
+                result = await METHODS[name](state, directory, rss)
+            else:
+                result = await asyncio.to_thread(PEERS[name], state, directory, rss)
+            result["rss_extra"] = rss.peak_extra
+            results[name].append(result)
+            _clean(directory)
+        print(f"  repetition {rep + 1}/{reps} done", flush=True)
+    return results
+
+
+def _clean(directory: Path) -> None:
+    for p in directory.iterdir():
+        if p.is_dir():
+            for q in p.iterdir():
+                q.unlink()
+            p.rmdir()
+        else:
+            p.unlink()
+
+
+# -- sweeps -----------------------------------------------------------------------------------------
+
+
+async def sweep_sizes(directory: Path, sizes: list[int], reps: int) -> list[dict[str, float]]:
+    rows = []
+    for size in sizes:
+        state = make_state(size)
+        nbytes = state_bytes(state)
+        limits = Limits(state, directory)
+        totals, stalls, raws = [], [], []
+        for _ in range(reps):
+            raws.append(limits.write(direct=o_direct_supported(directory))["total"])
+            r = await aiosnap_save(lambda: aiosnap.QueueWriter())(state, directory, RssSampler())
+            totals.append(r["total"])
+            stalls.append(r["stall"])
+            _clean(directory)
+        rows.append(
+            {
+                "bytes": nbytes,
+                "stall": statistics.median(stalls),
+                "total": statistics.median(totals),
+                "raw": statistics.median(raws),
+            }
+        )
+        print(f"  size {nbytes / MiB:.0f} MiB done", flush=True)
+        del state, limits
+    return rows
+
+
+async def sweep_counts(directory: Path, counts: list[int], reps: int) -> list[dict[str, float]]:
+    rows = []
+    for n in counts:
+        state = {f"t{i}": torch.randn(1024) for i in range(n)}  # 4 KiB each
+        totals, stalls = [], []
+        async with aiosnap.QueueWriter() as writer:
+            await (await writer("warm", str(directory), state)).wait()
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                handle = await writer("ckpt", str(directory), state)
+                stalls.append(time.perf_counter() - t0)
+                stats = await handle.wait()
+                totals.append(time.perf_counter() - t0 - stats.fsync_s)
+        rows.append(
+            {"tensors": n, "stall": statistics.median(stalls), "total_minus_fsync": statistics.median(totals)}
+        )
+        _clean(directory)
+        print(f"  {n} tensors done", flush=True)
+    return rows
+
+
+async def tiny_saves(directory: Path, count: int) -> dict[str, float]:
+    costs, fsyncs = [], []
+    async with aiosnap.QueueWriter() as writer:
+        for i in range(count):
+            t0 = time.perf_counter()
+            handle = await writer("tiny", str(directory), {"step": i, "x": torch.ones(4)})
+            stats = await handle.wait()
+            costs.append(time.perf_counter() - t0 - stats.fsync_s)
+            fsyncs.append(stats.fsync_s)
+    return {
+        "saves": count,
+        "median_ms_beyond_fsync": statistics.median(costs) * 1e3,
+        "median_fsync_ms": statistics.median(fsyncs) * 1e3,
+    }
+
+
+def slope(xs: list[float], ys: list[float]) -> float:
+    if len(xs) < 2:
+        return float("nan")
+    return float(np.polyfit(np.array(xs, dtype=float), np.array(ys, dtype=float), 1)[0])
+
+
+# -- report -----------------------------------------------------------------------------------------
+
+
+def machine() -> dict[str, str]:
+    cpu = "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
+    return {
+        "cpu": cpu,
+        "cores": str(os.cpu_count()),
+        "memory": f"{mem:.0f} GiB",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+
+
+def summarize(results: dict[str, list[Result]], nbytes: int) -> dict[str, dict[str, float]]:
+    summary = {}
+    for name, runs in results.items():
+        keys = {k for r in runs for k in r}
+        summary[name] = {k: statistics.median(r[k] for r in runs if k in r) for k in keys}
+        summary[name]["gbps"] = nbytes / summary[name]["total"] / 1e9
+    return summary
+
+
+def render(
+    summary: dict[str, dict[str, float]], nbytes: int, info: dict[str, Any], extra: dict[str, Any]
+) -> str:
+    lim = {k.removeprefix("limit: "): v for k, v in summary.items() if k.startswith("limit: ")}
+    copy = lim["np.copyto into a reused buffer"]["total"]
+    write = lim.get("write + fsync, O_DIRECT", lim["write + fsync, buffered"])["total"]
+    read = lim["cold read"]["total"]
+    lines = [
+        f"State: {nbytes / GiB:.2f} GiB ({extra['tensor_count']} tensors); medians of {extra['reps']} "
+        f"rotated repetitions; directory on {extra['fs']}"
+        f"{'' if extra['direct'] else ' (O_DIRECT unavailable: buffered)'}.",
+        "",
+        "Machine: " + ", ".join(f"{k} {v}" for k, v in info.items()),
+        "",
+        "| method | stall s | call->durable s | GB/s | stall / copyto | total / raw write | "
+        "total / raw read | peak extra RSS / state | loop lag p99 ms |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, s in summary.items():
+        is_load = _is_load(name)
+        vs_write = "" if is_load else f"{s['total'] / write:.2f}"
+        vs_read = f"{s['total'] / read:.2f}" if is_load else ""
+        lag = f"{s['lag_p99_ms']:.1f}" if "lag_p99_ms" in s else ""
+        lines.append(
+            f"| {name} | {s['stall']:.3f} | {s['total']:.3f} | {s['gbps']:.2f} | {s['stall'] / copy:.2f} | "
+            f"{vs_write} | {vs_read} | {s.get('rss_extra', 0) / nbytes:.2f} | {lag} |"
+        )
+    for title, rows in (
+        ("Size sweep (QueueWriter, thread)", extra.get("sizes")),
+        ("Tensor-count sweep (4 KiB tensors, QueueWriter)", extra.get("counts")),
+    ):
+        if rows:
+            lines += ["", f"### {title}", "", "| " + " | ".join(rows[0]) + " |", "|---" * len(rows[0]) + "|"]
+            lines += ["| " + " | ".join(f"{v:.4g}" for v in r.values()) + " |" for r in rows]
+    for key in ("size_slope", "count_slope", "tiny"):
+        if key in extra:
+            lines += ["", f"- {key}: {extra[key]}"]
+    return "\n".join(lines) + "\n"
+
+
+def _is_load(name: str) -> bool:
+    return "load" in name or name.endswith("cold read")
+
+
+def chart(summary: dict[str, dict[str, float]], sizes: list[dict[str, float]] | None, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2 if sizes else 1, figsize=(15 if sizes else 10, 6), squeeze=False)
+    names = [n for n in summary if not _is_load(n)]
+    ys = np.arange(len(names))
+    ax = axes[0][0]
+    ax.barh(ys - 0.2, [summary[n]["stall"] for n in names], 0.4, label="stall")
+    ax.barh(ys + 0.2, [summary[n]["total"] for n in names], 0.4, label="call -> durable")
+    ax.set_yticks(ys, names, fontsize=7)
+    ax.set_xlabel("seconds (median)")
+    ax.legend()
+    ax.set_title("save: stall and call->durable")
+    if sizes:
+        ax = axes[0][1]
+        gib = [r["bytes"] / GiB for r in sizes]
+        for key in ("stall", "total", "raw"):
+            ax.plot(gib, [r[key] for r in sizes], marker="o", label=key)
+        ax.set_xlabel("state GiB")
+        ax.set_ylabel("seconds")
+        ax.set_title("cost vs size")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    warnings.simplefilter("ignore")
+    directory = Path(args.dir or tempfile.mkdtemp(prefix="aiosnap-bench-", dir=ROOT)).resolve()
+    directory.mkdir(parents=True, exist_ok=True)
+    direct = o_direct_supported(directory)
+    if not direct:
+        print(f"note: O_DIRECT is not supported on {directory}; raw and aiosnap writes fall back to buffered")
+    size = parse_size(args.size)
+    state = make_state(size)
+    nbytes = state_bytes(state)
+    print(f"benchmarking {nbytes / MiB:.0f} MiB in {directory}, {args.reps} repetitions", flush=True)
+    results = await measure_all(state, directory, args.reps, direct)
+    summary = summarize(results, nbytes)
+    extra: dict[str, Any] = {
+        "reps": args.reps,
+        "direct": direct,
+        "fs": _fs_type(directory),
+        "tensor_count": len(tensors(state)),
+    }
+    del state
+    if args.sweeps:
+        sizes = [parse_size(s) for s in args.sweep_sizes.split(",")]
+        extra["sizes"] = await sweep_sizes(directory, sizes, max(1, args.reps // 2))
+        rows = extra["sizes"]
+        extra["size_slope"] = (
+            f"aiosnap {slope([r['bytes'] for r in rows], [r['total'] for r in rows]) * GiB:.3f} s/GiB, "
+            f"raw write {slope([r['bytes'] for r in rows], [r['raw'] for r in rows]) * GiB:.3f} s/GiB"
+        )
+        counts = [int(c) for c in args.sweep_counts.split(",")]
+        extra["counts"] = await sweep_counts(directory, counts, max(1, args.reps // 2))
+        rows = extra["counts"]
+        per = slope([r["tensors"] for r in rows], [r["total_minus_fsync"] for r in rows])
+        extra["count_slope"] = f"{per * 1e6:.1f} us per tensor (call->durable minus fsync)"
+        extra["tiny"] = await tiny_saves(directory, args.tiny)
+    out = ROOT / "results"
+    out.mkdir(exist_ok=True)
+    info = machine()
+    table = render(summary, nbytes, info, extra)
+    (out / "latest.md").write_text(table)
+    (out / "latest.json").write_text(
+        json.dumps({"machine": info, "summary": summary, "extra": extra}, indent=1)
+    )
+    chart(summary, extra.get("sizes"), out / "latest.png")
+    print(table)
+    if args.publish:
+        docs = ROOT.parent / "docs" / "benchmarks.md"
+        docs.write_text(
+            "# Benchmarks\n\nRerun with `nox -s bench -- --sweeps --publish`. Latest run:\n\n"
+            + table
+            + "\n![chart](../benchmarks/results/latest.png)\n"
+        )
+    _clean(directory)
+    if not args.dir:
+        directory.rmdir()
+
+
+def _fs_type(directory: Path) -> str:
+    best, fstype = "", "?"
+    try:
+        for line in Path("/proc/mounts").read_text().splitlines():
+            parts = line.split()
+            if str(directory).startswith(parts[1]) and len(parts[1]) > len(best):
+                best, fstype = parts[1], parts[2]
+    except OSError:
+        pass
+    return fstype
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--size", default="1GiB", help="state size, e.g. 64MiB or 1GiB")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--dir", help="scratch directory on the disk to measure (default: under benchmarks/)")
+    parser.add_argument("--sweeps", action="store_true", help="also sweep size, tensor count, tiny saves")
+    parser.add_argument("--sweep-sizes", default="64MiB,256MiB,1GiB,4GiB")
+    parser.add_argument("--sweep-counts", default="10,1000,10000,100000")
+    parser.add_argument("--tiny", type=int, default=1000, help="saves of a tiny state")
+    parser.add_argument("--publish", action="store_true", help="write docs/benchmarks.md")
+    parser.add_argument("--quick", action="store_true", help="smoke test: 64MiB, 1 repetition, small sweeps")
+    args = parser.parse_args()
+    if args.quick:
+        args.size, args.reps, args.sweeps = "64MiB", 1, True
+        args.sweep_sizes, args.sweep_counts, args.tiny = "16MiB,64MiB", "10,100", 20
+    asyncio.run(main_async(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""Device-to-host copies for staging: CUDA streams and events, behind a small Protocol.
+
+A CUDA tensor is copied into the (pinned) staging arena on a side stream that first
+waits for the producer's stream -- the stream that was current on the event-loop
+thread when the save was called, since current streams are per thread -- with
+``copy_(non_blocking=True)``; ``record_stream`` keeps the caching allocator from
+reusing the source early, and an event marks the end. The staging thread blocks on
+that event (the event loop never does) before it reads a byte of the copies.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class DeviceCopier(Protocol):
+    """Copies device tensors into host memory asynchronously."""
+
+    def is_device(self, t: torch.Tensor) -> bool:
+        """Whether this copier handles ``t``."""
+
+    def producer_streams(self, tensors: list[torch.Tensor]) -> Any:
+        """Called on the event-loop thread at capture: the streams producing ``tensors``."""
+
+    def pin(self, array: Any) -> None:
+        """Make a host buffer usable as the target of asynchronous copies (once per arena)."""
+
+    def start(self, src: torch.Tensor, dst: torch.Tensor, producers: Any) -> None:
+        """Enqueue ``dst.copy_(src)``; ``dst`` must not be read before ``finish``."""
+
+    def finish(self) -> None:
+        """Block until every copy started so far has completed."""
+
+
+def host_view(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dst, src) viewed with a dtype every copy kernel has (same-width integers)."""
+    as_int = _SAME_WIDTH_INT.get(src.dtype.itemsize, src.dtype)
+    return dst.view(as_int).view(src.shape), src.view(as_int)
+
+
+class CudaCopier:
+    """The real thing: one side stream per device, one event per started batch."""
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, Any] = {}
+        self._events: list[Any] = []
+        self._pinned: set[int] = set()
+
+    def is_device(self, t: torch.Tensor) -> bool:
+        return t.device.type == "cuda"
+
+    def producer_streams(self, tensors: list[torch.Tensor]) -> dict[torch.device, Any]:
+        return {t.device: torch.cuda.current_stream(t.device) for t in tensors if self.is_device(t)}
+
+    def pin(self, array: Any) -> None:
+        address = int(array.ctypes.data)
+        if address in self._pinned or not torch.cuda.is_available():
+            return
+        # Register the arena with the driver once; it stays registered while reused.
+        torch.cuda.cudart().cudaHostRegister(address, int(array.nbytes), 0)  # type: ignore[no-untyped-call]
+        self._pinned.add(address)
+
+    def start(self, src: torch.Tensor, dst: torch.Tensor, producers: Any) -> None:
+        side = self._streams.get(src.device)
+        if side is None:
+            side = self._streams[src.device] = torch.cuda.Stream(src.device)  # type: ignore[no-untyped-call]
+        side.wait_stream(producers[src.device])
+        with torch.cuda.stream(side):
+            dst.copy_(src, non_blocking=True)
+        src.record_stream(side)
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(side)
+        self._events.append(event)
+
+    def finish(self) -> None:
+        events, self._events = self._events, []
+        for event in events:
+            event.synchronize()
+
+
+def default_copier() -> DeviceCopier | None:
+    return CudaCopier() if torch.cuda.is_available() else None
