@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -332,3 +333,61 @@ async def test_cancelling_wait_does_not_cancel_the_save(tmp_path: Path) -> None:
                 await handle.wait()
         gate.set()
         assert (await handle.wait()).bytes > 0
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+async def test_memory_stays_flat_across_20_saves(tmp_path: Path) -> None:
+    state = {f"w{i}": torch.randn(1 << 20) for i in range(16)}  # 64 MiB
+    async with aiosnap.QueueWriter() as writer:
+        for i in range(20):
+            await (await writer("ckpt", str(tmp_path), state)).wait()
+            if i == 1:
+                after_second = _rss()
+        growth = _rss() - after_second
+    assert growth < 8 << 20, f"RSS grew by {growth >> 20} MiB over 18 saves"
+
+
+@pytest.mark.parametrize("offload", ["thread", "process"])
+async def test_a_state_larger_than_the_budget_is_written_in_pieces(offload: str, tmp_path: Path) -> None:
+    state = {"big": torch.randn(3 << 20), "t": torch.randn(64, 64).t(), "a": np.arange(10), "n": 3}  # 12 MiB
+    async with aiosnap.QueueWriter(max_host_bytes=4 << 20, offload=offload) as writer:  # type: ignore[arg-type]
+        handle = await writer("ckpt", str(tmp_path), state)
+        assert handle.done()  # bounded memory: the save finished inside the call
+        assert writer._pool._in_use == 0 and writer._pool._free == []
+        stats = await handle.wait()
+        small = await writer("small", str(tmp_path), {"x": torch.ones(10)})
+        await small.wait()
+    assert stats.bytes == (tmp_path / "ckpt").stat().st_size
+    loaded = await aiosnap.load(str(tmp_path / "ckpt"))
+    assert torch.equal(loaded["big"], state["big"]) and torch.equal(loaded["t"], state["t"])
+    assert (loaded["a"] == np.arange(10)).all() and loaded["n"] == 3
+    assert temp_files(tmp_path) == []
+
+
+async def test_queued_saves_count_against_the_budget(tmp_path: Path) -> None:
+    gate = asyncio.Event()
+    state = {"x": torch.randn(1 << 20)}  # 4 MiB: an arena of 5 MiB with the header
+    async with aiosnap.QueueWriter(max_pending=3, max_host_bytes=12 << 20) as writer:
+        writer.add_post_save_hook(_waiter(gate))
+        await writer("a", str(tmp_path), state)
+        await writer("b", str(tmp_path), state)
+        third = asyncio.create_task(writer("c", str(tmp_path), state))
+        await asyncio.sleep(0.2)
+        assert not third.done()  # two arenas in use: a third does not fit until one is released
+        assert writer._pool._in_use <= 12 << 20
+        gate.set()
+        await (await third).wait()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "c"]
+
+
+async def test_cancel_during_a_save_in_pieces_commits_nothing(tmp_path: Path) -> None:
+    state = {f"w{i}": torch.randn(1 << 20) for i in range(64)}  # 256 MiB through a 2 MiB buffer
+    async with aiosnap.QueueWriter(max_host_bytes=2 << 20) as writer:
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.05):
+                await writer("ckpt", str(tmp_path), state)
+    assert not (tmp_path / "ckpt").exists() and temp_files(tmp_path) == []

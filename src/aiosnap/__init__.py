@@ -69,6 +69,7 @@ from ._writers import StandardWriter as StandardWriter
 from ._writers import ThreadQueueWriter as ThreadQueueWriter
 from ._writers import ThreadWriter as ThreadWriter
 from ._writers import Writer as Writer
+from ._writers import WriterOptions as WriterOptions
 
 __version__ = "0.1.0"
 
@@ -116,6 +117,7 @@ __all__ = [
     "WorkerCrashedError",
     "Writer",
     "WriterClosedError",
+    "WriterOptions",
     "load",
     "load_into",
     "load_into_sync",

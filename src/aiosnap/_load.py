@@ -29,6 +29,9 @@ from ._tree import format_path, is_stateful, rebuild, walk_leaves
 
 #: verify() reads in pieces of this size, so it needs no memory for the tensors.
 _VERIFY_PIECE = 64 << 20
+#: Neighbouring entries are read together, up to this many bytes and buffers per read.
+_READ_GROUP = 64 << 20
+_READ_IOVECS = 512
 
 MapLocation = str | torch.device | None
 
@@ -90,7 +93,9 @@ def _load_blocking(
         try:
             if keys is not None:
                 tree = _prune(tree, list(keys), path)
-            return rebuild(tree, _Reader(f, header, map_location, allow_pickle).resolve)
+            reader = _Reader(f, header, map_location, allow_pickle)
+            reader.prefetch(tree)
+            return rebuild(tree, reader.resolve)
         except CheckpointError:
             raise
         except ValueError as exc:
@@ -117,35 +122,60 @@ class _Reader:
         return info
 
     def resolve(self, kind: str, name: str, path: tuple[object, ...]) -> object:
-        # A name reached twice (tied weights) resolves to the same object.
-        if name not in self.made:
+        return self.made[name]  # prefetch() read every leaf the tree refers to
+
+    def prefetch(self, tree: Any) -> None:
+        """Check every leaf the tree refers to, then read them all in file order.
+
+        Neighbouring entries are read with one scattered read each, straight into the
+        memory of the tensors and arrays that will be returned; checksums follow.
+        """
+        wanted: dict[str, TensorInfo] = {}
+        for path, kind, name in walk_leaves(tree):
             info = self.info(name)
             if info.kind != kind:
                 raise ValueError(f"{format_path(path)} is a {kind} but {name!r} is a {info.kind}")
-            self.made[name] = self.read(info, path)
-        return self.made[name]
+            if kind == "pickle" and not self.allow_pickle:
+                raise PickleNotAllowedError(
+                    f"{self.f.path}: {format_path(path)} is pickled; loading it runs code from the "
+                    "file, so it needs allow_pickle=True"
+                )
+            wanted[name] = info
+        infos = sorted(wanted.values(), key=lambda i: i.start)
+        made = {info.name: _allocate(info) for info in infos}
+        group: list[TensorInfo] = []
+        for info in infos:
+            if group and (info.start != group[-1].end or len(group) >= _READ_IOVECS
+                          or info.end - group[0].start > _READ_GROUP):  # fmt: skip
+                self.read_group(group, made)
+                group = []
+            group.append(info)
+        if group:
+            self.read_group(group, made)
+        self.made = {name: self.finish(wanted[name], obj) for name, (obj, _) in made.items()}
 
-    def read(self, info: TensorInfo, path: tuple[object, ...]) -> object:
-        if info.kind == "pickle" and not self.allow_pickle:
-            raise PickleNotAllowedError(
-                f"{self.f.path}: {format_path(path)} is pickled; loading it runs code from the "
-                "file, so it needs allow_pickle=True"
-            )
+    def read_group(self, group: list[TensorInfo], made: dict[str, tuple[Any, Any]]) -> None:
+        views = [memoryview(made[info.name][1]) for info in group]
+        self.f.readinto_many(self.header.data_start + group[0].start, views)
+        for info, view in zip(group, views, strict=True):
+            if info.crc is not None and crc32c(view) != info.crc:
+                raise CorruptCheckpointError(self.f.path, f"checksum mismatch in tensor {info.name!r}")
+
+    def finish(self, info: TensorInfo, obj: Any) -> object:
         if info.kind == "tensor":
-            tensor = torch.empty(info.shape, dtype=_dtypes.TORCH_DTYPES[info.dtype])
-            self.fill(info, tensor.reshape(-1).view(torch.uint8).numpy())
-            return tensor if self.map_location is None else tensor.to(self.map_location)
-        array = np.empty(info.shape, dtype=np.dtype(info.dtype))
-        self.fill(info, array.reshape(-1).view(np.uint8))
+            return obj if self.map_location is None else obj.to(self.map_location)
         if info.kind == "pickle":
-            return pickle.loads(array.tobytes())  # the caller opted in
-        return array[()] if info.kind == "npscalar" else array
+            return pickle.loads(obj.tobytes())  # the caller opted in
+        return obj[()] if info.kind == "npscalar" else obj
 
-    def fill(self, info: TensorInfo, dst: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
-        if info.nbytes:
-            self.f.readinto(self.header.data_start + info.start, memoryview(dst))  # type: ignore[arg-type]
-        if info.crc is not None and crc32c(memoryview(dst)) != info.crc:  # type: ignore[arg-type]
-            raise CorruptCheckpointError(self.f.path, f"checksum mismatch in tensor {info.name!r}")
+
+def _allocate(info: TensorInfo) -> tuple[Any, np.ndarray[Any, np.dtype[np.uint8]]]:
+    """The object an entry becomes, and its bytes as a flat uint8 array to read into."""
+    if info.kind == "tensor":
+        tensor = torch.empty(info.shape, dtype=_dtypes.TORCH_DTYPES[info.dtype])
+        return tensor, tensor.reshape(-1).view(torch.uint8).numpy()
+    array = np.empty(info.shape, dtype=np.dtype(info.dtype))
+    return array, array.reshape(-1).view(np.uint8)
 
 
 def _prune(tree: Any, keys: list[str], path: str) -> Any:

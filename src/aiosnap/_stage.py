@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import functools
 import mmap
+import os
 import pickle
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 from typing import Any
@@ -24,9 +26,11 @@ import torch
 
 from . import _dtypes, _format
 from ._device import DeviceCopier, host_view
-from ._format import TensorInfo
+from ._errors import WriterClosedError
+from ._format import ALIGN, TensorInfo
 from ._tree import Leaf, Snapshot
 
+_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _SMALL = 256 << 10
 #: Arena sizes are rounded up to this, so a slightly larger next state reuses them.
 _GRAIN = 1 << 20
@@ -63,6 +67,8 @@ class Arena:
         return memoryview(self.array[start:end])  # type: ignore[arg-type]
 
     def close(self) -> None:
+        # Drop our own views first: an exported buffer cannot be unmapped.
+        self.__dict__.pop("tensor", None)
         self.array = np.empty(0, dtype=np.uint8)
         if self._map is not None:
             try:
@@ -80,39 +86,70 @@ class Arena:
 
 
 class ArenaPool:
-    """Arenas kept for reuse; thread-safe because staging threads take from it."""
+    """Arenas kept for reuse, within an optional byte budget.
 
-    def __init__(self, *, shared: bool, keep: int) -> None:
+    Thread-safe, because staging threads take from it. With a ``budget``, an arena
+    that does not fit beside the ones in use waits (in the staging thread, never on
+    the event loop) until a commit gives one back: saves waiting in a queue count
+    against the budget.
+    """
+
+    def __init__(self, *, shared: bool, keep: int, budget: int | None = None) -> None:
         self.shared = shared
+        self.budget = budget
         self._keep = keep
         self._free: list[Arena] = []
-        self._lock = threading.Lock()
+        self._in_use = 0
+        self._cond = threading.Condition()
         self._closed = False
 
     def acquire(self, nbytes: int) -> Arena:
-        with self._lock:
-            fits = [a for a in self._free if a.capacity >= nbytes]
-            if fits:
-                best = min(fits, key=lambda a: a.capacity)
-                self._free.remove(best)
-                return best
-        return Arena(max(_GRAIN, -(-nbytes // _GRAIN) * _GRAIN), shared=self.shared)
+        capacity = max(_GRAIN, -(-nbytes // _GRAIN) * _GRAIN)
+        if self.budget is not None:
+            capacity = max(nbytes, min(capacity, self.budget))
+        drop: list[Arena] = []
+        with self._cond:
+            while True:
+                if self._closed:
+                    raise WriterClosedError("the writer closed while a save waited for staging memory")
+                fits = [a for a in self._free if a.capacity >= nbytes]
+                if fits:
+                    arena = min(fits, key=lambda a: a.capacity)
+                    self._free.remove(arena)
+                    self._in_use += arena.capacity
+                    return arena
+                if self.budget is None or self._in_use + capacity <= self.budget:
+                    while (
+                        self.budget is not None
+                        and self._free
+                        and (self._in_use + capacity + sum(a.capacity for a in self._free) > self.budget)
+                    ):
+                        drop.append(self._free.pop(0))  # largest first
+                    self._in_use += capacity
+                    break
+                self._cond.wait()
+        for old in drop:
+            old.close()
+        return Arena(capacity, shared=self.shared)
 
     def release(self, arena: Arena) -> None:
-        with self._lock:
+        with self._cond:
+            self._in_use -= arena.capacity
             if not self._closed:
                 self._free.append(arena)
                 self._free.sort(key=lambda a: a.capacity, reverse=True)
                 drop, self._free = self._free[self._keep :], self._free[: self._keep]
             else:
                 drop = [arena]
+            self._cond.notify_all()
         for a in drop:
             a.close()
 
     def close(self) -> None:
-        with self._lock:
+        with self._cond:
             self._closed = True
             drop, self._free = self._free, []
+            self._cond.notify_all()
         for a in drop:
             a.close()
 
@@ -148,25 +185,47 @@ def _describe(leaf: Leaf) -> tuple[str, tuple[int, ...], int]:
     return dtype.str, tuple(value.shape), value.nbytes
 
 
-def stage(
-    snapshot: Snapshot, pool: ArenaPool, copier: DeviceCopier | None = None, producers: Any = None
-) -> StagedImage:
-    """Copy the snapshot's leaves into an arena and checksum them.
+@dataclass(slots=True)
+class Plan:
+    """The layout of a file image, fixed before any byte is copied."""
 
-    Device tensors (with a ``copier``) are copied first and asynchronously; host
-    tensors are staged while those copies run; their bytes are read (checksummed)
-    only after ``copier.finish()``.
-    """
-    t0 = time.perf_counter()
+    leaves: list[Leaf]
+    tensors: list[TensorInfo]
+    template: _format.HeaderTemplate
+    tree: Any
+
+    @property
+    def data_start(self) -> int:
+        return self.template.size
+
+    @property
+    def size(self) -> int:
+        return self.template.size + (self.tensors[-1].end if self.tensors else 0)
+
+
+def plan(snapshot: Snapshot) -> Plan:
+    """Pickle what must be pickled and lay the image out."""
     leaves = [_pickled(leaf) for leaf in snapshot.leaves]
     infos, pos = [], 0
     for leaf in leaves:
         dtype, shape, nbytes = _describe(leaf)
         infos.append(TensorInfo(leaf.name, leaf.kind, dtype, shape, pos, pos + nbytes, 0))
         pos += nbytes
-    template = _format.HeaderTemplate(infos, snapshot.tree)
-    data_start = template.size
-    arena = pool.acquire(data_start + pos)
+    return Plan(leaves, infos, _format.HeaderTemplate(infos, snapshot.tree), snapshot.tree)
+
+
+def stage(
+    layout: Plan, pool: ArenaPool, copier: DeviceCopier | None = None, producers: Any = None
+) -> StagedImage:
+    """Copy the planned leaves into an arena and checksum them.
+
+    Device tensors (with a ``copier``) are copied first and asynchronously; host
+    tensors are staged while those copies run; their bytes are read (checksummed)
+    only after ``copier.finish()``.
+    """
+    t0 = time.perf_counter()
+    leaves, infos, data_start = layout.leaves, layout.tensors, layout.data_start
+    arena = pool.acquire(layout.size)
     try:
         on_device = _start_device_copies(leaves, infos, arena, data_start, copier, producers)
         crcs = [0] * len(infos)
@@ -182,11 +241,69 @@ def stage(
                 start = data_start + infos[i].start
                 crcs[i] = _format.crc32c(arena.view(start, start + infos[i].nbytes))
         infos = [_with_crc(info, crc) for info, crc in zip(infos, crcs, strict=True)]
-        arena.array[:data_start] = np.frombuffer(template.render(crcs), dtype=np.uint8)
+        arena.array[:data_start] = np.frombuffer(layout.template.render(crcs), dtype=np.uint8)
     except BaseException:
         pool.release(arena)
         raise
-    return StagedImage(arena, data_start + pos, data_start, infos, snapshot.tree, time.perf_counter() - t0)
+    return StagedImage(arena, layout.size, data_start, infos, layout.tree, time.perf_counter() - t0)
+
+
+def stage_or_plan(
+    snapshot: Snapshot, pool: ArenaPool, copier: DeviceCopier | None = None, producers: Any = None
+) -> StagedImage | Plan:
+    """Stage the snapshot; or, if its image is larger than the pool's budget, only plan it."""
+    layout = plan(snapshot)
+    if pool.budget is not None and layout.size > pool.budget:
+        return layout
+    return stage(layout, pool, copier, producers)
+
+
+def write_in_pieces(layout: Plan, path: str, piece: int, stop: Callable[[], bool]) -> None:
+    """Stage and write an image larger than the memory budget through one ``piece``-byte
+    buffer into the file at ``path``: the data, each leaf's bytes in order, then the
+    header with the checksums. ``stop()`` is asked before each piece."""
+    buffer = Arena(max(ALIGN, piece // ALIGN * ALIGN), shared=False)
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        crcs, filled, file_pos = [], 0, layout.data_start
+        for leaf, info in zip(layout.leaves, layout.tensors, strict=True):
+            crc, flat = 0, _flat_bytes(leaf)
+            for lo in range(0, info.nbytes, buffer.capacity):
+                if stop():
+                    raise WriterClosedError("the caller was cancelled during a save in pieces")
+                chunk = flat[lo : lo + buffer.capacity]
+                if filled + len(chunk) > buffer.capacity:
+                    _pwrite_all(fd, buffer.view(0, filled), file_pos)
+                    file_pos, filled = file_pos + filled, 0
+                buffer.array[filled : filled + len(chunk)] = chunk
+                crc = _format.crc32c(buffer.view(filled, filled + len(chunk)), crc)
+                filled += len(chunk)
+            crcs.append(crc)
+        _pwrite_all(fd, buffer.view(0, filled), file_pos)
+        _pwrite_all(fd, memoryview(layout.template.render(crcs)), 0)
+    finally:
+        os.close(fd)
+        buffer.close()
+
+
+def _flat_bytes(leaf: Leaf) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    value = leaf.value
+    if leaf.kind == "pickle":
+        return np.frombuffer(value, dtype=np.uint8)
+    if leaf.kind == "tensor":
+        t = value.detach().cpu().resolve_conj().resolve_neg().contiguous()
+        as_int = _SAME_WIDTH_INT.get(t.dtype.itemsize, t.dtype)
+        raw: np.ndarray[Any, np.dtype[np.uint8]] = t.view(as_int).reshape(-1).view(torch.uint8).numpy()
+        return raw
+    file_dtype = _dtypes.numpy_file_dtype(value.dtype)
+    flat: np.ndarray[Any, np.dtype[np.uint8]] = np.ascontiguousarray(value, dtype=file_dtype).reshape(-1)
+    return flat.view(np.uint8)
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    while len(view):
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
 
 
 def _start_device_copies(

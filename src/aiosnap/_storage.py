@@ -46,6 +46,9 @@ class ReadHandle(Protocol):
     def readinto(self, offset: int, buf: memoryview) -> None:
         """Fill ``buf`` from ``offset``; a short read raises CorruptCheckpointError."""
 
+    def readinto_many(self, offset: int, bufs: list[memoryview]) -> None:
+        """Fill ``bufs`` one after the other from ``offset`` (a scattered read)."""
+
     def close(self) -> None:
         """Release the file."""
 
@@ -121,6 +124,15 @@ class _LocalReadHandle:
                     self.path, f"truncated: wanted {len(buf)} bytes at offset {offset}"
                 )
             done += n
+
+    def readinto_many(self, offset: int, bufs: list[memoryview]) -> None:
+        bufs = [b for b in bufs if len(b)]
+        done = os.preadv(self._fd, bufs, offset) if bufs else 0
+        for buf in bufs:  # a short read: finish buffer by buffer
+            if done < len(buf):
+                self.readinto(offset + done, buf[done:])
+            done = max(0, done - len(buf))
+            offset += len(buf)
 
     def close(self) -> None:
         os.close(self._fd)

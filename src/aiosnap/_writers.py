@@ -16,7 +16,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Literal, Protocol, Self, final
+from typing import Literal, Protocol, Self, TypedDict, Unpack, final
 
 import anyio
 import anyio.abc
@@ -27,7 +27,7 @@ from ._device import default_copier
 from ._engine import Engine, ProcessEngine, SaveFun, ThreadEngine
 from ._errors import WriterClosedError
 from ._handle import SaveHandle, SaveStats
-from ._stage import ArenaPool, StagedImage, stage
+from ._stage import ArenaPool, Plan, StagedImage, stage_or_plan, write_in_pieces
 from ._storage import LocalStorage, Storage
 from ._tree import Snapshot, capture
 
@@ -35,7 +35,23 @@ logger = logging.getLogger(__name__)
 
 Offload = Literal["thread", "process"]
 WhenFull = Literal["block", "skip", "replace"]
+#: Below this, a budget could not even hold one header page and one piece.
+_MIN_BUDGET = 1 << 20
 PostSaveHook = Callable[[SaveStats], object] | Callable[[SaveStats], Awaitable[object]]
+
+
+class WriterOptions(TypedDict, total=False):
+    """Options every writer takes (keyword-only).
+
+    ``storage``: where files go (LocalStorage by default). ``allow_pickle``: store
+    values that are not state types pickled. ``max_host_bytes``: the most host memory
+    staging may hold, queued saves included; a state larger than that is staged and
+    written in pieces before the call returns.
+    """
+
+    storage: Storage | None
+    allow_pickle: bool
+    max_host_bytes: int | None
 
 
 class Writer(Protocol):
@@ -68,6 +84,7 @@ class _Save:
     abandoned: bool = False
     stall_s: float = 0.0
     producers: object = None  # the device streams producing the tensors, seen from the loop
+    stats: SaveStats | None = None  # set when the save was written in pieces during capture
 
 
 class _WriterBase(abc.ABC):
@@ -76,14 +93,21 @@ class _WriterBase(abc.ABC):
     _arenas_kept = 1
 
     def __init__(
-        self, *, offload: Offload = "thread", storage: Storage | None = None, allow_pickle: bool = False
+        self,
+        *,
+        offload: Offload = "thread",
+        storage: Storage | None = None,
+        allow_pickle: bool = False,
+        max_host_bytes: int | None = None,
     ) -> None:
         if offload not in ("thread", "process"):
             raise ValueError(f"offload must be 'thread' or 'process', not {offload!r}")
+        if max_host_bytes is not None and max_host_bytes < _MIN_BUDGET:
+            raise ValueError(f"max_host_bytes must be at least {_MIN_BUDGET}")
         self.offload = offload
         self._storage: Storage = storage if storage is not None else LocalStorage()
         self._engine: Engine = ProcessEngine() if offload == "process" else ThreadEngine()
-        self._pool = ArenaPool(shared=self._engine.shared, keep=self._arenas_kept)
+        self._pool = ArenaPool(shared=self._engine.shared, keep=self._arenas_kept, budget=max_host_bytes)
         self._allow_pickle = allow_pickle
         self._tg: anyio.abc.TaskGroup | None = None
         self._state: Literal["new", "open", "closing", "closed"] = "new"
@@ -212,9 +236,13 @@ class _WriterBase(abc.ABC):
     async def _capture_then(self, save: _Save, after: Callable[[_Save], Awaitable[None]]) -> None:
         try:
             async with self._capture_lock:
-                save.staged = await _offload.run_cpu(
-                    stage, save.snapshot, self._pool, self._copier, save.producers
+                staged = await _offload.run_cpu(
+                    stage_or_plan, save.snapshot, self._pool, self._copier, save.producers
                 )
+                if isinstance(staged, Plan):
+                    save.stats = await self._commit_in_pieces(save, staged)
+                else:
+                    save.staged = staged
         except BaseException as exc:
             save.capture_error = exc
             if not isinstance(exc, Exception):
@@ -226,7 +254,29 @@ class _WriterBase(abc.ABC):
         if save.capture_error is not None or save.abandoned:
             self._drop(save, save.capture_error or WriterClosedError("the caller was cancelled"))
             return
+        if save.stats is not None:  # written in pieces during the capture: nothing follows
+            self._settle(save, None, save.stats)
+            self._dropped(save)
+            return
         await after(save)
+
+    async def _commit_in_pieces(self, save: _Save, layout: Plan) -> SaveStats:
+        """A state larger than ``max_host_bytes``: staged and written through a buffer of
+        that size before the call returns (slower, but bounded). A caller cancelled
+        meanwhile stops it between two pieces, and nothing is committed."""
+        budget = self._pool.budget
+        assert budget is not None
+
+        def produce(tmp: str) -> None:
+            write_in_pieces(layout, tmp, budget, lambda: save.abandoned)
+
+        path = save.handle.path
+        times = await _offload.run_io(self._storage.write_atomic_with, path, produce)
+        total = time.perf_counter() - save.t0
+        stats = SaveStats(path, layout.size, total, 0.0, times.write_s, times.fsync_s, total)
+        for hook in self._hooks:
+            await _call_hook(hook, stats)
+        return stats
 
     def _drop(self, save: _Save, error: BaseException) -> None:
         self._settle(save, error)
@@ -316,10 +366,8 @@ class SimpleWriter(_WriterBase):
 class StandardWriter(_WriterBase):
     """One save in flight: a call first waits for the previous save to be durable."""
 
-    def __init__(
-        self, *, offload: Offload = "thread", storage: Storage | None = None, allow_pickle: bool = False
-    ) -> None:
-        super().__init__(offload=offload, storage=storage, allow_pickle=allow_pickle)
+    def __init__(self, *, offload: Offload = "thread", **options: Unpack[WriterOptions]) -> None:
+        super().__init__(offload=offload, **options)
         self._last: _Save | None = None
         self._turn = anyio.Lock()
 
@@ -338,16 +386,16 @@ class StandardWriter(_WriterBase):
 class ThreadWriter(StandardWriter):
     """StandardWriter committing in a worker thread (the seeds' ThreadWriter)."""
 
-    def __init__(self, *, storage: Storage | None = None, allow_pickle: bool = False) -> None:
-        super().__init__(offload="thread", storage=storage, allow_pickle=allow_pickle)
+    def __init__(self, **options: Unpack[WriterOptions]) -> None:
+        super().__init__(offload="thread", **options)
 
 
 @final
 class ProcessWriter(StandardWriter):
     """StandardWriter committing in a worker process (the seeds' ProcessWriter)."""
 
-    def __init__(self, *, storage: Storage | None = None, allow_pickle: bool = False) -> None:
-        super().__init__(offload="process", storage=storage, allow_pickle=allow_pickle)
+    def __init__(self, **options: Unpack[WriterOptions]) -> None:
+        super().__init__(offload="process", **options)
 
 
 class QueueWriter(_WriterBase):
@@ -366,15 +414,14 @@ class QueueWriter(_WriterBase):
         max_pending: int = 2,
         when_full: WhenFull = "block",
         offload: Offload = "thread",
-        storage: Storage | None = None,
-        allow_pickle: bool = False,
+        **options: Unpack[WriterOptions],
     ) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be at least 1, not {max_pending}")
         if when_full not in ("block", "skip", "replace"):
             raise ValueError(f"when_full must be 'block', 'skip' or 'replace', not {when_full!r}")
         self._arenas_kept = max_pending + 1
-        super().__init__(offload=offload, storage=storage, allow_pickle=allow_pickle)
+        super().__init__(offload=offload, **options)
         self.max_pending = max_pending
         self.when_full = when_full
         self._slots = anyio.Semaphore(max_pending)
@@ -433,20 +480,9 @@ class ThreadQueueWriter(QueueWriter):
     """QueueWriter committing in a worker thread (the seeds' ThreadQueueWriter)."""
 
     def __init__(
-        self,
-        *,
-        max_pending: int = 2,
-        when_full: WhenFull = "block",
-        storage: Storage | None = None,
-        allow_pickle: bool = False,
+        self, *, max_pending: int = 2, when_full: WhenFull = "block", **options: Unpack[WriterOptions]
     ) -> None:
-        super().__init__(
-            max_pending=max_pending,
-            when_full=when_full,
-            offload="thread",
-            storage=storage,
-            allow_pickle=allow_pickle,
-        )
+        super().__init__(max_pending=max_pending, when_full=when_full, offload="thread", **options)
 
 
 @final
@@ -454,17 +490,6 @@ class ProcessQueueWriter(QueueWriter):
     """QueueWriter committing in a worker process (the seeds' ProcessQueueWriter)."""
 
     def __init__(
-        self,
-        *,
-        max_pending: int = 2,
-        when_full: WhenFull = "block",
-        storage: Storage | None = None,
-        allow_pickle: bool = False,
+        self, *, max_pending: int = 2, when_full: WhenFull = "block", **options: Unpack[WriterOptions]
     ) -> None:
-        super().__init__(
-            max_pending=max_pending,
-            when_full=when_full,
-            offload="process",
-            storage=storage,
-            allow_pickle=allow_pickle,
-        )
+        super().__init__(max_pending=max_pending, when_full=when_full, offload="process", **options)
