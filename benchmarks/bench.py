@@ -5,7 +5,8 @@
 Every figure is the median of ``--reps`` repetitions; the order of the methods rotates
 from one repetition to the next so that machine noise spreads evenly. Writers and
 stagers are opened, warmed with one save, measured, and closed within a repetition,
-so each method's peak RSS is its own. Results: ``benchmarks/results/latest.{md,json,png}``;
+so each method's peak RSS is its own. Results: ``benchmarks/results/latest.{md,json,png}``
+(``--out`` elsewhere);
 ``--publish`` also writes docs/benchmarks.md.
 """
 
@@ -440,8 +441,8 @@ async def main_async(args: argparse.Namespace) -> None:
         per = slope([r["tensors"] for r in rows], [r["total_minus_fsync"] for r in rows])
         extra["count_slope"] = f"{per * 1e6:.1f} us per tensor (call->durable minus fsync)"
         extra["tiny"] = await tiny_saves(directory, args.tiny)
-    out = ROOT / "results"
-    out.mkdir(exist_ok=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     info = machine()
     table = render(summary, nbytes, info, extra)
     (out / "latest.md").write_text(table)
@@ -478,7 +479,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--size", default="1GiB", help="state size, e.g. 64MiB or 1GiB")
+    parser.add_argument("--size", help="state size, e.g. 64MiB or 1GiB (default 1GiB; 64MiB with --quick)")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--dir", help="scratch directory on the disk to measure (default: under benchmarks/)")
     parser.add_argument("--sweeps", action="store_true", help="also sweep size, tensor count, tiny saves")
@@ -486,11 +487,13 @@ def main() -> None:
     parser.add_argument("--sweep-counts", default="10,1000,10000,100000")
     parser.add_argument("--tiny", type=int, default=1000, help="saves of a tiny state")
     parser.add_argument("--publish", action="store_true", help="write docs/benchmarks.md")
+    parser.add_argument("--out", default=str(ROOT / "results"), help="where the table, JSON and chart go")
     parser.add_argument("--quick", action="store_true", help="smoke test: 64MiB, 1 repetition, small sweeps")
     args = parser.parse_args()
     if args.quick:
-        args.size, args.reps, args.sweeps = "64MiB", 1, True
+        args.size, args.reps, args.sweeps = args.size or "64MiB", 1, True
         args.sweep_sizes, args.sweep_counts, args.tiny = "16MiB,64MiB", "10,100", 20
+    args.size = args.size or "1GiB"
     asyncio.run(main_async(args))
 
 

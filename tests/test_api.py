@@ -19,6 +19,7 @@ def test_every_error_is_a_checkpoint_error_and_its_nearest_builtin() -> None:
         aiosnap.CheckpointNotFoundError: FileNotFoundError,
         aiosnap.CorruptCheckpointError: ValueError,
         aiosnap.DirectoryLockedError: RuntimeError,
+        aiosnap.LoaderClosedError: RuntimeError,
         aiosnap.CheckpointKeyError: KeyError,
         aiosnap.PickleNotAllowedError: ValueError,
         aiosnap.StateMismatchError: ValueError,

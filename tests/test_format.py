@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -290,3 +292,13 @@ def test_pickle_in_a_file_never_runs_without_opt_in(tmp_path: Path) -> None:
         aiosnap.load_sync(path)
     aiosnap.verify_sync(path)
     assert not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no tmpfs at /dev/shm")
+def test_o_direct_falls_back_to_buffered_writes_on_tmpfs() -> None:
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as directory:  # tmpfs refuses O_DIRECT
+        path = os.path.join(directory, "c")
+        state = {"w": torch.randn(1000, 3), "n": 1}
+        aiosnap.save_sync(path, state)
+        assert torch.equal(aiosnap.load_sync(path)["w"], state["w"])
+        assert os.path.getsize(path) == aiosnap.verify_sync(path).bytes + 4096

@@ -90,3 +90,35 @@ def test_blocking_twins_refuse_a_running_loop(tmp_path: Path) -> None:
 
     with pytest.raises(RuntimeError, match="await aiosnap.load"):
         asyncio.run(inside())
+
+
+async def test_matching_tensors_are_read_straight_into_the_target(tmp_path: Path, monkeypatch: Any) -> None:
+    saved = {
+        "w": torch.randn(256, 256),
+        "a": np.arange(1000, dtype=np.float32),
+        "b": torch.ones(3, dtype=torch.int8),
+        "odd": torch.ones(4, 4),
+    }
+    await aiosnap.save(str(tmp_path / "c"), saved)
+    target = {
+        "w": torch.zeros(256, 256),
+        "a": np.zeros(1000, dtype=np.float32),
+        "b": torch.zeros(3, dtype=torch.int8),
+        "odd": torch.zeros(4, 8)[:, ::2],
+    }  # not contiguous: read, then copied
+    pointers = (target["w"].data_ptr(), target["a"].ctypes.data)
+    allocated: list[str] = []
+    real_allocate = aiosnap._load._allocate
+
+    def spy(info: Any) -> Any:
+        allocated.append(info.name)
+        return real_allocate(info)
+
+    monkeypatch.setattr(aiosnap._load, "_allocate", spy)
+    await aiosnap.load_into(str(tmp_path / "c"), target)
+    assert allocated == ["odd"]  # everything else went straight into the target's memory
+    assert (target["w"].data_ptr(), target["a"].ctypes.data) == pointers
+    assert torch.equal(target["w"], saved["w"]) and (target["a"] == saved["a"]).all()
+    assert torch.equal(target["odd"], torch.ones(4, 4)) and torch.equal(
+        target["b"], torch.ones(3, dtype=torch.int8)
+    )

@@ -28,6 +28,7 @@ from ._errors import CheckpointKeyError as CheckpointKeyError
 from ._errors import CheckpointNotFoundError as CheckpointNotFoundError
 from ._errors import CorruptCheckpointError as CorruptCheckpointError
 from ._errors import DirectoryLockedError as DirectoryLockedError
+from ._errors import LoaderClosedError as LoaderClosedError
 from ._errors import PickleNotAllowedError as PickleNotAllowedError
 from ._errors import StateMismatchError as StateMismatchError
 from ._errors import UnsupportedTypeError as UnsupportedTypeError
@@ -35,10 +36,16 @@ from ._errors import WorkerCrashedError as WorkerCrashedError
 from ._errors import WriterClosedError as WriterClosedError
 from ._handle import SaveHandle as SaveHandle
 from ._handle import SaveStats as SaveStats
+from ._job import Group as Group
+from ._job import Job as Job
+from ._job import JobRunner as JobRunner
+from ._job import RunContext as RunContext
+from ._job import epoch_limiter as epoch_limiter
 from ._load import VerifyReport as VerifyReport
 from ._load import load as load
 from ._load import load_into as load_into
 from ._load import verify as verify
+from ._loader import AsyncLoader as AsyncLoader
 from ._manager import CheckpointManager as CheckpointManager
 from ._manager import Restored as Restored
 from ._records import CheckpointRecord as CheckpointRecord
@@ -48,6 +55,7 @@ from ._retention import KeepEvery as KeepEvery
 from ._retention import KeepLast as KeepLast
 from ._retention import KeepWithin as KeepWithin
 from ._retention import RetentionPolicy as RetentionPolicy
+from ._rng import RNGState as RNGState
 from ._storage import TEMP_PREFIX as TEMP_PREFIX
 from ._storage import CommitTimes as CommitTimes
 from ._storage import LocalStorage as LocalStorage
@@ -76,6 +84,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AnyOf",
     "AnyTrigger",
+    "AsyncLoader",
     "AtSteps",
     "CheckpointError",
     "CheckpointKeyError",
@@ -88,19 +97,25 @@ __all__ = [
     "EveryNEpochs",
     "EveryNSeconds",
     "EveryNSteps",
+    "Group",
+    "Job",
+    "JobRunner",
     "KeepBest",
     "KeepEvery",
     "KeepLast",
     "KeepWithin",
+    "LoaderClosedError",
     "LocalStorage",
     "Moment",
     "PickleNotAllowedError",
     "ProcessQueueWriter",
     "ProcessWriter",
     "QueueWriter",
+    "RNGState",
     "ReadHandle",
     "Restored",
     "RetentionPolicy",
+    "RunContext",
     "SaveHandle",
     "SaveStats",
     "SimpleWriter",
@@ -118,6 +133,7 @@ __all__ = [
     "Writer",
     "WriterClosedError",
     "WriterOptions",
+    "epoch_limiter",
     "load",
     "load_into",
     "load_into_sync",

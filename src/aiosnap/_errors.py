@@ -4,6 +4,7 @@
     ├── CheckpointNotFoundError   (also FileNotFoundError)
     ├── CorruptCheckpointError    (also ValueError)
     ├── DirectoryLockedError      (also RuntimeError)
+    ├── LoaderClosedError         (also RuntimeError)
     ├── CheckpointKeyError        (also KeyError)
     ├── PickleNotAllowedError     (also ValueError)
     ├── StateMismatchError        (also ValueError)
@@ -52,6 +53,10 @@ class CheckpointKeyError(CheckpointError, KeyError):
 
 class DirectoryLockedError(CheckpointError, RuntimeError):
     """Another CheckpointManager holds the directory."""
+
+
+class LoaderClosedError(CheckpointError, RuntimeError):
+    """The AsyncLoader is not open, or its producer stopped."""
 
 
 class PickleNotAllowedError(CheckpointError, ValueError):

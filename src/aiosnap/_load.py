@@ -77,14 +77,26 @@ async def load_into(
 
     Tensors and arrays are updated in place; with ``strict`` a missing or unexpected
     key, or a shape or dtype mismatch, raises StateMismatchError. Returns ``target``.
+
+    CPU tensors and arrays whose dtype, shape and layout match are read straight into
+    their own memory, with no intermediate copy; if a checksum then fails, the error
+    is raised and such a target holds partly new bytes (restore an older checkpoint
+    into it, as CheckpointManager.restore does). Stateful objects get
+    ``load_state_dict`` with freshly read tensors.
     """
-    tree = await load(path, allow_pickle=allow_pickle, storage=storage)
-    await _offload.run_cpu(_assign, target, tree, (), strict)
+    storage = storage if storage is not None else LocalStorage()
+    await _offload.run_io(_load_blocking, storage, path, None, None, allow_pickle, target, strict)
     return target
 
 
 def _load_blocking(
-    storage: Storage, path: str, keys: Sequence[str] | None, map_location: MapLocation, allow_pickle: bool
+    storage: Storage,
+    path: str,
+    keys: Sequence[str] | None,
+    map_location: MapLocation,
+    allow_pickle: bool,
+    target: Any = None,
+    strict: bool = True,
 ) -> Any:
     f = storage.open_read(path)
     try:
@@ -94,14 +106,65 @@ def _load_blocking(
             if keys is not None:
                 tree = _prune(tree, list(keys), path)
             reader = _Reader(f, header, map_location, allow_pickle)
+            if target is not None:
+                _destinations(target, tree, header, reader.direct)
             reader.prefetch(tree)
-            return rebuild(tree, reader.resolve)
+            loaded = rebuild(tree, reader.resolve)
         except CheckpointError:
             raise
         except ValueError as exc:
             raise CorruptCheckpointError(path, f"bad tree: {exc}") from None
     finally:
         f.close()
+    if target is not None:
+        _assign(target, loaded, (), strict)
+    return loaded
+
+
+def _destinations(target: Any, node: Any, header: Header, out: dict[str, tuple[Any, Any]]) -> None:
+    """Find the entries that can be read straight into the target's own memory."""
+    tag = node.get("$") if isinstance(node, dict) else None
+    if tag in ("tensor", "ndarray"):
+        info = header.tensors.get(node.get("n"))
+        if info is not None and info.kind == tag and info.name not in out:
+            flat = _direct_view(target, info)
+            if flat is not None:
+                out[info.name] = (target, flat)
+    elif tag == "dict" and isinstance(target, dict) and not is_stateful(target):
+        for key_node, value in _pairs(node):
+            key = rebuild(key_node, _no_leaf)
+            if key in target:
+                _destinations(target[key], value, header, out)
+    elif isinstance(target, (list, tuple)) and (isinstance(node, list) or tag == "tuple"):
+        values = node if isinstance(node, list) else node.get("v")
+        if isinstance(values, list) and len(values) == len(target):
+            for sub_target, sub_node in zip(target, values, strict=True):
+                _destinations(sub_target, sub_node, header, out)
+
+
+def _direct_view(target: Any, info: TensorInfo) -> np.ndarray[Any, np.dtype[np.uint8]] | None:
+    if isinstance(target, torch.Tensor):
+        if (
+            target.device.type != "cpu"
+            or not target.is_contiguous()
+            or target.is_conj()
+            or target.is_neg()
+            or _dtypes.torch_name(target.dtype) != info.dtype
+            or tuple(target.shape) != info.shape
+        ):
+            return None
+        flat: np.ndarray[Any, np.dtype[np.uint8]] = target.detach().reshape(-1).view(torch.uint8).numpy()
+        return flat
+    if isinstance(target, np.ndarray):
+        if (
+            not target.flags.c_contiguous
+            or not target.flags.writeable
+            or target.dtype.str != info.dtype
+            or target.shape != info.shape
+        ):
+            return None
+        return target.reshape(-1).view(np.uint8)
+    return None
 
 
 def _plain_tree(header: Header) -> Any:
@@ -114,6 +177,8 @@ class _Reader:
         self.f, self.header = f, header
         self.map_location, self.allow_pickle = map_location, allow_pickle
         self.made: dict[str, object] = {}
+        #: Entries to read into existing memory (load_into): name -> (object, its bytes).
+        self.direct: dict[str, tuple[Any, Any]] = {}
 
     def info(self, name: str) -> TensorInfo:
         info = self.header.tensors.get(name)
@@ -142,11 +207,14 @@ class _Reader:
                 )
             wanted[name] = info
         infos = sorted(wanted.values(), key=lambda i: i.start)
-        made = {info.name: _allocate(info) for info in infos}
+        made = {info.name: self.direct.get(info.name) or _allocate(info) for info in infos}
         group: list[TensorInfo] = []
         for info in infos:
-            if group and (info.start != group[-1].end or len(group) >= _READ_IOVECS
-                          or info.end - group[0].start > _READ_GROUP):  # fmt: skip
+            if group and (
+                info.start != group[-1].end
+                or len(group) >= _READ_IOVECS
+                or info.end - group[0].start > _READ_GROUP
+            ):
                 self.read_group(group, made)
                 group = []
             group.append(info)
@@ -272,13 +340,15 @@ def _assign(target: Any, value: Any, path: tuple[object, ...], strict: bool) -> 
     """Update ``target`` in place from ``value``; return what the parent should hold."""
     where = format_path(path)
     if isinstance(target, torch.Tensor):
-        _check_like(value, torch.Tensor, target.shape, target.dtype, where)
-        with torch.no_grad():
-            target.copy_(value)
+        if value is not target:  # else it was read in place
+            _check_like(value, torch.Tensor, target.shape, target.dtype, where)
+            with torch.no_grad():
+                target.copy_(value)
         return target
     if isinstance(target, np.ndarray):
-        _check_like(value, np.ndarray, target.shape, target.dtype, where)
-        np.copyto(target, value)
+        if value is not target:
+            _check_like(value, np.ndarray, target.shape, target.dtype, where)
+            np.copyto(target, value)
         return target
     if isinstance(target, dict):
         _assign_dict(target, value, path, strict)

@@ -170,8 +170,7 @@ class _WriterBase(abc.ABC):
 
     async def flush(self) -> None:
         """Wait until every save accepted so far is durable; raise a failed one."""
-        for save in list(self._inflight):
-            await save.handle._done.wait()
+        await self._wait_inflight()
         self._raise_pending()
 
     def add_post_save_hook(self, hook: PostSaveHook) -> None:
@@ -183,6 +182,9 @@ class _WriterBase(abc.ABC):
         """Start the writer's own background tasks."""
 
     async def _drain(self) -> None:
+        await self._wait_inflight()
+
+    async def _wait_inflight(self) -> None:
         for save in list(self._inflight):
             await save.handle._done.wait()
 

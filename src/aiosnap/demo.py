@@ -1,20 +1,22 @@
-"""The demo: an async training run that checkpoints, is killed, resumes, and checks itself.
+"""The demo, aiosnap's main job: train, checkpoint, get killed, resume, and check the result.
 
-    python -m aiosnap.demo [--out DIR] [--steps N] [--kill-at STEP]
+    python -m aiosnap.demo [--out DIR] [--epochs N] [--kill-at EPOCH.BATCH]
 
-1. A reference run trains a small MLP on generated data for N steps, uninterrupted.
-2. A child process runs the same training, saving every few steps through a
-   QueueWriter, and is killed with SIGKILL at step ``--kill-at``, mid-flight.
-3. This process resumes from the newest checkpoint that verifies, finishes the run,
-   and compares final loss and parameter checksum with the reference run.
+1. A reference run trains a small classifier on generated data, uninterrupted.
+2. The same training runs again with Job, JobRunner, AsyncLoader, RNGState and a
+   CheckpointManager over a QueueWriter, and kills itself with SIGKILL mid-epoch.
+3. A new process resumes it from the newest valid checkpoint and finishes.
+Then the resumed run's final loss and parameter checksum are compared with the
+reference run's: they must be identical, bit for bit. Everything goes under --out.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
-import re
+import shutil
 import signal
 import sys
 import time
@@ -24,148 +26,154 @@ from typing import Any
 import aiofiles.os
 import anyio
 import torch
+from torch.utils.data import DataLoader, TensorDataset
 
 import aiosnap
 
-FEATURES, HIDDEN, SAMPLES, BATCH = 32, 64, 4096, 64
-_NAME = re.compile(r"snapshot_iter_(\d+)$")
+FEATURES, CLASSES, SAMPLES, BATCH = 32, 4, 4096, 64
 
 
-def make_data() -> tuple[torch.Tensor, torch.Tensor]:
+def make_data() -> TensorDataset:
     g = torch.Generator().manual_seed(1234)
-    x = torch.randn(SAMPLES, FEATURES, generator=g)
-    w = torch.randn(FEATURES, 1, generator=g)
-    return x, x @ w + 0.1 * torch.randn(SAMPLES, 1, generator=g)
+    centers = torch.randn(CLASSES, FEATURES, generator=g) * 2
+    labels = torch.randint(0, CLASSES, (SAMPLES,), generator=g)
+    return TensorDataset(centers[labels] + torch.randn(SAMPLES, FEATURES, generator=g) * 2.5, labels)
 
 
 def make_state() -> dict[str, Any]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(
-        torch.nn.Linear(FEATURES, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 1)
+        torch.nn.Linear(FEATURES, 128),
+        torch.nn.ReLU(),
+        torch.nn.Dropout(0.1),
+        torch.nn.Linear(128, 128),
+        torch.nn.ReLU(),
+        torch.nn.Linear(128, CLASSES),
     )
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    return {"model": model, "optimizer": optimizer, "step": 0, "losses": []}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+    loader = DataLoader(
+        make_data(), batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(5)
+    )
+    return {
+        "model": model,
+        "optimizer": optimizer,
+        "scheduler": scheduler,
+        "loader": aiosnap.AsyncLoader(loader),
+        "rng": aiosnap.RNGState(),
+        "losses": [],
+    }
 
 
-def train_step(state: dict[str, Any], data: tuple[torch.Tensor, torch.Tensor]) -> float:
-    # The batch depends only on the step number, so a resumed run sees the same batches.
-    step = state["step"]
-    idx = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(step))[:BATCH]
-    x, y = data[0][idx], data[1][idx]
-    state["optimizer"].zero_grad()
-    loss = torch.nn.functional.mse_loss(state["model"](x), y)
-    loss.backward()  # type: ignore[no-untyped-call]
-    state["optimizer"].step()
-    state["step"] = step + 1
-    value = loss.detach().item()
-    state["losses"].append(value)
-    return value
-
-
-def checksum(state: dict[str, Any]) -> str:
+def checksum(model: torch.nn.Module) -> str:
     crc = 0
-    for t in state["model"].state_dict().values():
+    for t in model.state_dict().values():
         crc = aiosnap._format.crc32c(t.detach().contiguous().numpy().tobytes(), crc)
     return f"{crc:08x}"
 
 
-async def run(out: Path, steps: int, save_every: int, kill_at: int | None, state: dict[str, Any]) -> None:
-    data = make_data()
-    async with aiosnap.QueueWriter(max_pending=2) as writer:
-        writer.add_post_save_hook(_report)
-        while state["step"] < steps:
-            loss = train_step(state, data)
-            step = state["step"]
-            await asyncio.sleep(0.01)  # stands in for the rest of a real step (I/O, logging)
-            if step % save_every == 0:
-                t0 = time.perf_counter()
-                await writer(f"snapshot_iter_{step}", str(out), state)
-                print(
-                    f"  step {step:4d}  loss {loss:.4f}  save accepted, stall "
-                    f"{(time.perf_counter() - t0) * 1e3:.1f} ms",
-                    flush=True,
-                )
-            if step == kill_at:
-                print(f"  step {step:4d}  SIGKILL (queued saves die with the process)", flush=True)
+class Progress:
+    """One bar per epoch; redrawn in place on a terminal, printed once otherwise."""
+
+    def __init__(self, epoch: int, total: int) -> None:
+        self.epoch, self.total, self.tty = epoch, total, sys.stdout.isatty()
+
+    def show(self, done: int, loss: float, final: bool = False) -> None:
+        if not (self.tty or final):
+            return
+        filled = 30 * done // self.total
+        bar = "#" * filled + "." * (30 - filled)
+        line = f"  epoch {self.epoch:2d} [{bar}] {done:3d}/{self.total} loss {loss:.4f}"
+        print(("\r" if self.tty else "") + line, end="\n" if final else "", flush=True)
+
+
+def build_job(state: dict[str, Any], epochs: int, kill_at: tuple[int, int] | None) -> aiosnap.Job:
+    job = aiosnap.Job()
+    model, optimizer, loader = state["model"], state["optimizer"], state["loader"]
+
+    @job.epoch_group.add
+    async def train_epoch(ctx: aiosnap.RunContext) -> None:
+        bar, total, loss_sum, done = Progress(ctx.epoch, len(loader.source)), 0.0, 0.0, 0
+        async for x, y in loader:
+            optimizer.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()  # type: ignore[no-untyped-call]
+            optimizer.step()
+            done, loss_sum = done + 1, loss_sum + loss.item()
+            bar.show(done, loss_sum / done)
+            await asyncio.sleep(0.005)  # stands in for the rest of a real step
+            if kill_at == (ctx.epoch, done):
+                print(f"\n  >>> SIGKILL at epoch {ctx.epoch}, batch {done} (a crash, mid-epoch)", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
+        total = loss_sum / max(done, 1)
+        bar.show(done, total, final=True)
+        state["scheduler"].step()
+        state["losses"].append(total)
+
+    aiosnap.epoch_limiter(job, epochs)
+    return job
 
 
-def _report(stats: aiosnap.SaveStats) -> None:
+def report(stats: aiosnap.SaveStats) -> None:
     print(
-        f"          committed {Path(stats.path).name}: {stats.bytes / 1024:.0f} KiB, "
-        f"call->durable {stats.total_s * 1e3:.1f} ms (fsync {stats.fsync_s * 1e3:.1f} ms)",
+        f"     checkpoint {Path(stats.path).name}: {stats.bytes / 1024:.0f} KiB, caller stalled "
+        f"{stats.stall_s * 1e3:.1f} ms, durable after {stats.total_s * 1e3:.1f} ms",
         flush=True,
     )
 
 
-async def newest_valid(out: Path) -> Path | None:
-    names = await aiofiles.os.listdir(out)
-    found = sorted(((int(m.group(1)), out / n) for n in names if (m := _NAME.match(n))), reverse=True)
-    for _, path in found:
-        try:
-            await aiosnap.verify(str(path))
-            return path
-        except aiosnap.CheckpointError as exc:
-            print(f"  skipping {path.name}: {exc}")
-    return None
+async def train(directory: Path, epochs: int, kill_at: tuple[int, int] | None) -> dict[str, Any]:
+    state = make_state()
+    writer = aiosnap.QueueWriter(max_pending=2)
+    writer.add_post_save_hook(report)
+    async with aiosnap.CheckpointManager(str(directory), writer=writer, keep=aiosnap.KeepLast(3)) as mgr:
+        start = await mgr.latest_step()
+        if start is not None:
+            print(f"  resuming from the newest valid checkpoint: epoch {start}", flush=True)
+        runner = aiosnap.JobRunner(build_job(state, epochs, kill_at), mgr, state=state, on_save_error="raise")
+        last = await runner.train()
+    return {"epoch": last, "loss": state["losses"][-1], "checksum": checksum(state["model"])}
+
+
+async def child(args: argparse.Namespace) -> None:
+    kill_at = tuple(int(v) for v in args.kill_at.split(".")) if args.kill_at != "none" else None
+    result = await train(Path(args.out), args.epochs, kill_at)  # type: ignore[arg-type]
+    async with await anyio.open_file(Path(args.out, "result.json"), "w") as f:
+        await f.write(json.dumps(result))
+
+
+async def run_child(out: Path, epochs: int, kill_at: str | None) -> int:
+    command = [sys.executable, "-m", "aiosnap.demo", "--child", "--out", str(out), "--epochs", str(epochs)]
+    done = await anyio.run_process(
+        [*command, "--kill-at", kill_at or "none"], check=False, stdout=None, stderr=None
+    )
+    return done.returncode
 
 
 async def main_async(args: argparse.Namespace) -> int:
     out = Path(args.out)
-    if args.child:
-        await run(out, args.steps, args.save_every, args.kill_at, make_state())
-        return 0
-    print(f"aiosnap demo: output in {out}\n\n[1/3] reference run, {args.steps} steps, no interruption")
-    reference = make_state()
-    data = make_data()
-    while reference["step"] < args.steps:
-        train_step(reference, data)
-    print(f"  final loss {reference['losses'][-1]:.6f}, parameter crc32c {checksum(reference)}")
-
+    t0 = time.perf_counter()
+    print(f"aiosnap demo: everything goes under {out}\n")
+    print(f"[1/3] reference run: {args.epochs} epochs, no interruption", flush=True)
+    assert await run_child(out / "reference", args.epochs, None) == 0
+    print(f"\n[2/3] the same run, killed at epoch.batch {args.kill_at}", flush=True)
+    code = await run_child(out / "run", args.epochs, args.kill_at)
     print(
-        f"\n[2/3] training in a child process, saving every {args.save_every} steps, "
-        f"killed at step {args.kill_at}"
+        f"  the training process died with {code} ({'SIGKILL' if code == -signal.SIGKILL else 'unexpected'})"
     )
-    child = await anyio.run_process(
-        [
-            sys.executable,
-            "-m",
-            "aiosnap.demo",
-            "--child",
-            "--out",
-            str(out),
-            "--steps",
-            str(args.steps),
-            "--save-every",
-            str(args.save_every),
-            "--kill-at",
-            str(args.kill_at),
-        ],
-        check=False,
-        stdout=None,
-        stderr=None,
+    names = sorted(n for n in await aiofiles.os.listdir(out / "run") if n.startswith("snapshot"))
+    print(f"  left on disk: {names}")
+    print("\n[3/3] resume in a new process", flush=True)
+    assert await run_child(out / "run", args.epochs, None) == 0
+    reference = json.loads(await anyio.Path(out / "reference" / "result.json").read_text())
+    resumed = json.loads(await anyio.Path(out / "run" / "result.json").read_text())
+    same = reference == resumed
+    print(f"\n  reference run: final loss {reference['loss']:.6f}, parameter crc32c {reference['checksum']}")
+    print(f"  resumed run:   final loss {resumed['loss']:.6f}, parameter crc32c {resumed['checksum']}")
+    verdict = (
+        "IDENTICAL: the resumed run is the run that never stopped" if same else "DIFFERENT: resume is broken"
     )
-    print(f"  child exited with {child.returncode} ({'SIGKILL' if child.returncode == -9 else '?'})")
-    on_disk = sorted(await aiofiles.os.listdir(out), key=lambda n: (len(n), n))
-    print(f"  on disk: {on_disk}")
-
-    print("\n[3/3] resume from the newest checkpoint that verifies")
-    latest = await newest_valid(out)
-    state = make_state()
-    if latest is not None:
-        t0 = time.perf_counter()
-        await aiosnap.load_into(str(latest), state)
-        print(f"  restored {latest.name} (step {state['step']}) in {(time.perf_counter() - t0) * 1e3:.1f} ms")
-    await run(out, args.steps, args.save_every, None, state)
-    same = checksum(state) == checksum(reference) and state["losses"] == reference["losses"]
-    print(f"\n  resumed run:   final loss {state['losses'][-1]:.6f}, parameter crc32c {checksum(state)}")
-    print(
-        f"  reference run: final loss {reference['losses'][-1]:.6f}, parameter crc32c {checksum(reference)}"
-    )
-    print(
-        f"  {'IDENTICAL' if same else 'DIFFERENT'}: the resumed run "
-        f"{'is' if same else 'is NOT'} the run that never stopped"
-    )
+    print(f"  {verdict}  ({time.perf_counter() - t0:.0f} s)")
     return 0 if same else 1
 
 
@@ -174,18 +182,16 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", default="demo-output", help="output directory (emptied first)")
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--save-every", type=int, default=25)
-    parser.add_argument("--kill-at", type=int, default=190)
+    parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--kill-at", default="5.37", help="EPOCH.BATCH at which the second run is killed")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.out = os.path.abspath(args.out)
-    torch.set_num_threads(1)  # same kernels in every process, so results are bit-identical
-    if not args.child:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        for old in out.iterdir():
-            old.unlink()
+    torch.set_num_threads(1)  # the same kernels in every process, so results are bit-identical
+    if args.child:
+        asyncio.run(child(args))
+        return
+    shutil.rmtree(args.out, ignore_errors=True)
     sys.exit(asyncio.run(main_async(args)))
 
 
