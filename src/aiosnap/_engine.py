@@ -19,6 +19,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from . import _offload, _worker
 from ._errors import WorkerCrashedError
+from ._header import seal
 from ._stage import StagedImage, rebuild_image
 from ._storage import CommitTimes, Storage
 
@@ -40,6 +41,7 @@ class Engine(Protocol):
 
 def _commit_here(storage: Storage, path: str, staged: StagedImage, savefun: SaveFun | None) -> CommitTimes:
     if savefun is None:
+        seal(staged.image(), staged.template, staged.spans)
         return storage.write_image(path, staged.aligned_image(), staged.size)
     obj = rebuild_image(staged.image(), staged.data_start, staged.tensors, staged.tree)
     return storage.write_atomic_with(path, lambda tmp: savefun(obj, tmp))
@@ -109,8 +111,11 @@ class ProcessEngine:
     async def commit(
         self, storage: Storage, path: str, staged: StagedImage, savefun: SaveFun | None
     ) -> CommitTimes:
-        # The layout (and with it torch) is only needed where a savefun rebuilds the tree.
-        layout = None if savefun is None else (staged.data_start, staged.tensors, staged.tree)
+        # The tree (and with it torch) is only needed where a savefun rebuilds it.
+        if savefun is None:
+            layout: Any = (staged.template, staged.spans)
+        else:
+            layout = (staged.data_start, staged.tensors, staged.tree)
         request = ("commit", storage, path, staged.arena.shm_name, staged.size, savefun, layout)
         frame = _worker.encode_frame(request)
         async with self._lock:

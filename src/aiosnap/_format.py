@@ -21,24 +21,15 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-import crc32c as _crc32c
-
 from . import _dtypes
 from ._errors import CorruptCheckpointError
+from ._header import CRC_KEY, CRC_ZERO, META_KEY, SLOT, HeaderTemplate, crc32c
 from ._storage import ReadHandle
 
 FORMAT_VERSION = 1
-ALIGN = 4096
-META_KEY = "aiosnap"
-CRC_KEY = "aiosnap_crc32c"
-_CRC_ZERO = "00000000"
 #: A larger header is refused before it is read (a lying length must not allocate).
 MAX_HEADER = 1 << 30
 KINDS = ("tensor", "ndarray", "npscalar", "pickle")
-
-
-def crc32c(data: memoryview | bytes | bytearray, value: int = 0) -> int:
-    return int(_crc32c.crc32c(data, value))
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,51 +82,26 @@ def st_entry(kind: str, dtype: str, shape: tuple[int, ...], nbytes: int) -> tupl
     return (code, list(shape)) if native else ("U8", [nbytes])
 
 
-class HeaderTemplate:
-    """A header laid out before the checksums are known; ``render`` fills them in.
-
-    The JSON is built once per save: the checksums are fixed-width hex, so they are
-    patched into the text and the padded length never changes.
-    """
-
-    _SLOT = f'"crc32c":"{_CRC_ZERO}"'
-
-    def __init__(self, tensors: list[TensorInfo], tree: Any) -> None:
-        meta = {
-            "version": FORMAT_VERSION,
-            "checksum": "crc32c",
-            "tensors": {
-                t.name: {"kind": t.kind, "dtype": t.dtype, "shape": list(t.shape), "crc32c": _CRC_ZERO}
-                for t in tensors
-            },
-            "tree": tree,
-        }
-        # Names and strings inside the JSON are escaped, so an unescaped slot is a real key.
-        self._pieces = _dumps(meta).split(self._SLOT)
-        if len(self._pieces) != len(tensors) + 1:
-            raise ValueError("checksum slots do not match the tensors")
-        entries: dict[str, Any] = {}
-        for t in tensors:
-            code, shape = st_entry(t.kind, t.dtype, t.shape, t.nbytes)
-            entries[t.name] = {"dtype": code, "shape": shape, "data_offsets": [t.start, t.end]}
-        self._entries = _dumps(entries)[1:-1]
-        self.size = -(-(8 + len(self._text([0] * len(tensors)))) // ALIGN) * ALIGN
-
-    def _text(self, crcs: list[int]) -> bytes:
-        filled = [self._pieces[0]]
-        for crc, piece in zip(crcs, self._pieces[1:], strict=True):
-            filled += [f'"crc32c":"{crc:08x}"', piece]
-        metadata = f'{{"{META_KEY}":{json.dumps("".join(filled))},"{CRC_KEY}":"{_CRC_ZERO}"}}'
-        body = f'{{"__metadata__":{metadata}{"," if self._entries else ""}{self._entries}}}'
-        return body.encode()
-
-    def render(self, crcs: list[int]) -> bytes:
-        """The first ``size`` bytes of the file, with these tensor checksums."""
-        text = self._text(crcs)
-        raw = bytearray(struct.pack("<Q", self.size - 8) + text + b" " * (self.size - 8 - len(text)))
-        at = raw.index(f'"{CRC_KEY}":"{_CRC_ZERO}"'.encode()) + len(CRC_KEY) + 4
-        raw[at : at + 8] = f"{crc32c(raw):08x}".encode()
-        return bytes(raw)
+def header_template(tensors: list[TensorInfo], tree: Any) -> HeaderTemplate:
+    """Lay out the header of these entries; the checksums are filled in at the commit."""
+    meta = {
+        "version": FORMAT_VERSION,
+        "checksum": "crc32c",
+        "tensors": {
+            t.name: {"kind": t.kind, "dtype": t.dtype, "shape": list(t.shape), "crc32c": CRC_ZERO}
+            for t in tensors
+        },
+        "tree": tree,
+    }
+    # Names and strings inside the JSON are escaped, so an unescaped slot is a real key.
+    pieces = _dumps(meta).split(SLOT)
+    if len(pieces) != len(tensors) + 1:
+        raise ValueError("checksum slots do not match the tensors")
+    entries: dict[str, Any] = {}
+    for t in tensors:
+        code, shape = st_entry(t.kind, t.dtype, t.shape, t.nbytes)
+        entries[t.name] = {"dtype": code, "shape": shape, "data_offsets": [t.start, t.end]}
+    return HeaderTemplate(pieces, _dumps(entries)[1:-1])
 
 
 def _dumps(obj: object) -> str:
@@ -231,7 +197,7 @@ class _Parser:
         if at < 0 or raw.find(needle, at + 1) >= 0:
             raise self.fail("header checksum is not where the format puts it")
         at += len(CRC_KEY) + 4
-        raw[at : at + 8] = _CRC_ZERO.encode()
+        raw[at : at + 8] = CRC_ZERO.encode()
         if f"{crc32c(raw):08x}" != stored:
             raise self.fail("header checksum mismatch: the header was altered")
 

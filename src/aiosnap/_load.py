@@ -23,7 +23,8 @@ from ._errors import (
     PickleNotAllowedError,
     StateMismatchError,
 )
-from ._format import Header, TensorInfo, crc32c, read_header
+from ._format import Header, TensorInfo, read_header
+from ._header import crc32c
 from ._storage import LocalStorage, ReadHandle, Storage
 from ._tree import format_path, is_stateful, rebuild, walk_leaves
 

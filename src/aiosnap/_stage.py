@@ -27,7 +27,8 @@ import torch
 from . import _dtypes, _format
 from ._device import DeviceCopier, host_view
 from ._errors import WriterClosedError
-from ._format import ALIGN, TensorInfo
+from ._format import TensorInfo
+from ._header import ALIGN, HeaderTemplate, crc32c
 from ._tree import Leaf, Snapshot
 
 _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -160,17 +161,26 @@ class StagedImage:
 
     arena: Arena
     size: int
-    data_start: int
+    template: HeaderTemplate
     tensors: list[TensorInfo]
     tree: Any
     stage_s: float = 0.0
+
+    @property
+    def data_start(self) -> int:
+        return self.template.size
+
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        """Where each entry lies in the data section, for ``seal``."""
+        return [(t.start, t.end) for t in self.tensors]
 
     def image(self) -> memoryview:
         return self.arena.view(0, self.size)
 
     def aligned_image(self) -> memoryview:
         """The image extended to a multiple of ALIGN (arenas are always large enough)."""
-        return self.arena.view(0, -(-self.size // _format.ALIGN) * _format.ALIGN)
+        return self.arena.view(0, -(-self.size // ALIGN) * ALIGN)
 
 
 def _describe(leaf: Leaf) -> tuple[str, tuple[int, ...], int]:
@@ -191,7 +201,7 @@ class Plan:
 
     leaves: list[Leaf]
     tensors: list[TensorInfo]
-    template: _format.HeaderTemplate
+    template: HeaderTemplate
     tree: Any
 
     @property
@@ -211,41 +221,34 @@ def plan(snapshot: Snapshot) -> Plan:
         dtype, shape, nbytes = _describe(leaf)
         infos.append(TensorInfo(leaf.name, leaf.kind, dtype, shape, pos, pos + nbytes, 0))
         pos += nbytes
-    return Plan(leaves, infos, _format.HeaderTemplate(infos, snapshot.tree), snapshot.tree)
+    return Plan(leaves, infos, _format.header_template(infos, snapshot.tree), snapshot.tree)
 
 
 def stage(
     layout: Plan, pool: ArenaPool, copier: DeviceCopier | None = None, producers: Any = None
 ) -> StagedImage:
-    """Copy the planned leaves into an arena and checksum them.
+    """Copy the planned leaves into an arena: the capture, all the caller waits for.
 
     Device tensors (with a ``copier``) are copied first and asynchronously; host
-    tensors are staged while those copies run; their bytes are read (checksummed)
-    only after ``copier.finish()``.
+    tensors are staged while those copies run; the capture ends at
+    ``copier.finish()``. Checksums and the header come later, in the commit
+    (``_header.seal``), off the caller's path.
     """
     t0 = time.perf_counter()
     leaves, infos, data_start = layout.leaves, layout.tensors, layout.data_start
     arena = pool.acquire(layout.size)
     try:
         on_device = _start_device_copies(leaves, infos, arena, data_start, copier, producers)
-        crcs = [0] * len(infos)
         for i, (leaf, info) in enumerate(zip(leaves, infos, strict=True)):
             if i not in on_device:
-                start = data_start + info.start
-                _copy(leaf, arena, start, info.nbytes)
-                crcs[i] = _format.crc32c(arena.view(start, start + info.nbytes))
+                _copy(leaf, arena, data_start + info.start, info.nbytes)
         if on_device:
             assert copier is not None
-            copier.finish()  # nothing copied from a device is read before this
-            for i in on_device:
-                start = data_start + infos[i].start
-                crcs[i] = _format.crc32c(arena.view(start, start + infos[i].nbytes))
-        infos = [_with_crc(info, crc) for info, crc in zip(infos, crcs, strict=True)]
-        arena.array[:data_start] = np.frombuffer(layout.template.render(crcs), dtype=np.uint8)
+            copier.finish()  # not a byte copied from a device is read before this
     except BaseException:
         pool.release(arena)
         raise
-    return StagedImage(arena, layout.size, data_start, infos, layout.tree, time.perf_counter() - t0)
+    return StagedImage(arena, layout.size, layout.template, infos, layout.tree, time.perf_counter() - t0)
 
 
 def stage_or_plan(
@@ -276,7 +279,7 @@ def write_in_pieces(layout: Plan, path: str, piece: int, stop: Callable[[], bool
                     _pwrite_all(fd, buffer.view(0, filled), file_pos)
                     file_pos, filled = file_pos + filled, 0
                 buffer.array[filled : filled + len(chunk)] = chunk
-                crc = _format.crc32c(buffer.view(filled, filled + len(chunk)), crc)
+                crc = crc32c(buffer.view(filled, filled + len(chunk)), crc)
                 filled += len(chunk)
             crcs.append(crc)
         _pwrite_all(fd, buffer.view(0, filled), file_pos)
@@ -332,10 +335,6 @@ def _pickled(leaf: Leaf) -> Leaf:
     if leaf.kind != "pickle":
         return leaf
     return Leaf(leaf.name, leaf.kind, pickle.dumps(leaf.value, protocol=pickle.HIGHEST_PROTOCOL))
-
-
-def _with_crc(info: TensorInfo, crc: int) -> TensorInfo:
-    return TensorInfo(info.name, info.kind, info.dtype, info.shape, info.start, info.end, crc)
 
 
 def _copy(leaf: Leaf, arena: Arena, start: int, nbytes: int) -> None:

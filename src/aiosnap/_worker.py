@@ -17,6 +17,7 @@ import struct
 import traceback
 from typing import Any
 
+from ._header import seal
 from ._storage import ALIGN, CommitTimes, Storage
 
 #: Run with ``python -c BOOTSTRAP <package dir>``: a bare package, no ``__init__``.
@@ -62,6 +63,7 @@ def commit_from_shm(
         image = memoryview(mapping)
         try:
             if savefun is None:
+                seal(image[:size], *layout)
                 return storage.write_image(path, image, size)
             from ._stage import rebuild_image
 

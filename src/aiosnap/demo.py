@@ -20,6 +20,7 @@ import shutil
 import signal
 import sys
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +69,7 @@ def make_state() -> dict[str, Any]:
 def checksum(model: torch.nn.Module) -> str:
     crc = 0
     for t in model.state_dict().values():
-        crc = aiosnap._format.crc32c(t.detach().contiguous().numpy().tobytes(), crc)
+        crc = zlib.crc32(t.detach().contiguous().numpy().tobytes(), crc)
     return f"{crc:08x}"
 
 
