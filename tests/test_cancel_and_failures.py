@@ -142,3 +142,28 @@ async def test_event_loop_never_stalls_during_a_256mib_save(offload: str, tmp_pa
         await tick
     assert len(gaps) > 20
     assert max(gaps) < 0.050, f"the loop stalled for {max(gaps) * 1000:.1f} ms"
+
+
+async def test_event_loop_never_stalls_while_a_large_tree_is_captured(tmp_path: Path) -> None:
+    # 20,000 small tensors, as in a large optimizer state: the tree walk itself is heavy.
+    state = {"optimizer": {"state": {i: {"exp_avg": torch.randn(64), "step": i} for i in range(20_000)}}}
+    gaps: list[float] = []
+    stop = asyncio.Event()
+
+    async def ticker() -> None:
+        last = time.perf_counter()
+        while not stop.is_set():
+            await asyncio.sleep(0.002)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    async with aiosnap.QueueWriter() as writer:
+        tick = asyncio.create_task(ticker())
+        await asyncio.sleep(0.01)
+        await (await writer("ckpt", str(tmp_path), state)).wait()
+        stop.set()
+        await tick
+    assert max(gaps) < 0.050, f"the loop stalled for {max(gaps) * 1000:.1f} ms"
+    loaded = await aiosnap.load(str(tmp_path / "ckpt"), keys=["optimizer.state.19999"])
+    assert loaded["optimizer"]["state"][19999]["step"] == 19999

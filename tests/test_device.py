@@ -24,7 +24,7 @@ class FakeDevice:
     def is_device(self, t: torch.Tensor) -> bool:
         return id(t) in self.ids
 
-    def producer_streams(self, tensors: list[torch.Tensor]) -> Any:
+    def producer_streams(self) -> Any:
         self.calls.append(("producer_streams", threading.current_thread() is threading.main_thread()))
         return {"producer": "the training stream"}
 

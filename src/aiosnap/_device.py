@@ -23,8 +23,9 @@ class DeviceCopier(Protocol):
     def is_device(self, t: torch.Tensor) -> bool:
         """Whether this copier handles ``t``."""
 
-    def producer_streams(self, tensors: list[torch.Tensor]) -> Any:
-        """Called on the event-loop thread at capture: the streams producing ``tensors``."""
+    def producer_streams(self) -> Any:
+        """Called on the event-loop thread by the save call: the streams the caller's
+        tensors are produced on (current streams are per thread)."""
 
     def pin(self, array: Any) -> None:
         """Make a host buffer usable as the target of asynchronous copies (once per arena)."""
@@ -53,8 +54,9 @@ class CudaCopier:
     def is_device(self, t: torch.Tensor) -> bool:
         return t.device.type == "cuda"
 
-    def producer_streams(self, tensors: list[torch.Tensor]) -> dict[torch.device, Any]:
-        return {t.device: torch.cuda.current_stream(t.device) for t in tensors if self.is_device(t)}
+    def producer_streams(self) -> dict[torch.device, Any]:
+        devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+        return {d: torch.cuda.current_stream(d) for d in devices}
 
     def pin(self, array: Any) -> None:
         address = int(array.ctypes.data)

@@ -105,7 +105,33 @@ def header_template(tensors: list[TensorInfo], tree: Any) -> HeaderTemplate:
 
 
 def _dumps(obj: object) -> str:
+    """Compact JSON, encoded a container at a time when containers are large: one
+    ``json.dumps`` call holds the GIL throughout, and a state with 100,000 tensors would
+    otherwise freeze the event loop for the whole encoding."""
+    if isinstance(obj, dict) and not _flat(obj.values(), len(obj)):
+        return "{" + ",".join(f"{_encode(str(k))}:{_dumps(v)}" for k, v in obj.items()) + "}"
+    if isinstance(obj, list) and not _flat(obj, len(obj)):
+        return "[" + ",".join(_dumps(v) for v in obj) + "]"
+    return _encode(obj)
+
+
+def _flat(values: Any, n: int) -> bool:
+    """Small, and nested at most one level into small containers of scalars: one C call
+    encodes it quickly."""
+    return n <= _CHUNK and all(not isinstance(v, (dict, list)) or _scalars(v) for v in values)
+
+
+def _scalars(container: dict[Any, Any] | list[Any]) -> bool:
+    values = container.values() if isinstance(container, dict) else container
+    return len(container) <= 8 and not any(isinstance(v, (dict, list)) for v in values)
+
+
+def _encode(obj: object) -> str:
     return json.dumps(obj, separators=(",", ":"), allow_nan=False)
+
+
+#: Containers with more children than this are encoded child by child (see _dumps).
+_CHUNK = 64
 
 
 def read_header(f: ReadHandle) -> Header:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Sequence
 
 import crc32c as _crc32c
 
@@ -52,10 +53,11 @@ class HeaderTemplate:
         return bytes(raw)
 
 
-def seal(image: memoryview, template: HeaderTemplate, spans: list[tuple[int, int]]) -> list[int]:
-    """Checksum each staged entry (``spans`` are data-section offsets) and write the
-    header in front of them. Runs in the commit, after the caller has moved on."""
+def seal(image: memoryview, template: HeaderTemplate, spans: Sequence[int]) -> list[int]:
+    """Checksum each staged entry (``spans``: data-section offsets, start and end of each
+    in turn) and write the header in front of them. Runs in the commit, after the caller
+    has moved on."""
     start = template.size
-    crcs = [crc32c(image[start + lo : start + hi]) for lo, hi in spans]
+    crcs = [crc32c(image[start + spans[i] : start + spans[i + 1]]) for i in range(0, len(spans), 2)]
     image[:start] = template.render(crcs)
     return crcs

@@ -25,6 +25,8 @@ logger = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[["RunContext"], Coroutine[Any, Any, object]])
 StopCondition = Callable[["RunContext"], "bool | Awaitable[bool]"]
+#: How often an epoch's save is tried while earlier failures are being reported.
+_SAVE_ATTEMPTS = 8
 Upload = Callable[[int, CheckpointManager], "object | Awaitable[object]"]
 
 
@@ -161,9 +163,9 @@ class JobRunner:
         return restored.step
 
     async def _checkpoint(self, ctx: RunContext) -> None:
-        # A save call raises the failure of an earlier background save; once reported,
-        # the call is made once more so that this epoch is still saved.
-        for attempt in (1, 2):
+        # A save call raises the failure of an earlier background save, one per call;
+        # once those are reported the call goes through, so this epoch is still saved.
+        for _ in range(_SAVE_ATTEMPTS):
             try:
                 await self.manager.save(ctx.epoch, self.state, epoch=ctx.epoch, force=True)
                 return
@@ -171,8 +173,7 @@ class JobRunner:
                 if self.on_save_error == "raise":
                     raise
                 logger.warning("checkpoint save failed (%r); training goes on", exc)
-                if attempt == 2:
-                    return
+        logger.warning("epoch %d was not checkpointed", ctx.epoch)
 
     async def _finish_saves(self) -> None:
         try:

@@ -23,7 +23,6 @@ the next batch:
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
-from types import TracebackType
 from typing import Any, Self, final
 
 import anyio
@@ -53,7 +52,7 @@ def _skip(it: Iterator[Any], n: int) -> None:
 
 
 @final
-class AsyncLoader:
+class AsyncLoader(anyio.abc.AsyncResource):
     """Async, prefetching, resumable iteration over ``source`` (see the module docstring)."""
 
     def __init__(self, source: Any, *, prefetch: int = 2) -> None:
@@ -87,11 +86,6 @@ class AsyncLoader:
         await self._tg.__aenter__()
         await _offload.warm()
         return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.aclose()
 
     async def aclose(self) -> None:
         """Stop prefetching and release the worker that was running."""

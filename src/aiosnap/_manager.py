@@ -21,7 +21,6 @@ import string
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any, Self, final
 
 import anyio
@@ -72,7 +71,7 @@ def _name_pattern(name: str) -> re.Pattern[str]:
 
 
 @final
-class CheckpointManager:
+class CheckpointManager(anyio.abc.AsyncResource):
     """Owns a checkpoint directory: saves through a writer, keeps an index, rotates, restores.
 
     ``name`` is a format string with ``{step}`` and optionally ``{epoch}`` and ``{rank}``.
@@ -135,11 +134,6 @@ class CheckpointManager:
         await self._tg.__aenter__()
         self._state = "open"
         return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.aclose()
 
     async def aclose(self) -> None:
         """Wait for pending commits and the rotation they trigger; release the directory."""

@@ -8,8 +8,11 @@ explicit capacity limiter per kind of work, so that the loop keeps serving other
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
+import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import anyio
@@ -48,6 +51,34 @@ async def run_io(fn: Callable[..., T], *args: object) -> T:
 async def run_cpu(fn: Callable[..., T], *args: object) -> T:
     """Run a blocking copy, checksum or (un)pickle in a worker thread."""
     return await anyio.to_thread.run_sync(fn, *args, limiter=_limiter("cpu"))
+
+
+_gc_lock = threading.Lock()
+_gc_holders = 0
+_gc_was_enabled = False
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Hold off the cyclic garbage collector while a worker thread builds many objects.
+
+    A full collection stops every thread, the event loop's included, for as long as it
+    takes to traverse the heap (~0.2 s with a 20,000-tensor state). What capture builds
+    is freed by reference counting, so no collection is needed for it.
+    """
+    global _gc_holders, _gc_was_enabled
+    with _gc_lock:
+        if _gc_holders == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_holders += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_holders -= 1
+            if _gc_holders == 0 and _gc_was_enabled:
+                gc.enable()
 
 
 async def warm() -> None:

@@ -10,6 +10,7 @@ Everything here blocks: it runs in a worker thread through ``_offload``.
 
 from __future__ import annotations
 
+import array
 import functools
 import mmap
 import os
@@ -24,12 +25,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _dtypes, _format
+from . import _dtypes, _format, _offload
 from ._device import DeviceCopier, host_view
 from ._errors import WriterClosedError
 from ._format import TensorInfo
 from ._header import ALIGN, HeaderTemplate, crc32c
-from ._tree import Leaf, Snapshot
+from ._tree import Leaf, Snapshot, capture
 
 _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _SMALL = 256 << 10
@@ -162,18 +163,17 @@ class StagedImage:
     arena: Arena
     size: int
     template: HeaderTemplate
-    tensors: list[TensorInfo]
-    tree: Any
+    #: Where each entry lies in the data section, flat (start, end, start, end, ...):
+    #: one object instead of thousands for the garbage collector to walk.
+    spans: array.array[int]
     stage_s: float = 0.0
+    #: The entries and tree, kept only where a ``savefun`` rebuilds the state from them.
+    tensors: list[TensorInfo] | None = None
+    tree: Any = None
 
     @property
     def data_start(self) -> int:
         return self.template.size
-
-    @property
-    def spans(self) -> list[tuple[int, int]]:
-        """Where each entry lies in the data section, for ``seal``."""
-        return [(t.start, t.end) for t in self.tensors]
 
     def image(self) -> memoryview:
         return self.arena.view(0, self.size)
@@ -225,7 +225,11 @@ def plan(snapshot: Snapshot) -> Plan:
 
 
 def stage(
-    layout: Plan, pool: ArenaPool, copier: DeviceCopier | None = None, producers: Any = None
+    layout: Plan,
+    pool: ArenaPool,
+    copier: DeviceCopier | None = None,
+    producers: Any = None,
+    keep_tree: bool = False,
 ) -> StagedImage:
     """Copy the planned leaves into an arena: the capture, all the caller waits for.
 
@@ -248,17 +252,32 @@ def stage(
     except BaseException:
         pool.release(arena)
         raise
-    return StagedImage(arena, layout.size, layout.template, infos, layout.tree, time.perf_counter() - t0)
+    spans = array.array("q", (x for t in infos for x in (t.start, t.end)))
+    staged = StagedImage(arena, layout.size, layout.template, spans, time.perf_counter() - t0)
+    if keep_tree:
+        staged.tensors, staged.tree = infos, layout.tree
+    return staged
 
 
 def stage_or_plan(
-    snapshot: Snapshot, pool: ArenaPool, copier: DeviceCopier | None = None, producers: Any = None
+    target: object,
+    allow_pickle: bool,
+    pool: ArenaPool,
+    copier: DeviceCopier | None = None,
+    producers: Any = None,
+    keep_tree: bool = False,
 ) -> StagedImage | Plan:
-    """Stage the snapshot; or, if its image is larger than the pool's budget, only plan it."""
-    layout = plan(snapshot)
-    if pool.budget is not None and layout.size > pool.budget:
-        return layout
-    return stage(layout, pool, copier, producers)
+    """Capture and stage ``target``; or, if its image is larger than the pool's budget,
+    only plan it. Runs in a worker thread: a state of 100,000 tensors takes a second to
+    walk, which the event loop must not wait for. The collector is held off meanwhile,
+    and what capture built is freed (by reference counting) before it resumes."""
+    with _offload.gc_paused():
+        layout = plan(capture(target, allow_pickle=allow_pickle))
+        if pool.budget is not None and layout.size > pool.budget:
+            return layout
+        staged = stage(layout, pool, copier, producers, keep_tree)
+        del layout
+    return staged
 
 
 def write_in_pieces(layout: Plan, path: str, piece: int, stop: Callable[[], bool]) -> None:

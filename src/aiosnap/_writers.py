@@ -29,7 +29,6 @@ from ._errors import WriterClosedError
 from ._handle import SaveHandle, SaveStats
 from ._stage import ArenaPool, Plan, StagedImage, stage_or_plan, write_in_pieces
 from ._storage import LocalStorage, Storage
-from ._tree import Snapshot, capture
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +74,7 @@ class Writer(Protocol):
 @dataclass(eq=False, slots=True)
 class _Save:
     handle: SaveHandle
-    snapshot: Snapshot | None
+    target: object  # walked in the staging thread, while the caller waits
     savefun: SaveFun | None
     t0: float
     captured: anyio.Event = field(default_factory=anyio.Event)
@@ -205,7 +204,10 @@ class _WriterBase(abc.ABC):
     ) -> SaveHandle:
         """Capture ``target`` now and write it to ``out_dir/filename``.
 
-        Returns once the state is captured: from then on ``target`` may change. With a
+        Returns once the state is captured: from then on ``target`` may change. The
+        capture (the tree walk, ``state_dict()`` calls, tensor copies) runs in a worker
+        thread so the event loop keeps serving other tasks; those tasks must not change
+        ``target`` while the call is pending. With a
         ``savefun(obj, path)`` (such as ``torch.save``) that function writes the file
         from the captured copy, still through the durable atomic commit; it implies
         ``allow_pickle`` for values that are not state types.
@@ -219,11 +221,10 @@ class _WriterBase(abc.ABC):
             )
         self._raise_pending()
         path = self._storage.join(out_dir, filename) if out_dir else filename
-        snapshot = capture(target, allow_pickle=self._allow_pickle or savefun is not None)
-        save = _Save(SaveHandle(path), snapshot, savefun, t0)
+        save = _Save(SaveHandle(path), target, savefun, t0)
         if self._copier is not None:
-            tensors = [leaf.value for leaf in snapshot.leaves if leaf.kind == "tensor"]
-            save.producers = self._copier.producer_streams(tensors)
+            # Current streams are per thread: take the caller's here, on the loop thread.
+            save.producers = self._copier.producer_streams()
         return await self._submit(save)
 
     @abc.abstractmethod
@@ -239,7 +240,13 @@ class _WriterBase(abc.ABC):
         try:
             async with self._capture_lock:
                 staged = await _offload.run_cpu(
-                    stage_or_plan, save.snapshot, self._pool, self._copier, save.producers
+                    stage_or_plan,
+                    save.target,
+                    self._allow_pickle or save.savefun is not None,
+                    self._pool,
+                    self._copier,
+                    save.producers,
+                    save.savefun is not None,
                 )
                 if isinstance(staged, Plan):
                     save.stats = await self._commit_in_pieces(save, staged)
@@ -251,7 +258,7 @@ class _WriterBase(abc.ABC):
                 self._drop(save, WriterClosedError("the writer closed during a capture"))
                 raise
         finally:
-            save.snapshot = None
+            save.target = None
             save.captured.set()
         if save.capture_error is not None or save.abandoned:
             self._drop(save, save.capture_error or WriterClosedError("the caller was cancelled"))
