@@ -37,10 +37,15 @@ class DeviceCopier(Protocol):
         """Block until every copy started so far has completed."""
 
 
+def as_copyable(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as same-width integers: torch has no copy kernel for int1, uint3, ..."""
+    return t.view(_SAME_WIDTH_INT.get(t.dtype.itemsize, t.dtype))
+
+
 def host_view(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(dst, src) viewed with a dtype every copy kernel has (same-width integers)."""
-    as_int = _SAME_WIDTH_INT.get(src.dtype.itemsize, src.dtype)
-    return dst.view(as_int).view(src.shape), src.view(as_int)
+    src = as_copyable(src)
+    return dst.view(src.dtype).view(src.shape), src
 
 
 class CudaCopier:

@@ -26,7 +26,7 @@ from ._errors import (
 from ._format import Header, TensorInfo, read_header
 from ._header import crc32c
 from ._storage import LocalStorage, ReadHandle, Storage
-from ._tree import format_path, is_stateful, rebuild, walk_leaves
+from ._tree import decode_key, dict_items, format_path, is_stateful, rebuild, sequence_values, walk_leaves
 
 #: verify() reads in pieces of this size, so it needs no memory for the tensors.
 _VERIFY_PIECE = 64 << 20
@@ -132,13 +132,13 @@ def _destinations(target: Any, node: Any, header: Header, out: dict[str, tuple[A
             if flat is not None:
                 out[info.name] = (target, flat)
     elif tag == "dict" and isinstance(target, dict) and not is_stateful(target):
-        for key_node, value in _pairs(node):
-            key = rebuild(key_node, _no_leaf)
+        for key_node, value in dict_items(node):
+            key = decode_key(key_node)
             if key in target:
                 _destinations(target[key], value, header, out)
     elif isinstance(target, (list, tuple)) and (isinstance(node, list) or tag == "tuple"):
-        values = node if isinstance(node, list) else node.get("v")
-        if isinstance(values, list) and len(values) == len(target):
+        values = sequence_values(node)
+        if len(values) == len(target):
             for sub_target, sub_node in zip(target, values, strict=True):
                 _destinations(sub_target, sub_node, header, out)
 
@@ -274,30 +274,17 @@ def _prune_node(node: Any, path: tuple[object, ...], keys: list[str], found: set
     tag = node.get("$") if isinstance(node, dict) else None
     if tag == "dict":
         items = []
-        for key_node, value in _pairs(node):
-            kept = _prune_node(value, (*path, rebuild(key_node, _no_leaf)), keys, found)
+        for key_node, value in dict_items(node, path):
+            kept = _prune_node(value, (*path, decode_key(key_node, path)), keys, found)
             if kept is not _NOTHING:
                 items.append([key_node, kept])
         return {"$": "dict", "items": items}
     if isinstance(node, list) or tag == "tuple":
-        values = node if isinstance(node, list) else node.get("v")
-        if not isinstance(values, list):
-            raise ValueError(f"bad tuple node at {format_path(path)}")
+        values = sequence_values(node, path)
         kept_values = [_prune_node(v, (*path, i), keys, found) for i, v in enumerate(values)]
         kept_values = [None if v is _NOTHING else v for v in kept_values]
         return kept_values if isinstance(node, list) else {"$": "tuple", "v": kept_values}
     return _NOTHING
-
-
-def _pairs(node: dict[str, Any]) -> list[list[Any]]:
-    items = node.get("items")
-    if not isinstance(items, list) or not all(isinstance(p, list) and len(p) == 2 for p in items):
-        raise ValueError("bad dict node")
-    return items
-
-
-def _no_leaf(kind: str, name: str, path: tuple[object, ...]) -> object:
-    raise ValueError("a dict key cannot be a leaf")
 
 
 _NOTHING: Any = object()

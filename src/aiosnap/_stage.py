@@ -26,13 +26,12 @@ import numpy as np
 import torch
 
 from . import _dtypes, _format, _offload
-from ._device import DeviceCopier, host_view
+from ._device import DeviceCopier, as_copyable, host_view
 from ._errors import WriterClosedError
 from ._format import TensorInfo
 from ._header import ALIGN, HeaderTemplate, crc32c
 from ._tree import Leaf, Snapshot, capture
 
-_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _SMALL = 256 << 10
 #: Arena sizes are rounded up to this, so a slightly larger next state reuses them.
 _GRAIN = 1 << 20
@@ -314,8 +313,7 @@ def _flat_bytes(leaf: Leaf) -> np.ndarray[Any, np.dtype[np.uint8]]:
         return np.frombuffer(value, dtype=np.uint8)
     if leaf.kind == "tensor":
         t = value.detach().cpu().resolve_conj().resolve_neg().contiguous()
-        as_int = _SAME_WIDTH_INT.get(t.dtype.itemsize, t.dtype)
-        raw: np.ndarray[Any, np.dtype[np.uint8]] = t.view(as_int).reshape(-1).view(torch.uint8).numpy()
+        raw: np.ndarray[Any, np.dtype[np.uint8]] = as_copyable(t).reshape(-1).view(torch.uint8).numpy()
         return raw
     file_dtype = _dtypes.numpy_file_dtype(value.dtype)
     flat: np.ndarray[Any, np.dtype[np.uint8]] = np.ascontiguousarray(value, dtype=file_dtype).reshape(-1)

@@ -197,12 +197,12 @@ def _rebuild(
     tag = node.get("$")
     if tag == "dict":
         out: dict[object, object] = {}
-        for key_node, value in _items(node, path):
+        for key_node, value in dict_items(node, path):
             key = _rebuild(key_node, resolve, path)
             out[key] = _rebuild(value, resolve, (*path, key))
         return out
     if tag == "tuple":
-        return tuple(_rebuild(v, resolve, (*path, i)) for i, v in enumerate(_list(node, path)))
+        return tuple(_rebuild(v, resolve, (*path, i)) for i, v in enumerate(sequence_values(node, path)))
     if tag == "float":
         return float(_str(node, "v", path, ("nan", "inf", "-inf")))
     if tag == "bytes":
@@ -212,7 +212,8 @@ def _rebuild(
     raise ValueError(f"unknown node type {tag!r} at {format_path(path)}")
 
 
-def _items(node: dict[str, Any], path: tuple[object, ...]) -> Iterator[tuple[Node, Node]]:
+def dict_items(node: dict[str, Any], path: tuple[object, ...] = ()) -> Iterator[tuple[Node, Node]]:
+    """The (key node, value node) pairs of a dict node, checked."""
     items = node.get("items")
     if not isinstance(items, list):
         raise ValueError(f"bad dict node at {format_path(path)}")
@@ -224,11 +225,17 @@ def _items(node: dict[str, Any], path: tuple[object, ...]) -> Iterator[tuple[Nod
         yield pair[0], pair[1]
 
 
-def _list(node: dict[str, Any], path: tuple[object, ...]) -> list[Node]:
-    values = node.get("v")
+def sequence_values(node: Node, path: tuple[object, ...] = ()) -> list[Node]:
+    """The element nodes of a list node or a tuple node, checked."""
+    values = node if isinstance(node, list) else node.get("v")
     if not isinstance(values, list):
         raise ValueError(f"bad tuple node at {format_path(path)}")
     return values
+
+
+def decode_key(key_node: Node, path: tuple[object, ...] = ()) -> object:
+    """A dict key, from its node (a key can be a float node but never a leaf)."""
+    return _rebuild(key_node, _no_leaf, path)
 
 
 def _str(
@@ -248,10 +255,10 @@ def walk_leaves(node: Node, path: tuple[object, ...] = ()) -> Iterator[tuple[tup
     elif isinstance(node, dict):
         tag = node.get("$")
         if tag == "dict":
-            for key_node, value in _items(node, path):
-                yield from walk_leaves(value, (*path, _rebuild(key_node, _no_leaf, path)))
+            for key_node, value in dict_items(node, path):
+                yield from walk_leaves(value, (*path, decode_key(key_node, path)))
         elif tag == "tuple":
-            for i, v in enumerate(_list(node, path)):
+            for i, v in enumerate(sequence_values(node, path)):
                 yield from walk_leaves(v, (*path, i))
         elif tag in ("tensor", "ndarray", "npscalar", "pickle"):
             yield path, tag, _str(node, "n", path)

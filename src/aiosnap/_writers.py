@@ -283,9 +283,12 @@ class _WriterBase(abc.ABC):
         times = await _offload.run_io(self._storage.write_atomic_with, path, produce)
         total = time.perf_counter() - save.t0
         stats = SaveStats(path, layout.size, total, 0.0, times.write_s, times.fsync_s, total)
+        await self._run_hooks(stats)
+        return stats
+
+    async def _run_hooks(self, stats: SaveStats) -> None:
         for hook in self._hooks:
             await _call_hook(hook, stats)
-        return stats
 
     def _drop(self, save: _Save, error: BaseException) -> None:
         self._settle(save, error)
@@ -318,8 +321,7 @@ class _WriterBase(abc.ABC):
                 times.fsync_s,
                 time.perf_counter() - save.t0,
             )
-            for hook in self._hooks:
-                await _call_hook(hook, stats)
+            await self._run_hooks(stats)
         except Exception as exc:
             logger.warning("background save of %s failed: %r", save.handle.path, exc)
             self._errors.append(exc)
