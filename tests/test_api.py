@@ -22,6 +22,7 @@ def test_every_error_is_a_checkpoint_error_and_its_nearest_builtin() -> None:
         aiosnap.LoaderClosedError: RuntimeError,
         aiosnap.CheckpointKeyError: KeyError,
         aiosnap.PickleNotAllowedError: ValueError,
+        aiosnap.RankFailedError: RuntimeError,
         aiosnap.StateMismatchError: ValueError,
         aiosnap.UnsupportedTypeError: TypeError,
         aiosnap.WorkerCrashedError: RuntimeError,

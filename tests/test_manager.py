@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import aiosnap
-from aiosnap._manager import INDEX_NAME
+from aiosnap._catalog import INDEX_NAME
 from aiosnap._retention import victims
 
 from .conftest import temp_files

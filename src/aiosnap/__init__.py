@@ -12,6 +12,12 @@ copies it into the arena, ``_format`` encodes the safetensors-compatible header 
 checksums, ``_engine`` runs the commit through a ``_storage`` backend. Loading runs
 it backwards in ``_load``, verifying every checksum. The writers in ``_writers`` only
 choose *when* each step runs; all blocking work passes through ``_offload``.
+
+``CheckpointManager`` (``_manager``) names, indexes (``_catalog``), rotates and
+restores checkpoints. In a torch.distributed group it takes part, through ``_ranks``,
+in a two-phase commit: every rank writes its own file of a step directory
+(``_group``), and rank 0 writes the manifest that commits the step only once all
+reported success over a gloo channel of aiosnap's own (``_coord``).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from ._errors import CorruptCheckpointError as CorruptCheckpointError
 from ._errors import DirectoryLockedError as DirectoryLockedError
 from ._errors import LoaderClosedError as LoaderClosedError
 from ._errors import PickleNotAllowedError as PickleNotAllowedError
+from ._errors import RankFailedError as RankFailedError
 from ._errors import StateMismatchError as StateMismatchError
 from ._errors import UnsupportedTypeError as UnsupportedTypeError
 from ._errors import WorkerCrashedError as WorkerCrashedError
@@ -112,6 +119,7 @@ __all__ = [
     "ProcessWriter",
     "QueueWriter",
     "RNGState",
+    "RankFailedError",
     "ReadHandle",
     "Restored",
     "RetentionPolicy",

@@ -7,6 +7,7 @@
     ├── LoaderClosedError         (also RuntimeError)
     ├── CheckpointKeyError        (also KeyError)
     ├── PickleNotAllowedError     (also ValueError)
+    ├── RankFailedError           (also RuntimeError)
     ├── StateMismatchError        (also ValueError)
     ├── UnsupportedTypeError      (also TypeError)
     ├── WorkerCrashedError        (also RuntimeError)
@@ -61,6 +62,15 @@ class LoaderClosedError(CheckpointError, RuntimeError):
 
 class PickleNotAllowedError(CheckpointError, ValueError):
     """The checkpoint holds pickled objects and ``allow_pickle`` was not given."""
+
+
+class RankFailedError(CheckpointError, RuntimeError):
+    """Another rank of the group failed, died or stopped answering; ``failed`` maps each
+    such rank to what is known of it. The checkpoint in progress was not committed."""
+
+    def __init__(self, message: str, failed: dict[int, str]) -> None:
+        super().__init__(message)
+        self.failed = failed
 
 
 class StateMismatchError(CheckpointError, ValueError):

@@ -4,8 +4,9 @@
 
 The header is safetensors' (``{"name": {"dtype", "shape", "data_offsets"}, ...}``),
 padded so the data section starts at a multiple of ``ALIGN``. Its ``__metadata__``
-holds two strings: ``aiosnap`` (JSON: format version, tree, and per tensor its kind,
-real dtype, shape and crc32c) and ``aiosnap_crc32c``, the crc32c of the first 8 + N
+holds two strings: ``aiosnap`` (JSON: format version, tree, per tensor its kind, real
+dtype, shape and crc32c, and optionally the ``external`` entries the tree refers to but
+another file stores) and ``aiosnap_crc32c``, the crc32c of the first 8 + N
 bytes with that value read as ``00000000``. Together they cover every byte of the file.
 See docs/format.md.
 
@@ -15,10 +16,11 @@ file size before anything is allocated, and every failure is a CorruptCheckpoint
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from . import _dtypes
@@ -57,6 +59,11 @@ class Header:
     tensors: dict[str, TensorInfo]
     tree: Any  # the skeleton, or None for a plain safetensors file
     version: int | None
+    #: Entries the tree refers to that another file holds (offsets 0, no checksum).
+    external: dict[str, TensorInfo] = field(default_factory=dict)
+    #: The header's own crc32c (hex): a summary of the whole file, since the header
+    #: holds the checksum of every entry.
+    checksum: str | None = None
 
 
 def itemsize(kind: str, dtype: str) -> int | None:
@@ -82,9 +89,11 @@ def st_entry(kind: str, dtype: str, shape: tuple[int, ...], nbytes: int) -> tupl
     return (code, list(shape)) if native else ("U8", [nbytes])
 
 
-def header_template(tensors: list[TensorInfo], tree: Any) -> HeaderTemplate:
+def header_template(
+    tensors: list[TensorInfo], tree: Any, external: list[TensorInfo] | None = None
+) -> HeaderTemplate:
     """Lay out the header of these entries; the checksums are filled in at the commit."""
-    meta = {
+    meta: dict[str, Any] = {
         "version": FORMAT_VERSION,
         "checksum": "crc32c",
         "tensors": {
@@ -93,6 +102,10 @@ def header_template(tensors: list[TensorInfo], tree: Any) -> HeaderTemplate:
         },
         "tree": tree,
     }
+    if external:
+        meta["external"] = {
+            t.name: {"kind": t.kind, "dtype": t.dtype, "shape": list(t.shape)} for t in external
+        }
     # Names and strings inside the JSON are escaped, so an unescaped slot is a real key.
     pieces = _dumps(meta).split(SLOT)
     if len(pieces) != len(tensors) + 1:
@@ -167,7 +180,8 @@ class _Parser:
         if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
             raise self.fail("__metadata__ is not a map of strings")
         self.check_header_crc(raw, meta)
-        return self.aiosnap(8 + n, entries, self.json(meta[META_KEY].encode(), "metadata"))
+        header = self.aiosnap(8 + n, entries, self.json(meta[META_KEY].encode(), "metadata"))
+        return dataclasses.replace(header, checksum=meta[CRC_KEY])
 
     def json(self, data: bytes, what: str) -> Any:
         try:
@@ -239,7 +253,24 @@ class _Parser:
         if set(described) != set(entries):
             raise self.fail("aiosnap metadata and safetensors entries list different tensors")
         tensors = {name: self.info(name, d, entries[name]) for name, d in described.items()}
-        return Header(data_start, tensors, meta.get("tree"), version)
+        return Header(data_start, tensors, meta.get("tree"), version, self.external(meta, tensors))
+
+    def external(self, meta: dict[str, Any], tensors: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
+        described = meta.get("external", {})
+        if not isinstance(described, dict):
+            raise self.fail("aiosnap metadata: external entries are malformed")
+        external = {}
+        for name, d in described.items():
+            if name in tensors:
+                raise self.fail(f"tensor {name!r} is both stored and external")
+            kind = d.get("kind") if isinstance(d, dict) else None
+            if kind not in KINDS[:3] or not isinstance(d.get("dtype"), str):  # a pickle is never external
+                raise self.fail(f"external entry {name!r}: malformed description")
+            shape = d.get("shape")
+            if itemsize(d["kind"], d["dtype"]) is None or not _ints(shape):
+                raise self.fail(f"external entry {name!r}: bad dtype or shape")
+            external[name] = TensorInfo(name, d["kind"], d["dtype"], tuple(shape), 0, 0, None)
+        return external
 
     def info(self, name: str, d: Any, entry: tuple[str, list[int], int, int]) -> TensorInfo:
         code, st_shape, start, end = entry

@@ -8,7 +8,7 @@ is checked before the tree is handed back.
 from __future__ import annotations
 
 import pickle
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, final
 
@@ -55,14 +55,18 @@ async def load(
     map_location: MapLocation = None,
     allow_pickle: bool = False,
     storage: Storage | None = None,
+    replicas: str | None = None,
 ) -> Any:
     """Read a checkpoint back as the tree that was saved.
 
     ``keys`` are dotted paths (``["model.layer1", "optimizer"]``); the result is the
     same tree pruned to those subtrees. A plain safetensors file loads as a flat dict.
+    ``replicas`` is the file holding the entries this one marks external: in a
+    checkpoint of a process group, rank 0's file of the same step.
     """
+    storage = storage if storage is not None else LocalStorage()
     return await _offload.run_io(
-        _load_blocking, storage or LocalStorage(), path, keys, map_location, allow_pickle
+        _load_blocking, storage, path, keys, map_location, allow_pickle, None, True, replicas
     )
 
 
@@ -72,7 +76,13 @@ async def verify(path: str, *, storage: Storage | None = None) -> VerifyReport:
 
 
 async def load_into(
-    path: str, target: Any, *, strict: bool = True, allow_pickle: bool = False, storage: Storage | None = None
+    path: str,
+    target: Any,
+    *,
+    strict: bool = True,
+    allow_pickle: bool = False,
+    storage: Storage | None = None,
+    replicas: str | None = None,
 ) -> Any:
     """Load a checkpoint into existing tensors, arrays, containers and Stateful objects.
 
@@ -83,10 +93,10 @@ async def load_into(
     their own memory, with no intermediate copy; if a checksum then fails, the error
     is raised and such a target holds partly new bytes (restore an older checkpoint
     into it, as CheckpointManager.restore does). Stateful objects get
-    ``load_state_dict`` with freshly read tensors.
+    ``load_state_dict`` with freshly read tensors. ``replicas`` as in ``load``.
     """
     storage = storage if storage is not None else LocalStorage()
-    await _offload.run_io(_load_blocking, storage, path, None, None, allow_pickle, target, strict)
+    await _offload.run_io(_load_blocking, storage, path, None, None, allow_pickle, target, strict, replicas)
     return target
 
 
@@ -98,17 +108,26 @@ def _load_blocking(
     allow_pickle: bool,
     target: Any = None,
     strict: bool = True,
+    replicas: str | None = None,
 ) -> Any:
-    f = storage.open_read(path)
+    files: list[ReadHandle] = [storage.open_read(path)]
     try:
-        header = read_header(f)
+        header = read_header(files[0])
         tree = _plain_tree(header) if header.tree is None else header.tree
         try:
             if keys is not None:
                 tree = _prune(tree, list(keys), path)
-            reader = _Reader(f, header, map_location, allow_pickle)
+            reader = _Reader(files[0], header, map_location, allow_pickle)
+            if header.external and _refers_to(tree, header.external):
+                if replicas is None:
+                    raise CheckpointError(
+                        f"{path}: some entries are stored in the file of the rank that wrote the replicated "
+                        "entries; pass replicas= (CheckpointManager.restore does)"
+                    )
+                files.append(storage.open_read(replicas))
+                reader.add_replicas(files[1], read_header(files[1]))
             if target is not None:
-                _destinations(target, tree, header, reader.direct)
+                _destinations(target, tree, reader.lookup, reader.direct)
             reader.prefetch(tree)
             loaded = rebuild(tree, reader.resolve)
         except CheckpointError:
@@ -116,17 +135,24 @@ def _load_blocking(
         except ValueError as exc:
             raise CorruptCheckpointError(path, f"bad tree: {exc}") from None
     finally:
-        f.close()
+        for f in files:
+            f.close()
     if target is not None:
         _assign(target, loaded, (), strict)
     return loaded
 
 
-def _destinations(target: Any, node: Any, header: Header, out: dict[str, tuple[Any, Any]]) -> None:
+def _refers_to(tree: Any, names: dict[str, TensorInfo]) -> bool:
+    return any(name in names for _, _, name in walk_leaves(tree))
+
+
+def _destinations(
+    target: Any, node: Any, lookup: Callable[[str], TensorInfo | None], out: dict[str, tuple[Any, Any]]
+) -> None:
     """Find the entries that can be read straight into the target's own memory."""
     tag = node.get("$") if isinstance(node, dict) else None
     if tag in ("tensor", "ndarray"):
-        info = header.tensors.get(node.get("n"))
+        info = lookup(node.get("n"))
         if info is not None and info.kind == tag and info.name not in out:
             flat = _direct_view(target, info)
             if flat is not None:
@@ -135,12 +161,12 @@ def _destinations(target: Any, node: Any, header: Header, out: dict[str, tuple[A
         for key_node, value in dict_items(node):
             key = decode_key(key_node)
             if key in target:
-                _destinations(target[key], value, header, out)
+                _destinations(target[key], value, lookup, out)
     elif isinstance(target, (list, tuple)) and (isinstance(node, list) or tag == "tuple"):
         values = sequence_values(node)
         if len(values) == len(target):
             for sub_target, sub_node in zip(target, values, strict=True):
-                _destinations(sub_target, sub_node, header, out)
+                _destinations(sub_target, sub_node, lookup, out)
 
 
 def _direct_view(target: Any, info: TensorInfo) -> np.ndarray[Any, np.dtype[np.uint8]] | None:
@@ -174,18 +200,41 @@ def _plain_tree(header: Header) -> Any:
 
 
 class _Reader:
+    """Reads the leaves a tree refers to: from the file, and external ones from the
+    file of replicated entries, checking that each is the entry the tree describes."""
+
     def __init__(self, f: ReadHandle, header: Header, map_location: MapLocation, allow_pickle: bool) -> None:
-        self.f, self.header = f, header
+        self.sources: list[tuple[ReadHandle, Header]] = [(f, header)]
         self.map_location, self.allow_pickle = map_location, allow_pickle
         self.made: dict[str, object] = {}
         #: Entries to read into existing memory (load_into): name -> (object, its bytes).
         self.direct: dict[str, tuple[Any, Any]] = {}
 
-    def info(self, name: str) -> TensorInfo:
-        info = self.header.tensors.get(name)
-        if info is None:
-            raise ValueError(f"the tree refers to a missing tensor {name!r}")
-        return info
+    def add_replicas(self, f: ReadHandle, header: Header) -> None:
+        own = self.sources[0][1]
+        for name, want in own.external.items():
+            have = header.tensors.get(name)
+            if have is not None and _spec(have) != _spec(want):
+                raise CorruptCheckpointError(
+                    f.path,
+                    f"replicated entry {name!r} is {have.dtype} {have.shape}, not {want.dtype} {want.shape}",
+                )
+        self.sources.append((f, header))
+
+    def source(self, name: str) -> int:
+        if name in self.sources[0][1].tensors:
+            return 0
+        if len(self.sources) > 1 and name in self.sources[0][1].external:
+            if name not in self.sources[1][1].tensors:
+                raise CorruptCheckpointError(self.sources[1][0].path, f"no replicated entry {name!r}")
+            return 1
+        raise ValueError(f"the tree refers to a missing tensor {name!r}")
+
+    def lookup(self, name: str) -> TensorInfo | None:
+        try:
+            return self.sources[self.source(name)][1].tensors[name]
+        except (ValueError, CorruptCheckpointError):
+            return None
 
     def resolve(self, kind: str, name: str, path: tuple[object, ...]) -> object:
         return self.made[name]  # prefetch() read every leaf the tree refers to
@@ -197,18 +246,29 @@ class _Reader:
         memory of the tensors and arrays that will be returned; checksums follow.
         """
         wanted: dict[str, TensorInfo] = {}
+        by_source: list[list[TensorInfo]] = [[] for _ in self.sources]
         for path, kind, name in walk_leaves(tree):
-            info = self.info(name)
+            if name in wanted:
+                continue
+            src = self.source(name)
+            info = self.sources[src][1].tensors[name]
             if info.kind != kind:
                 raise ValueError(f"{format_path(path)} is a {kind} but {name!r} is a {info.kind}")
             if kind == "pickle" and not self.allow_pickle:
                 raise PickleNotAllowedError(
-                    f"{self.f.path}: {format_path(path)} is pickled; loading it runs code from the "
-                    "file, so it needs allow_pickle=True"
+                    f"{self.sources[src][0].path}: {format_path(path)} is pickled; loading it runs code "
+                    "from the file, so it needs allow_pickle=True"
                 )
             wanted[name] = info
-        infos = sorted(wanted.values(), key=lambda i: i.start)
-        made = {info.name: self.direct.get(info.name) or _allocate(info) for info in infos}
+            by_source[src].append(info)
+        made = {name: self.direct.get(name) or _allocate(info) for name, info in wanted.items()}
+        for (f, header), infos in zip(self.sources, by_source, strict=True):
+            self.read_all(f, header, sorted(infos, key=lambda i: i.start), made)
+        self.made = {name: self.finish(wanted[name], obj) for name, (obj, _) in made.items()}
+
+    def read_all(
+        self, f: ReadHandle, header: Header, infos: list[TensorInfo], made: dict[str, tuple[Any, Any]]
+    ) -> None:
         group: list[TensorInfo] = []
         for info in infos:
             if group and (
@@ -216,19 +276,11 @@ class _Reader:
                 or len(group) >= _READ_IOVECS
                 or info.end - group[0].start > _READ_GROUP
             ):
-                self.read_group(group, made)
+                _read_group(f, header, group, made)
                 group = []
             group.append(info)
         if group:
-            self.read_group(group, made)
-        self.made = {name: self.finish(wanted[name], obj) for name, (obj, _) in made.items()}
-
-    def read_group(self, group: list[TensorInfo], made: dict[str, tuple[Any, Any]]) -> None:
-        views = [memoryview(made[info.name][1]) for info in group]
-        self.f.readinto_many(self.header.data_start + group[0].start, views)
-        for info, view in zip(group, views, strict=True):
-            if info.crc is not None and crc32c(view) != info.crc:
-                raise CorruptCheckpointError(self.f.path, f"checksum mismatch in tensor {info.name!r}")
+            _read_group(f, header, group, made)
 
     def finish(self, info: TensorInfo, obj: Any) -> object:
         if info.kind == "tensor":
@@ -236,6 +288,20 @@ class _Reader:
         if info.kind == "pickle":
             return pickle.loads(obj.tobytes())  # the caller opted in
         return obj[()] if info.kind == "npscalar" else obj
+
+
+def _spec(info: TensorInfo) -> tuple[str, str, tuple[int, ...]]:
+    return info.kind, info.dtype, info.shape
+
+
+def _read_group(
+    f: ReadHandle, header: Header, group: list[TensorInfo], made: dict[str, tuple[Any, Any]]
+) -> None:
+    views = [memoryview(made[info.name][1]) for info in group]
+    f.readinto_many(header.data_start + group[0].start, views)
+    for info, view in zip(group, views, strict=True):
+        if info.crc is not None and crc32c(view) != info.crc:
+            raise CorruptCheckpointError(f.path, f"checksum mismatch in tensor {info.name!r}")
 
 
 def _allocate(info: TensorInfo) -> tuple[Any, np.ndarray[Any, np.dtype[np.uint8]]]:
@@ -303,7 +369,8 @@ def _verify_blocking(storage: Storage, path: str) -> VerifyReport:
         if header.tree is not None:
             try:
                 for _, kind, name in walk_leaves(header.tree):
-                    if name not in header.tensors or header.tensors[name].kind != kind:
+                    entry = header.tensors.get(name) or header.external.get(name)
+                    if entry is None or entry.kind != kind:
                         raise ValueError(f"the tree refers to a missing {kind} {name!r}")
             except ValueError as exc:
                 raise CorruptCheckpointError(path, f"bad tree: {exc}") from None

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-import json
 import logging
 import re
 import signal
@@ -21,26 +20,27 @@ import string
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Self, final
+from typing import Any, Literal, Self, final
 
 import anyio
 import anyio.abc
+import torch.distributed as dist
 
 from . import _offload
+from ._catalog import Catalog
 from ._errors import CheckpointNotFoundError, CorruptCheckpointError, WriterClosedError
+from ._group import StepDirs, rank_file
 from ._handle import SaveHandle, SaveStats
 from ._load import load, load_into
+from ._ranks import Ranks
 from ._records import CheckpointRecord
-from ._retention import RetentionPolicy, victims
+from ._retention import RetentionPolicy
 from ._storage import LocalStorage, Storage, StorageLock
-from ._triggers import EveryNSteps, Moment, Trigger
+from ._tree import ExternalLeaves
+from ._triggers import EveryNSteps, Moment, Trigger, deterministic
 from ._writers import QueueWriter, Writer
 
 logger = logging.getLogger(__name__)
-
-INDEX_NAME = "aiosnap-index.json"
-#: History entries kept in the index; older ones are dropped first.
-HISTORY_LIMIT = 10_000
 
 StateFn = Callable[[], "tuple[int, object] | Awaitable[tuple[int, object]]"]
 
@@ -80,6 +80,19 @@ class CheckpointManager(anyio.abc.AsyncResource):
     be passed unopened: the manager opens and closes it. One manager per directory: a
     second one gets DirectoryLockedError, through a lock the OS drops when its holder
     dies.
+
+    **Process groups.** When torch.distributed is initialised (or ``group=`` is given;
+    ``group=False`` opts out), every rank of the group opens a manager on the same
+    directory (a shared filesystem) and calls the same methods in the same order.
+    Each step is then a directory (``name``, which must not use ``{rank}``) with one
+    file per rank, written in parallel, and a manifest that rank 0 writes last, once
+    every rank's file is durable. Rank 0 decides everything that must agree (which
+    step is latest, what a restore takes, retention, the index) and tells the others
+    over a gloo group the manager creates; every wait has a deadline of ``timeout``
+    seconds of silence, so a failed, dead or hung rank makes every live rank raise
+    RankFailedError naming it, instead of hanging. Tree paths matching a
+    ``replicated`` glob (``["model.*"]``) must hold the same values on every rank: rank
+    0 alone stores them and every rank reads them back, at any world size.
     """
 
     def __init__(
@@ -93,9 +106,11 @@ class CheckpointManager(anyio.abc.AsyncResource):
         storage: Storage | None = None,
         rank: int = 0,
         allow_pickle: bool = False,
+        group: dist.ProcessGroup | Literal[False] | None = None,
+        replicated: Sequence[str] = (),
+        timeout: float = 300.0,
     ) -> None:
         self.directory = directory
-        self.rank = rank
         self._storage = storage if storage is not None else LocalStorage()
         self._writer: Writer = writer if writer is not None else QueueWriter(storage=self._storage)
         self._name = name
@@ -103,10 +118,36 @@ class CheckpointManager(anyio.abc.AsyncResource):
         self._keep = keep
         self._trigger: Trigger | None = EveryNSteps(save_every) if isinstance(save_every, int) else save_every
         self._allow_pickle = allow_pickle
-        self._records: dict[int, CheckpointRecord] = {}
-        self._history: list[CheckpointRecord] = []
+        self._ranks: Ranks | None = None
+        if group is not False and (group is not None or (dist.is_available() and dist.is_initialized())):
+            if "{rank}" in name:
+                raise ValueError(f"name {name!r}: in a group each step is a directory; drop {{rank}}")
+            self._ranks = Ranks(
+                group,
+                storage=self._storage,
+                directory=directory,
+                replicated=replicated,
+                timeout=timeout,
+                allow_pickle=allow_pickle,
+            )
+            rank = self._ranks.rank
+        elif replicated:
+            raise ValueError("replicated= needs a process group")
+        self.rank = rank
+        self._catalog: Catalog | None = None
+        if self._ranks is None or rank == 0:
+            dirs = StepDirs(self._storage, directory, self._pattern) if self._ranks else None
+            self._catalog = Catalog(
+                self._storage,
+                directory,
+                self._pattern,
+                keep,
+                scan=dirs.scan if dirs else self._scan_files,
+                remove=dirs.remove if dirs else self._remove_file,
+            )
+            if self._ranks is not None:
+                self._ranks.catalog, self._ranks.dirs = self._catalog, dirs
         self._last: Moment | None = None
-        self._index_lock = anyio.Lock()
         self._pending: set[SaveHandle] = set()
         self._errors: list[BaseException] = []
         self._tg: anyio.abc.TaskGroup | None = None
@@ -120,20 +161,39 @@ class CheckpointManager(anyio.abc.AsyncResource):
     async def __aenter__(self) -> Self:
         if self._state != "new":
             raise WriterClosedError("a CheckpointManager can be opened only once")
-        self._lock = await _offload.run_io(self._storage.lock, self.directory)
+        self._state = "opening"
         try:
-            swept = await _offload.run_io(self._storage.sweep_temp, self.directory)
-            if swept:
-                logger.info("removed %d temp file(s) of crashed saves in %s", len(swept), self.directory)
-            await self._load_index()
+            if self._ranks is not None:
+                config = {"name": self._name, "replicated": self._ranks.replicated, "size": self._ranks.size}
+                await self._ranks.open(config, self._prepare)
+            else:
+                await self._prepare()
             await self._writer.__aenter__()
         except BaseException:
-            self._lock.release()
+            await self._release()
             raise
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._state = "open"
         return self
+
+    async def _prepare(self) -> None:
+        """Lock the directory, sweep what crashed saves left, load the index."""
+        assert self._catalog is not None
+        self._lock = await _offload.run_io(self._storage.lock, self.directory)
+        swept = await _offload.run_io(self._storage.sweep_temp, self.directory)
+        if swept:
+            logger.info("removed %d temp file(s) of crashed saves in %s", len(swept), self.directory)
+        await self._catalog.load()
+
+    async def _release(self) -> None:
+        self._state = "closed"
+        if self._catalog is not None:
+            self._catalog.close()
+        if self._ranks is not None:
+            await self._ranks.close()
+        if self._lock is not None:
+            self._lock.release()
 
     async def aclose(self) -> None:
         """Wait for pending commits and the rotation they trigger; release the directory."""
@@ -151,9 +211,7 @@ class CheckpointManager(anyio.abc.AsyncResource):
                 assert self._tg is not None
                 await self._tg.__aexit__(None, None, None)
         finally:
-            self._state = "closed"
-            assert self._lock is not None
-            self._lock.release()
+            await self._release()
         self._raise_pending()
 
     async def flush(self) -> None:
@@ -173,7 +231,8 @@ class CheckpointManager(anyio.abc.AsyncResource):
 
     # -- saving --------------------------------------------------------------------------
     def should_save(self, step: int, *, epoch: int | None = None) -> bool:
-        """Whether the triggers call for a save now (always, with no trigger)."""
+        """Whether the triggers call for a save now (always, with no trigger). In a
+        group, this is this rank's view; ``save`` follows rank 0's for clock triggers."""
         if self._trigger is None:
             return True
         return self._trigger(Moment(step, epoch, time.monotonic()), self._last)
@@ -196,22 +255,65 @@ class CheckpointManager(anyio.abc.AsyncResource):
         """
         if self._state != "open":
             raise WriterClosedError("the manager is not open: use `async with manager:`")
-        self._raise_pending()
-        if not force and not self.should_save(step, epoch=epoch):
-            handle = SaveHandle(self._storage.join(self.directory, self.filename(step, epoch)))
+        if self._ranks is None:
+            self._raise_pending()
+        filename = self.filename(step, epoch)
+        record = CheckpointRecord(
+            step, filename, epoch, metrics=dict(metrics or {}), metadata=dict(metadata or {})
+        )
+        if not force and not await self._due(step, epoch):
+            self._raise_pending()
+            handle = SaveHandle(self._storage.join(self.directory, filename))
             handle._skip()
             return handle
-        filename = self.filename(step, epoch)
+        if self._ranks is not None:
+            return await self._save_in_group(record, state)
         inner = await self._writer(filename, self.directory, state)
         self._last = Moment(step, epoch, time.monotonic())
         outer = SaveHandle(inner.path)
         self._pending.add(outer)
-        record = CheckpointRecord(
-            step, filename, epoch, metrics=dict(metrics or {}), metadata=dict(metadata or {})
-        )
         assert self._tg is not None
         self._tg.start_soon(self._after_commit, inner, outer, record)
         return outer
+
+    async def _due(self, step: int, epoch: int | None) -> bool:
+        due = self.should_save(step, epoch=epoch)
+        if self._ranks is not None and self._trigger is not None and not deterministic(self._trigger):
+            due = await self._ranks.agree_on_trigger(due)
+        return due
+
+    async def _save_in_group(self, record: CheckpointRecord, state: object) -> SaveHandle:
+        ranks, tg = self._ranks, self._tg
+        assert ranks is not None
+        assert tg is not None
+        op = f"save step {record.step}"
+        step_dir = self._storage.join(self.directory, record.file)
+        target = state if ranks.rank == 0 or not ranks.replicated else ExternalLeaves(state, ranks.matches)
+        outer = SaveHandle(self._storage.join(step_dir, rank_file(ranks.rank)))
+        self._pending.add(outer)
+        try:
+            # An earlier failure is raised here, not before: the other ranks vote on this
+            # step all the same, so this rank must vote too (that it failed).
+            self._raise_pending()
+            inner: SaveHandle | BaseException = await self._writer(rank_file(ranks.rank), step_dir, target)
+        except BaseException as exc:
+            failure = (
+                exc if isinstance(exc, Exception) else WriterClosedError("this rank's save was cancelled")
+            )
+            tg.start_soon(self._vote, op, failure, record, outer)
+            raise
+        self._last = Moment(record.step, record.epoch, time.monotonic())
+        tg.start_soon(self._vote, op, inner, record, outer)
+        return outer
+
+    async def _vote(
+        self, op: str, inner: SaveHandle | BaseException, record: CheckpointRecord, outer: SaveHandle
+    ) -> None:
+        assert self._ranks is not None
+        try:
+            await self._ranks.vote(op, inner, record, outer, self._errors.append)
+        finally:
+            self._pending.discard(outer)
 
     def filename(self, step: int, epoch: int | None = None) -> str:
         if epoch is None and "{epoch}" in self._name:
@@ -249,28 +351,11 @@ class CheckpointManager(anyio.abc.AsyncResource):
             "fsync_s": stats.fsync_s,
             "total_s": stats.total_s,
         }
-        record = record.replace(wall_time=time.time(), bytes=stats.bytes, timings=timings)
-        async with self._index_lock:
-            self._records[record.step] = record
-            self._history = [*self._history, record][-HISTORY_LIMIT:]
-            doomed = self._doomed()
-            for step in doomed:
-                self._records.pop(step)
-            await self._write_index()
-            for file in doomed.values():
-                await _offload.run_io(self._storage.remove, self._storage.join(self.directory, file))
-                logger.info("retention removed %s", file)
+        assert self._catalog is not None
+        await self._catalog.add(record.replace(wall_time=time.time(), bytes=stats.bytes, timings=timings))
 
-    def _doomed(self) -> dict[int, str]:
-        valid = [r for r in self._records.values() if r.corrupt is None]
-        doomed = victims(self._keep, valid, time.time())
-        newest = max((r.step for r in valid), default=None)
-        # Checkpoints that failed verification go once a newer valid one exists.
-        doomed += [r.step for r in self._records.values() if r.corrupt and newest and r.step < newest]
-        return {step: self._records[step].file for step in doomed}
-
-    # -- the index -----------------------------------------------------------------------
-    async def _load_index(self) -> None:
+    # -- the single-process layout: a file per step ---------------------------------------
+    async def _scan_files(self) -> dict[int, str]:
         names = await _offload.run_io(self._storage.listdir, self.directory)
         on_disk: dict[int, str] = {}
         for name in names:
@@ -278,55 +363,21 @@ class CheckpointManager(anyio.abc.AsyncResource):
             if m is None or int(m.groupdict().get("rank") or self.rank) != self.rank:
                 continue
             on_disk[int(m.group("step"))] = name
-        indexed, history = await self._read_index()
-        now = time.time()
-        self._records = {}
-        for step, name in sorted(on_disk.items()):
-            known = indexed.get(step)
-            # A file the index does not know (a lost or stale index) is taken as it is.
-            self._records[step] = (
-                known
-                if known and known.file == name
-                else CheckpointRecord(step, name, self._epoch_of(name), wall_time=now)
-            )
-        self._history = history
-        if set(indexed) != set(on_disk):
-            await self._write_index()
+        return on_disk
 
-    def _epoch_of(self, name: str) -> int | None:
-        m = self._pattern.fullmatch(name)
-        return int(m.group("epoch")) if m and "epoch" in m.groupdict() else None
-
-    async def _read_index(self) -> tuple[dict[int, CheckpointRecord], list[CheckpointRecord]]:
-        path = self._storage.join(self.directory, INDEX_NAME)
-        try:
-            raw = await _offload.run_io(self._storage.read_bytes, path)
-            data = json.loads(raw)
-            records = [CheckpointRecord.from_json(r) for r in data["checkpoints"]]
-            history = [CheckpointRecord.from_json(r) for r in data.get("history", [])]
-        except CheckpointNotFoundError:
-            return {}, []
-        except (ValueError, KeyError, TypeError) as exc:
-            logger.warning("index %s is unreadable (%r); rebuilding it from the directory", path, exc)
-            return {}, []
-        return {r.step: r for r in records}, history
-
-    async def _write_index(self) -> None:
-        valid = [r.step for r in self._records.values() if r.corrupt is None]
-        data = {
-            "version": 1,
-            "latest": max(valid, default=None),
-            "checkpoints": [r.to_json() for _, r in sorted(self._records.items())],
-            "history": [r.to_json() for r in self._history],
-        }
-        blob = json.dumps(data, indent=1, default=repr).encode()
-        path = self._storage.join(self.directory, INDEX_NAME)
-        await _offload.run_io(self._storage.write_atomic, path, [memoryview(blob)])
+    async def _remove_file(self, name: str) -> None:
+        await _offload.run_io(self._storage.remove, self._storage.join(self.directory, name))
 
     # -- reading -------------------------------------------------------------------------
     async def steps(self) -> list[int]:
         """Steps of the committed checkpoints that have not failed verification."""
-        return sorted(s for s, r in self._records.items() if r.corrupt is None)
+        if self._ranks is not None:
+            return list(await self._ranks.ask("steps", lambda: self._steps()))
+        return self._steps()
+
+    def _steps(self) -> list[int]:
+        assert self._catalog is not None
+        return self._catalog.steps()
 
     async def latest_step(self) -> int | None:
         steps = await self.steps()
@@ -334,7 +385,14 @@ class CheckpointManager(anyio.abc.AsyncResource):
 
     async def history(self) -> list[CheckpointRecord]:
         """Every commit this directory has seen (up to HISTORY_LIMIT), oldest first."""
-        return list(self._history)
+        if self._ranks is not None:
+            raw = await self._ranks.ask("history", lambda: [r.to_json() for r in self._history()])
+            return [CheckpointRecord.from_json(r) for r in raw]
+        return self._history()
+
+    def _history(self) -> list[CheckpointRecord]:
+        assert self._catalog is not None
+        return list(self._catalog.history)
 
     async def restore(
         self, step: int | None = None, *, target: Any = None, keys: Sequence[str] | None = None
@@ -344,10 +402,17 @@ class CheckpointManager(anyio.abc.AsyncResource):
         If the latest checkpoint fails verification it is logged, marked, and the
         newest valid older one is tried; CheckpointNotFoundError only when none is valid.
         With ``target``, the state is loaded into it in place (only once it verified).
+        In a group, every rank gets the same step, and its own part of it.
         """
-        candidates = [step] if step is not None else sorted(await self.steps(), reverse=True)
+        if target is not None and keys is not None:
+            raise ValueError("restore takes target or keys, not both")
+        if self._ranks is not None:
+            found, path, state = await self._ranks.restore(step, target, keys)
+            return Restored(found.step, found.epoch, path, state)
+        assert self._catalog is not None
+        candidates = [step] if step is not None else sorted(self._catalog.steps(), reverse=True)
         for candidate in candidates:
-            record = self._records.get(candidate)
+            record = self._catalog.records.get(candidate)
             if record is None:  # only an explicit step can be unknown
                 raise CheckpointNotFoundError(self._storage.join(self.directory, f"<step {candidate}>"))
             path = self._storage.join(self.directory, record.file)
@@ -357,7 +422,7 @@ class CheckpointManager(anyio.abc.AsyncResource):
                 logger.warning(
                     "checkpoint %s failed verification (%s); falling back to an older one", path, exc
                 )
-                await self._mark_corrupt(candidate, str(exc))
+                await self._catalog.mark_corrupt(candidate, str(exc))
                 if step is not None:
                     raise
                 continue
@@ -366,18 +431,8 @@ class CheckpointManager(anyio.abc.AsyncResource):
 
     async def _load(self, path: str, target: Any, keys: Sequence[str] | None) -> Any:
         if target is not None:
-            if keys is not None:
-                raise ValueError("restore takes target or keys, not both")
             return await load_into(path, target, allow_pickle=self._allow_pickle, storage=self._storage)
         return await load(path, keys=keys, allow_pickle=self._allow_pickle, storage=self._storage)
-
-    async def _mark_corrupt(self, step: int, reason: str) -> None:
-        async with self._index_lock:
-            record = self._records.get(step)
-            if record is not None:
-                self._records[step] = record.replace(corrupt=reason)
-                if self._state == "open":
-                    await self._write_index()
 
     # -- saving when things go wrong -----------------------------------------------------
     def save_on_signal(

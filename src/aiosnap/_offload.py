@@ -24,6 +24,9 @@ T = TypeVar("T")
 IO_THREADS = 4
 #: Copies, checksums, pickling: bounded by the cores (2 on the reference machine).
 CPU_THREADS = 2
+#: Messages between ranks: each waits on the network, never on the disk or a core, and
+#: must not queue behind bulk I/O (a rank that waits too long is reported as failed).
+COORD_THREADS = 4
 
 _limiters: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, anyio.CapacityLimiter]] = (
     weakref.WeakKeyDictionary()
@@ -38,6 +41,7 @@ def _limiter(kind: str) -> anyio.CapacityLimiter:
         per_loop = {
             "io": anyio.CapacityLimiter(IO_THREADS),
             "cpu": anyio.CapacityLimiter(CPU_THREADS),
+            "coord": anyio.CapacityLimiter(COORD_THREADS),
         }
         _limiters[loop] = per_loop
     return per_loop[kind]
@@ -51,6 +55,12 @@ async def run_io(fn: Callable[..., T], *args: object) -> T:
 async def run_cpu(fn: Callable[..., T], *args: object) -> T:
     """Run a blocking copy, checksum or (un)pickle in a worker thread."""
     return await anyio.to_thread.run_sync(fn, *args, limiter=_limiter("cpu"))
+
+
+async def run_coord(fn: Callable[..., T], *args: object) -> T:
+    """Run a blocking exchange with other ranks in a worker thread. Every such call has
+    its own deadline; a cancelled caller abandons the thread to it."""
+    return await anyio.to_thread.run_sync(fn, *args, limiter=_limiter("coord"), abandon_on_cancel=True)
 
 
 _gc_lock = threading.Lock()

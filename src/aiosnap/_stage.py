@@ -220,7 +220,10 @@ def plan(snapshot: Snapshot) -> Plan:
         dtype, shape, nbytes = _describe(leaf)
         infos.append(TensorInfo(leaf.name, leaf.kind, dtype, shape, pos, pos + nbytes, 0))
         pos += nbytes
-    return Plan(leaves, infos, _format.header_template(infos, snapshot.tree), snapshot.tree)
+    external = [
+        TensorInfo(leaf.name, leaf.kind, *_describe(leaf)[:2], 0, 0, None) for leaf in snapshot.external
+    ]
+    return Plan(leaves, infos, _format.header_template(infos, snapshot.tree, external), snapshot.tree)
 
 
 def stage(

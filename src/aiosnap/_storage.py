@@ -14,6 +14,7 @@ import errno
 import fcntl
 import os
 import secrets
+import shutil
 import stat
 import time
 from collections.abc import Callable, Sequence
@@ -81,6 +82,12 @@ class Storage(Protocol):
 
     def remove(self, path: str) -> None:
         """Delete a committed file; a missing one is not an error."""
+
+    def remove_tree(self, path: str) -> None:
+        """Delete a directory and everything in it; a missing one is not an error."""
+
+    def isdir(self, path: str) -> bool:
+        """Whether ``path`` is a directory."""
 
     def listdir(self, path: str) -> list[str]:
         """Names in a directory, temp files of unfinished commits excluded."""
@@ -232,8 +239,9 @@ class LocalStorage:
 
     def _commit(self, path: str, fill: Callable[[int, str], object]) -> CommitTimes:
         directory, name = os.path.split(path)
-        if directory:
+        if directory and not os.path.isdir(directory):
             os.makedirs(directory, exist_ok=True)
+            _fsync_dir(os.path.dirname(os.path.abspath(directory)))  # the new directory's entry
         tmp = os.path.join(directory, f"{TEMP_PREFIX}{name}.{secrets.token_hex(6)}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
@@ -260,6 +268,15 @@ class LocalStorage:
 
     def remove(self, path: str) -> None:
         _unlink_quietly(path)
+
+    def remove_tree(self, path: str) -> None:
+        try:
+            shutil.rmtree(path)
+        except FileNotFoundError:
+            pass
+
+    def isdir(self, path: str) -> bool:
+        return os.path.isdir(path)
 
     def listdir(self, path: str) -> list[str]:
         try:

@@ -49,10 +49,25 @@ class Leaf:
 
 @dataclass(slots=True)
 class Snapshot:
-    """The captured state: the skeleton, and the leaves it refers to by name."""
+    """The captured state: the skeleton, and the leaves it refers to by name.
+
+    ``external`` leaves are referred to by the skeleton but stored in another file
+    (see ExternalLeaves): they are described in the header, never staged.
+    """
 
     tree: Node
     leaves: list[Leaf] = field(default_factory=list)
+    external: list[Leaf] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class ExternalLeaves:
+    """A state to capture whose tensors and arrays at paths where ``is_external(path)``
+    holds are stored elsewhere: replicated entries that one rank writes for all. The
+    path is the dotted path where capture first reaches the leaf."""
+
+    state: object
+    is_external: Callable[[str], bool]
 
 
 def is_stateful(obj: object) -> bool:
@@ -75,8 +90,11 @@ class _Capture:
         self.names: set[str] = set()
         self.aliases: dict[object, str] = {}
         self.active: set[int] = set()
+        self.is_external: Callable[[str], bool] | None = None
 
     def run(self, target: object) -> Snapshot:
+        if isinstance(target, ExternalLeaves):
+            self.is_external, target = target.is_external, target.state
         self.snapshot.tree = self.node(target, ())
         return self.snapshot
 
@@ -145,7 +163,8 @@ class _Capture:
         if key is not None and key in self.aliases:
             return self.aliases[key]
         name = self.unique_name(format_path(path))
-        self.snapshot.leaves.append(Leaf(name, kind, value))
+        external = kind != "pickle" and self.is_external is not None and self.is_external(format_path(path))
+        (self.snapshot.external if external else self.snapshot.leaves).append(Leaf(name, kind, value))
         if key is not None:
             self.aliases[key] = name
         return name

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol, final
+from typing import ClassVar, Protocol, final
 
 
 @final
@@ -18,14 +18,26 @@ class Moment:
 
 
 class Trigger(Protocol):
-    """Says whether ``now`` is due for a save, given the last save (None before any)."""
+    """Says whether ``now`` is due for a save, given the last save (None before any).
+
+    A trigger whose answer depends only on steps and epochs may say so with a class
+    attribute ``deterministic = True``: the ranks of a group then decide alone,
+    instead of following rank 0's answer (clocks differ between ranks)."""
 
     def __call__(self, now: Moment, last: Moment | None) -> bool: ...
+
+
+def deterministic(trigger: Trigger) -> bool:
+    """Whether every rank reaches the same answer from the same steps and epochs."""
+    if isinstance(trigger, AnyTrigger):
+        return all(deterministic(t) for t in trigger.triggers)
+    return getattr(trigger, "deterministic", False) is True
 
 
 @final
 @dataclass(frozen=True, slots=True)
 class EveryNSteps:
+    deterministic: ClassVar[bool] = True
     n: int
 
     def __call__(self, now: Moment, last: Moment | None) -> bool:
@@ -35,6 +47,7 @@ class EveryNSteps:
 @final
 @dataclass(frozen=True, slots=True)
 class EveryNEpochs:
+    deterministic: ClassVar[bool] = True
     n: int
 
     def __call__(self, now: Moment, last: Moment | None) -> bool:
@@ -54,6 +67,8 @@ class EveryNSeconds:
 
 @final
 class AtSteps:
+    deterministic: ClassVar[bool] = True
+
     def __init__(self, steps: Iterable[int]) -> None:
         self.steps = frozenset(steps)
 

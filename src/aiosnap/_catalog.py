@@ -1,0 +1,142 @@
+"""The committed checkpoints of a directory, the index that caches them, and retention.
+
+The checkpoints on storage are the truth; the index (latest pointer, records, history)
+is a cache, replaced atomically after each commit and rebuilt from storage whenever it
+is missing, stale or unreadable. How a checkpoint looks on storage (a file, or a
+directory committed by its manifest) is the layout's business: the catalog only
+lists committed ones by name and asks for their removal.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from collections.abc import Awaitable, Callable
+from typing import final
+
+import anyio
+
+from . import _offload
+from ._errors import CheckpointNotFoundError
+from ._records import CheckpointRecord
+from ._retention import RetentionPolicy, victims
+from ._storage import Storage
+
+logger = logging.getLogger(__name__)
+
+INDEX_NAME = "aiosnap-index.json"
+#: History entries kept in the index; older ones are dropped first.
+HISTORY_LIMIT = 10_000
+
+#: Lists the committed checkpoints on storage, step -> name.
+Scan = Callable[[], Awaitable[dict[int, str]]]
+#: Removes one checkpoint, by name.
+Remove = Callable[[str], Awaitable[None]]
+
+
+@final
+class Catalog:
+    """What one directory holds, as its owner (the manager, or rank 0 of a group) sees it."""
+
+    def __init__(
+        self,
+        storage: Storage,
+        directory: str,
+        pattern: re.Pattern[str],
+        keep: RetentionPolicy | None,
+        *,
+        scan: Scan,
+        remove: Remove,
+    ) -> None:
+        self._storage, self._directory, self._pattern, self._keep = storage, directory, pattern, keep
+        self._scan, self._remove = scan, remove
+        self.records: dict[int, CheckpointRecord] = {}
+        self.history: list[CheckpointRecord] = []
+        self._lock = anyio.Lock()
+        self._writable = True
+
+    def steps(self) -> list[int]:
+        """Committed steps that have not failed verification."""
+        return sorted(s for s, r in self.records.items() if r.corrupt is None)
+
+    def close(self) -> None:
+        """Stop writing the index (the directory is about to be released)."""
+        self._writable = False
+
+    async def load(self) -> None:
+        on_disk = await self._scan()
+        indexed, history = await self._read_index()
+        now = time.time()
+        self.records = {}
+        for step, name in sorted(on_disk.items()):
+            known = indexed.get(step)
+            # A checkpoint the index does not know (a lost or stale index) is taken as it is.
+            self.records[step] = (
+                known
+                if known and known.file == name
+                else CheckpointRecord(step, name, self._epoch_of(name), wall_time=now)
+            )
+        self.history = history
+        if set(indexed) != set(on_disk):
+            await self._write_index()
+
+    def _epoch_of(self, name: str) -> int | None:
+        m = self._pattern.fullmatch(name)
+        return int(m.group("epoch")) if m and "epoch" in m.groupdict() else None
+
+    async def add(self, record: CheckpointRecord) -> None:
+        """Record a commit, rewrite the index, then remove what retention lets go."""
+        async with self._lock:
+            self.records[record.step] = record
+            self.history = [*self.history, record][-HISTORY_LIMIT:]
+            doomed = self._doomed()
+            for step in doomed:
+                self.records.pop(step)
+            await self._write_index()
+            for name in doomed.values():
+                await self._remove(name)
+                logger.info("retention removed %s", name)
+
+    def _doomed(self) -> dict[int, str]:
+        valid = [r for r in self.records.values() if r.corrupt is None]
+        doomed = victims(self._keep, valid, time.time())
+        newest = max((r.step for r in valid), default=None)
+        # Checkpoints that failed verification go once a newer valid one exists.
+        doomed += [r.step for r in self.records.values() if r.corrupt and newest and r.step < newest]
+        return {step: self.records[step].file for step in doomed}
+
+    async def mark_corrupt(self, step: int, reason: str) -> None:
+        async with self._lock:
+            record = self.records.get(step)
+            if record is not None:
+                self.records[step] = record.replace(corrupt=reason)
+                if self._writable:
+                    await self._write_index()
+
+    async def _read_index(self) -> tuple[dict[int, CheckpointRecord], list[CheckpointRecord]]:
+        path = self._storage.join(self._directory, INDEX_NAME)
+        try:
+            raw = await _offload.run_io(self._storage.read_bytes, path)
+            data = json.loads(raw)
+            records = [CheckpointRecord.from_json(r) for r in data["checkpoints"]]
+            history = [CheckpointRecord.from_json(r) for r in data.get("history", [])]
+        except CheckpointNotFoundError:
+            return {}, []
+        except (ValueError, KeyError, TypeError) as exc:
+            logger.warning("index %s is unreadable (%r); rebuilding it from the directory", path, exc)
+            return {}, []
+        return {r.step: r for r in records}, history
+
+    async def _write_index(self) -> None:
+        valid = self.steps()
+        data = {
+            "version": 1,
+            "latest": valid[-1] if valid else None,
+            "checkpoints": [r.to_json() for _, r in sorted(self.records.items())],
+            "history": [r.to_json() for r in self.history],
+        }
+        blob = json.dumps(data, indent=1, default=repr).encode()
+        path = self._storage.join(self._directory, INDEX_NAME)
+        await _offload.run_io(self._storage.write_atomic, path, [memoryview(blob)])

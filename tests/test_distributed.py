@@ -1,0 +1,434 @@
+"""CheckpointManager in a process group: real gloo groups on 127.0.0.1, 2 to 4 processes."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import multiprocessing
+import os
+import signal
+import socket
+import time
+import traceback
+from collections.abc import Callable, Coroutine
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import aiosnap
+from aiosnap._group import MANIFEST_NAME, Manifest, replicated_matcher
+from aiosnap._header import crc32c
+from aiosnap._tree import ExternalLeaves
+from aiosnap._triggers import deterministic
+
+Scenario = Callable[..., Coroutine[Any, Any, Any]]
+
+
+# -- running ranks ----------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_main(rank: int, world: int, port: int, scenario: Scenario, args: tuple[Any, ...], out: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        result: Any = asyncio.run(scenario(rank, world, *args))
+    except BaseException as exc:
+        cause = exc.__cause__
+        result = {
+            "error": type(exc).__name__,
+            "message": str(exc),
+            "failed": sorted(getattr(exc, "failed", {})),
+            "cause": type(cause).__name__ if cause else None,
+            "trace": traceback.format_exc(),
+        }
+    out.put((rank, result))
+    out.close()
+    out.join_thread()
+    os._exit(0)  # skip the teardown of a group whose peers may be dead
+
+
+def run_ranks(world: int, scenario: Scenario, *args: Any, limit: float = 120) -> dict[int, Any]:
+    """Run ``scenario(rank, world, *args)`` in ``world`` fresh processes; their results."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["aiosnap", "torch.distributed", "tests.test_distributed"])
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, scenario, args, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + limit
+    try:
+        while len(results) < world and time.monotonic() < deadline:
+            if all(not p.is_alive() for p in procs) and out.empty():
+                break
+            try:
+                rank, result = out.get(timeout=0.2)
+            except Exception:  # queue.Empty
+                continue
+            results[rank] = result
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.1, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return results
+
+
+def state_of(rank: int, step: int) -> dict[str, Any]:
+    torch.manual_seed(step)
+    return {
+        "model": {"w": torch.randn(64, 32), "b": torch.arange(8, dtype=torch.float64) + step},
+        "optim": {"m": torch.full((16,), float(rank * 100 + step))},
+        "rank": rank,
+        "step": step,
+    }
+
+
+def ok(results: dict[int, Any], world: int) -> None:
+    assert sorted(results) == list(range(world)), results
+    for rank, r in results.items():
+        assert not (isinstance(r, dict) and "error" in r), f"rank {rank}: {r.get('trace')}"
+
+
+# -- a round trip -----------------------------------------------------------------------
+async def _round_trip(rank: int, world: int, directory: str) -> dict[str, Any]:
+    async with aiosnap.CheckpointManager(
+        directory, replicated=["model.*"], keep=aiosnap.KeepLast(2), timeout=30
+    ) as mgr:
+        assert mgr.rank == rank
+        for step in (1, 2, 3):
+            handle = await mgr.save(step, state_of(rank, step), metrics={"loss": 1 / step})
+        await handle.wait()
+        steps = await mgr.steps()
+        history = [h.step for h in await mgr.history()]
+        restored = await mgr.restore()
+        target = state_of(rank, 0)
+        into = await mgr.restore(2, target=target)
+    expect = state_of(rank, 3)
+    for key in ("w", "b"):
+        assert torch.equal(restored.state["model"][key], expect["model"][key])
+    assert torch.equal(restored.state["optim"]["m"], expect["optim"]["m"])
+    assert restored.state["rank"] == rank and restored.step == 3
+    assert into.step == 2 and target["optim"]["m"][0] == rank * 100 + 2
+    assert torch.equal(target["model"]["w"], state_of(rank, 2)["model"]["w"])
+    return {"steps": steps, "history": history}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_group_saves_one_directory_per_step_and_restores(tmp_path: Path, world: int) -> None:
+    results = run_ranks(world, _round_trip, str(tmp_path))
+    ok(results, world)
+    assert all(r == {"steps": [2, 3], "history": [1, 2, 3]} for r in results.values())
+    step_dirs = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("snapshot_iter_"))
+    assert step_dirs == ["snapshot_iter_2", "snapshot_iter_3"]
+    step = tmp_path / "snapshot_iter_3"
+    names = sorted(p.name for p in step.iterdir())
+    assert names == [MANIFEST_NAME] + [f"rank_{r:05d}" for r in range(world)]
+    manifest = Manifest.parse(str(step / MANIFEST_NAME), (step / MANIFEST_NAME).read_bytes())
+    assert manifest.world_size == world and manifest.replicated == ["model.*"]
+    # Replicated entries are stored once, by rank 0: the other files hold only their own.
+    sizes = [(step / f"rank_{r:05d}").stat().st_size for r in range(world)]
+    assert all(size < sizes[0] - 64 * 32 * 4 for size in sizes[1:])
+    # Every file is a complete checkpoint of its own part, readable with its replicas.
+    alone = asyncio.run(aiosnap.load(str(step / "rank_00001"), keys=["optim"]))
+    assert alone["optim"]["m"][0] == 100 + 3
+    with pytest.raises(aiosnap.CheckpointError, match="replicas="):
+        asyncio.run(aiosnap.load(str(step / "rank_00001")))
+    index = json.loads((tmp_path / aiosnap._catalog.INDEX_NAME).read_text())
+    assert index["latest"] == 3 and index["checkpoints"][-1]["bytes"] == sum(sizes)
+
+
+# -- failures ---------------------------------------------------------------------------
+class FailingStorage(aiosnap.LocalStorage):
+    """The real local storage; writes of one rank's file of one step fail, or kill it."""
+
+    def __init__(self, victim: str, how: str) -> None:
+        super().__init__()
+        self.victim, self.how = victim, how
+
+    def write_image(self, path: str, image: memoryview, size: int) -> aiosnap.CommitTimes:
+        if path.endswith(self.victim):
+            if self.how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise OSError(errno.ENOSPC, "No space left on device (injected)", path)
+        return super().write_image(path, image, size)
+
+
+async def _failing_write(rank: int, world: int, directory: str, victim: int) -> dict[str, Any]:
+    storage = FailingStorage(f"snapshot_iter_2/rank_{victim:05d}", "raise")
+    writer = aiosnap.QueueWriter(storage=storage)
+    async with aiosnap.CheckpointManager(
+        directory, writer=writer, storage=storage, replicated=["model.*"], timeout=20
+    ) as mgr:
+        await (await mgr.save(1, state_of(rank, 1))).wait()
+        handle = await mgr.save(2, state_of(rank, 2))
+        try:
+            await handle.wait()
+            return {"error": "step 2 committed"}
+        except aiosnap.RankFailedError as exc:
+            failure = {
+                "failed": sorted(exc.failed),
+                "message": str(exc),
+                "cause": type(exc.__cause__).__name__,
+            }
+        if rank == victim:  # its writer reports the original error too, at the next call
+            try:
+                await mgr.save(3, state_of(rank, 3))
+            except OSError as exc:
+                failure["next"] = exc.errno
+        else:  # the others get the group's error at the next call
+            try:
+                await mgr.save(3, state_of(rank, 3))
+            except aiosnap.RankFailedError:
+                failure["next"] = "RankFailedError"
+        # The group goes on: an orderly failure does not break it.
+        await (await mgr.save(4, state_of(rank, 4))).wait()
+        failure["steps"] = await mgr.steps()
+        return failure
+
+
+@pytest.mark.parametrize(("world", "victim"), [(2, 1), (4, 0)])
+def test_an_error_on_one_rank_commits_nothing_and_every_rank_raises(
+    tmp_path: Path, world: int, victim: int
+) -> None:
+    results = run_ranks(world, _failing_write, str(tmp_path), victim)
+    assert sorted(results) == list(range(world))
+    for rank, r in results.items():
+        assert r["failed"] == [victim], r
+        assert f"rank {victim}" in r["message"] and "No space left" in r["message"]
+        assert r["cause"] == ("OSError" if rank == victim else "NoneType")
+        assert r["next"] == (errno.ENOSPC if rank == victim else "RankFailedError")
+        assert r["steps"] == [1, 4]
+    assert not (tmp_path / "snapshot_iter_2").exists()  # swept once a later step committed
+    assert (
+        not (tmp_path / "snapshot_iter_3").exists()
+        or not (tmp_path / "snapshot_iter_3" / MANIFEST_NAME).exists()
+    )
+
+
+async def _killed_mid_save(rank: int, world: int, directory: str, victim: int, silence: float) -> Any:
+    storage = FailingStorage(f"snapshot_iter_2/rank_{victim:05d}", "kill")
+    writer = aiosnap.QueueWriter(storage=storage)
+    async with aiosnap.CheckpointManager(directory, writer=writer, storage=storage, timeout=silence) as mgr:
+        await (await mgr.save(1, state_of(rank, 1))).wait()
+        handle = await mgr.save(2, state_of(rank, 2))
+        t0 = time.monotonic()
+        try:
+            await handle.wait()
+        except aiosnap.RankFailedError as exc:
+            return {"failed": sorted(exc.failed), "message": str(exc), "after": time.monotonic() - t0}
+        finally:
+            mgr._errors.clear()  # this test looks only at the handle; the group is broken
+        return {"error": "step 2 committed"}
+
+
+async def _restart(rank: int, world: int, directory: str) -> Any:
+    async with aiosnap.CheckpointManager(directory, timeout=20) as mgr:
+        restored = await mgr.restore()
+        return {"step": restored.step, "m": float(restored.state["optim"]["m"][0])}
+
+
+@pytest.mark.parametrize(("world", "victim"), [(4, 2), (2, 0)])
+def test_a_rank_killed_mid_save_fails_the_survivors_in_time_and_the_restart_resumes(
+    tmp_path: Path, world: int, victim: int
+) -> None:
+    timeout = 4.0
+    results = run_ranks(world, _killed_mid_save, str(tmp_path), victim, timeout)
+    assert sorted(results) == [r for r in range(world) if r != victim]
+    for r in results.values():
+        assert r["failed"] == [victim], r
+        assert "gone" in r["message"] or "did not answer" in r["message"], r
+        assert r["after"] < 2 * timeout, r
+    assert (tmp_path / "snapshot_iter_2").exists() and not (
+        tmp_path / "snapshot_iter_2" / MANIFEST_NAME
+    ).exists()
+    restarted = run_ranks(world, _restart, str(tmp_path))
+    ok(restarted, world)
+    assert all(r == {"step": 1, "m": rank * 100 + 1.0} for rank, r in restarted.items())
+    assert not (tmp_path / "snapshot_iter_2").exists()  # swept at the restart
+
+
+async def _hung_rank(rank: int, world: int, directory: str, silence: float) -> Any:
+    async with aiosnap.CheckpointManager(directory, timeout=silence) as mgr:
+        await (await mgr.save(1, state_of(rank, 1))).wait()
+        handle = await mgr.save(2, state_of(rank, 2))
+        if rank == 1:
+            time.sleep(3 * silence)  # noqa: ASYNC251 - a stuck training step that never awaits
+        t0 = time.monotonic()
+        try:
+            await handle.wait()
+        except aiosnap.RankFailedError as exc:
+            return {"failed": sorted(exc.failed), "message": str(exc), "after": time.monotonic() - t0}
+        finally:
+            mgr._errors.clear()
+        return {"committed": True}
+
+
+def test_a_silent_rank_is_named_within_the_deadline(tmp_path: Path) -> None:
+    results = run_ranks(2, _hung_rank, str(tmp_path), 2.0)
+    assert results[0]["failed"] == [1] and "did not answer within 2 s" in results[0]["message"]
+    assert results[0]["after"] < 2 * 2.0
+    assert "failed" in results[1]  # it learns, once it runs again, that the step failed
+
+
+# -- world sizes ------------------------------------------------------------------------
+async def _save_at(rank: int, world: int, directory: str) -> Any:
+    async with aiosnap.CheckpointManager(directory, replicated=["model"], timeout=20) as mgr:
+        await (await mgr.save(5, state_of(rank, 5))).wait()
+    return {}
+
+
+async def _restore_at(rank: int, world: int, directory: str, keys: list[str] | None) -> Any:
+    async with aiosnap.CheckpointManager(directory, replicated=["model"], timeout=20) as mgr:
+        try:
+            restored = await mgr.restore(keys=keys)
+        except aiosnap.RankFailedError as exc:
+            return {"failed": sorted(exc.failed), "message": str(exc)}
+    state = restored.state
+    expect = state_of(rank, 5)
+    assert torch.equal(state["model"]["w"], expect["model"]["w"])
+    assert torch.equal(state["model"]["b"], expect["model"]["b"])
+    return {"keys": sorted(state), "m": float(state["optim"]["m"][0]) if "optim" in state else None}
+
+
+def test_a_checkpoint_of_four_ranks_restores_at_two_and_two_at_four(tmp_path: Path) -> None:
+    four, two = tmp_path / "four", tmp_path / "two"
+    ok(run_ranks(4, _save_at, str(four)), 4)
+    ok(run_ranks(2, _save_at, str(two)), 2)
+    # Fewer ranks: each takes its own entries and the replicated ones.
+    smaller = run_ranks(2, _restore_at, str(four), None)
+    ok(smaller, 2)
+    assert smaller[1] == {"keys": ["model", "optim", "rank", "step"], "m": 105.0}
+    # More ranks: ranks 2 and 3 have no entries of their own; all ranks raise, naming them.
+    larger = run_ranks(4, _restore_at, str(two), None)
+    assert all(r["failed"] == [2, 3] for r in larger.values()), larger
+    assert "saved by 2 ranks" in larger[0]["message"]
+    # ...but replicated entries restore on every rank.
+    replicated = run_ranks(4, _restore_at, str(two), ["model"])
+    ok(replicated, 4)
+    assert all(r == {"keys": ["model"], "m": None} for r in replicated.values())
+
+
+# -- agreement --------------------------------------------------------------------------
+async def _clock_trigger(rank: int, world: int, directory: str) -> Any:
+    # The ranks' clocks (here: their triggers) disagree; rank 0's decision is followed.
+    trigger = aiosnap.EveryNSeconds(0.0 if rank == 0 else 1e9)
+    async with aiosnap.CheckpointManager(directory, save_every=trigger, timeout=20) as mgr:
+        for step in range(3):
+            await mgr.save(step, state_of(rank, step))
+        await mgr.flush()
+        return await mgr.steps()
+
+
+def test_clock_triggers_follow_rank_0(tmp_path: Path) -> None:
+    results = run_ranks(2, _clock_trigger, str(tmp_path))
+    ok(results, 2)
+    assert results == {0: [0, 1, 2], 1: [0, 1, 2]}
+    assert not deterministic(aiosnap.EveryNSeconds(1)) and deterministic(aiosnap.EveryNSteps(2))
+    assert deterministic(aiosnap.AnyTrigger(aiosnap.AtSteps([1]), aiosnap.EveryNEpochs(1)))
+
+
+async def _different_replicas(rank: int, world: int, directory: str) -> Any:
+    async with aiosnap.CheckpointManager(directory, replicated=["model.*"], timeout=20) as mgr:
+        state = state_of(rank, 1)
+        if rank == 1:
+            state["model"]["w"] = torch.zeros(3)
+        try:
+            await (await mgr.save(1, state)).wait()
+        except aiosnap.RankFailedError as exc:
+            mgr._errors.clear()
+            return {"failed": sorted(exc.failed), "message": str(exc), "steps": await mgr.steps()}
+    return {}
+
+
+def test_replicated_entries_that_differ_in_shape_are_refused(tmp_path: Path) -> None:
+    results = run_ranks(2, _different_replicas, str(tmp_path))
+    for r in results.values():
+        assert r["failed"] == [1] and "replicated entries" in r["message"] and r["steps"] == []
+
+
+async def _out_of_step(rank: int, world: int, directory: str) -> Any:
+    async with aiosnap.CheckpointManager(directory, timeout=20) as mgr:
+        try:
+            await (mgr.steps() if rank == 0 else mgr.history())
+        except aiosnap.RankFailedError as exc:
+            first = str(exc)
+        try:
+            await mgr.steps()
+        except aiosnap.RankFailedError as exc:
+            return {"first": first, "then": str(exc)}
+    return {}
+
+
+def test_ranks_calling_different_methods_are_caught(tmp_path: Path) -> None:
+    results = run_ranks(2, _out_of_step, str(tmp_path))
+    assert "out of step" in results[0]["first"]
+    assert results[0]["then"] == results[0]["first"]  # the channel stays broken
+
+
+async def _misconfigured(rank: int, world: int, directory: str) -> Any:
+    try:
+        async with aiosnap.CheckpointManager(directory, replicated=["model"] if rank else [], timeout=20):
+            pass
+    except aiosnap.RankFailedError as exc:
+        return {"failed": sorted(exc.failed)}
+    return {}
+
+
+def test_ranks_must_agree_on_the_layout(tmp_path: Path) -> None:
+    results = run_ranks(2, _misconfigured, str(tmp_path))
+    assert results == {0: {"failed": [1]}, 1: {"failed": [1]}}
+
+
+# -- pieces, in one process -------------------------------------------------------------
+def test_replicated_globs_match_a_path_or_its_parents() -> None:
+    matches = replicated_matcher(["model.*", "emb"])
+    assert matches("model.w") and matches("model.layers.0.w") and matches("emb.table")
+    assert not matches("model") and not matches("optim.model.w") and not matches("embedding")
+
+
+async def test_external_entries_are_read_from_the_replicas_file(tmp_path: Path) -> None:
+    state = {"model": {"w": torch.randn(4, 4), "n": torch.arange(3)}, "mine": torch.ones(2)}
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
+    await aiosnap.save(full, state)
+    await aiosnap.save(part, ExternalLeaves(state, replicated_matcher(["model"])))
+    assert os.path.getsize(part) < os.path.getsize(full) - 64
+    back = await aiosnap.load(part, replicas=full)
+    assert torch.equal(back["model"]["w"], state["model"]["w"]) and torch.equal(back["mine"], state["mine"])
+    assert (await aiosnap.verify(part)).tensors == 1
+    target = {
+        "model": {"w": torch.zeros(4, 4), "n": torch.zeros(3, dtype=torch.int64)},
+        "mine": torch.zeros(2),
+    }
+    await aiosnap.load_into(part, target, replicas=full)
+    assert torch.equal(target["model"]["n"], state["model"]["n"])
+    other = str(tmp_path / "other")
+    await aiosnap.save(other, {"model": {"w": torch.randn(4, 4).double(), "n": torch.arange(3)}})
+    with pytest.raises(aiosnap.CorruptCheckpointError, match="replicated entry 'model.w'"):
+        await aiosnap.load(part, replicas=other)
+
+
+def test_a_damaged_manifest_is_refused(tmp_path: Path) -> None:
+    manifest = Manifest(3, None, 2, ["rank_00000", "rank_00001"], ["0" * 8] * 2, [1, 2], ["m"], "rank_00000")
+    raw = manifest.to_bytes()
+    assert Manifest.parse("m", raw) == manifest
+    with pytest.raises(aiosnap.CorruptCheckpointError, match="bad manifest"):
+        Manifest.parse("m", raw.replace(b'"step": 3', b'"step": 4'))
+    for field, value in [("files", ["rank_00000", "../../etc/passwd"]), ("sizes", "12"), ("world_size", 3)]:
+        hostile = json.loads(raw)
+        hostile["body"][field] = value
+        body = json.dumps(hostile["body"], sort_keys=True, separators=(",", ":")).encode()
+        hostile["crc32c"] = f"{crc32c(body):08x}"  # a consistent but hostile manifest
+        with pytest.raises(aiosnap.CorruptCheckpointError, match="bad manifest"):
+            Manifest.parse("m", json.dumps(hostile).encode())
