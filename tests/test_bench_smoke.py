@@ -33,3 +33,30 @@ def test_benchmark_suite_runs_small(tmp_path: Path) -> None:
     summary = json.loads((out / "latest.json").read_text())["summary"]
     assert all(row["total"] > 0 for row in summary.values())
     assert (out / "latest.png").stat().st_size > 1000
+
+
+def test_multi_rank_benchmark_runs_small(tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench_ranks.py"),
+            "--size",
+            "32MiB",
+            "--reps",
+            "1",
+            "--dir",
+            str(tmp_path / "scratch"),
+            "--out",
+            str(out),
+        ],
+        check=True,
+        timeout=600,
+        capture_output=True,
+    )
+    data = json.loads((out / "ranks.json").read_text())
+    assert data["ranks"] == 2 and set(data["summary"]) >= {
+        "peer: dcp.save",
+        "aiosnap CheckpointManager (replicated model)",
+    }
+    assert all(row["total"] > 0 for row in data["summary"].values())

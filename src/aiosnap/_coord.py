@@ -44,13 +44,18 @@ _TAG = 7
 
 
 def new_group(parent: dist.ProcessGroup | None, timeout: float) -> dist.ProcessGroup:
-    """A gloo group over the ranks of ``parent`` (the default group if None). Blocking."""
+    """A gloo group over the ranks of ``parent`` (the default group if None). Blocking.
+
+    Over a subgroup only its members call this, so the group synchronizes locally; such
+    a group is named after its ranks, and a name freed by destroying it would be reused
+    with the rendezvous keys of the old group still in the store (the next creation
+    hangs). So only groups over all ranks are destroyed at close (see ``Channel.close``)."""
     ranks = None if parent is None else dist.get_process_group_ranks(parent)
     group = dist.new_group(
         ranks=ranks,
         backend="gloo",
         timeout=datetime.timedelta(seconds=timeout),
-        use_local_synchronization=True,
+        use_local_synchronization=parent is not None,
     )
     assert isinstance(group, dist.ProcessGroup)  # this rank is a member
     return group
@@ -73,8 +78,9 @@ class Refused(Exception):
 class Channel:
     """Exchanges of JSON messages among the ranks of ``group``, through rank 0."""
 
-    def __init__(self, group: dist.ProcessGroup, *, timeout: float) -> None:
+    def __init__(self, group: dist.ProcessGroup, *, timeout: float, destroy: bool) -> None:
         self.group = group
+        self._destroy = destroy
         self.rank = group.rank()
         self.size = group.size()
         self.timeout = timeout
@@ -97,7 +103,9 @@ class Channel:
         return Turn(self, op, prev, done)
 
     def close(self) -> None:
-        """Release the group. Blocking."""
+        """Release the group, if it can be (see ``new_group``). Blocking."""
+        if not self._destroy:
+            return
         try:
             dist.destroy_process_group(self.group)
         except Exception as exc:  # the group may be broken already; closing must not fail
@@ -143,7 +151,7 @@ class Channel:
         bodies: list[Any] = [envelope["body"]] + [None] * (self.size - 1)
         failed: dict[int, str] = {}
         lengths = {r: torch.zeros(1, dtype=torch.int64) for r in peers}
-        waits = {r: self.group.recv([lengths[r]], r, _TAG) for r in peers}
+        waits = {r: self._post_recv(lengths[r], r, failed) for r in peers}
         buffers: dict[int, torch.Tensor] = {}
         for r in peers:
             if self._wait(waits[r], deadline, failed, r, lengths[r]):
@@ -152,7 +160,7 @@ class Channel:
                     buffers[r] = torch.empty(n, dtype=torch.uint8)
                 else:
                     failed[r] = f"sent a message of {n} bytes"
-        waits = {r: self.group.recv([buf], r, _TAG) for r, buf in buffers.items()}
+        waits = {r: self._post_recv(buf, r, failed) for r, buf in buffers.items()}
         for r, buf in buffers.items():
             if self._wait(waits[r], deadline, failed, r, buf):
                 message = _decode(buf)
@@ -172,13 +180,14 @@ class Channel:
         deadline = time.monotonic() + self.timeout
         data = _encode(verdict)
         sends = []
-        for r in range(1, self.size):
-            if r not in skip:
-                sends += [
-                    (r, self.group.send([_length(data)], r, _TAG)),
-                    (r, self.group.send([data], r, _TAG)),
-                ]
         ignored: dict[int, str] = {}
+        for r in range(1, self.size):
+            try:
+                if r not in skip:
+                    sends.append((r, self.group.send([_length(data)], r, _TAG)))
+                    sends.append((r, self.group.send([data], r, _TAG)))
+            except RuntimeError as exc:  # the peer's connection is already closed
+                ignored[r] = _reason(exc, self.timeout)
         for r, work in sends:
             self._wait(work, deadline, ignored, r, None)
         for r, why in ignored.items():
@@ -206,7 +215,17 @@ class Channel:
             raise RuntimeError("rank 0 sent a malformed outcome")
         return verdict
 
+    def _post_recv(self, buf: torch.Tensor, r: int, failed: dict[int, str]) -> Any:
+        # Posting fails at once when the peer's connection is already closed.
+        try:
+            return self.group.recv([buf], r, _TAG)
+        except RuntimeError as exc:
+            failed[r] = _reason(exc, self.timeout)
+            return None
+
     def _wait(self, work: Any, deadline: float, failed: dict[int, str], r: int, buf: object) -> bool:
+        if r in failed:
+            return False
         try:
             _wait_or_raise(work, deadline)
         except RuntimeError as exc:

@@ -77,12 +77,8 @@ class Ranks:
     async def open(self, config: dict[str, Any], prepare: Callable[[], Awaitable[None]]) -> None:
         """Create the channels, run ``prepare`` on rank 0 (lock, sweep, index) and check
         that every rank is configured alike."""
-        self._votes = Channel(
-            await _offload.run_coord(new_group, self.parent, self.timeout), timeout=self.timeout
-        )
-        self._control = Channel(
-            await _offload.run_coord(new_group, self.parent, self.timeout), timeout=self.timeout
-        )
+        self._votes = await self._channel()
+        self._control = await self._channel()
 
         async def work() -> dict[str, Any]:
             if self.rank == 0:
@@ -99,7 +95,8 @@ class Ranks:
             await turn.agree(work, decide)
 
     async def _channel(self) -> Channel:
-        return Channel(await _offload.run_coord(new_group, self.parent, self.timeout), timeout=self.timeout)
+        group = await _offload.run_coord(new_group, self.parent, self.timeout)
+        return Channel(group, timeout=self.timeout, destroy=self.parent is None)
 
     async def close(self) -> None:
         for channel in (self._votes, self._control):
