@@ -117,7 +117,8 @@ def dcp_async_save(state: dict[str, Any], directory: Path, step: int) -> tuple[f
 
 
 def raw_write(state: dict[str, Any], directory: Path, step: int, share: int) -> tuple[float, float]:
-    data = torch.cat([t.reshape(-1) for t in state["optim"].values()]).numpy().view("u1")
+    parts = [*state["model"].values(), *state["optim"].values()]
+    data = torch.cat([t.reshape(-1) for t in parts]).numpy().view("u1")
     data = data[: min(share, data.nbytes)]
     dist.barrier()
     t0 = time.perf_counter()
