@@ -147,6 +147,7 @@ def test_a_group_saves_one_directory_per_step_and_restores(tmp_path: Path, world
         asyncio.run(aiosnap.load(str(step / "rank_00001")))
     index = json.loads((tmp_path / aiosnap._catalog.INDEX_NAME).read_text())
     assert index["latest"] == 3 and index["checkpoints"][-1]["bytes"] == sum(sizes)
+    assert index["checkpoints"][-1]["wall_time"] > 0 and index["checkpoints"][-1]["timings"]["fsync_s"] >= 0
 
 
 # -- failures ---------------------------------------------------------------------------

@@ -20,6 +20,7 @@ import anyio
 
 from . import _offload
 from ._errors import CheckpointNotFoundError
+from ._handle import SaveStats
 from ._records import CheckpointRecord
 from ._retention import RetentionPolicy, victims
 from ._storage import Storage
@@ -86,8 +87,19 @@ class Catalog:
         m = self._pattern.fullmatch(name)
         return int(m.group("epoch")) if m and "epoch" in m.groupdict() else None
 
-    async def add(self, record: CheckpointRecord) -> None:
-        """Record a commit, rewrite the index, then remove what retention lets go."""
+    async def add(self, record: CheckpointRecord, stats: SaveStats, nbytes: int | None = None) -> None:
+        """Record a commit (its time, size and timings: ``nbytes`` if the checkpoint is
+        more than the file of ``stats``), rewrite the index, then remove what retention
+        lets go."""
+        timings = {
+            "stall_s": stats.stall_s,
+            "stage_s": stats.stage_s,
+            "write_s": stats.write_s,
+            "fsync_s": stats.fsync_s,
+            "total_s": stats.total_s,
+        }
+        size = stats.bytes if nbytes is None else nbytes
+        record = record.replace(wall_time=time.time(), bytes=size, timings=timings)
         async with self._lock:
             self.records[record.step] = record
             self.history = [*self.history, record][-HISTORY_LIMIT:]

@@ -344,15 +344,8 @@ class CheckpointManager(anyio.abc.AsyncResource):
                 outer._fail(WriterClosedError("the manager closed before the save finished"))
 
     async def _commit_record(self, record: CheckpointRecord, stats: SaveStats) -> None:
-        timings = {
-            "stall_s": stats.stall_s,
-            "stage_s": stats.stage_s,
-            "write_s": stats.write_s,
-            "fsync_s": stats.fsync_s,
-            "total_s": stats.total_s,
-        }
         assert self._catalog is not None
-        await self._catalog.add(record.replace(wall_time=time.time(), bytes=stats.bytes, timings=timings))
+        await self._catalog.add(record, stats)
 
     # -- the single-process layout: a file per step ---------------------------------------
     async def _scan_files(self) -> dict[int, str]:

@@ -199,8 +199,7 @@ class Ranks:
     async def _index(self, record: CheckpointRecord, stats: SaveStats, total: int) -> None:
         assert self.catalog is not None
         assert self.dirs is not None
-        timings = {"stall_s": stats.stall_s, "write_s": stats.write_s, "total_s": stats.total_s}
-        await self.catalog.add(record.replace(bytes=total, timings=timings))
+        await self.catalog.add(record, stats, total)
         await self.dirs.sweep(record.step, self.busy)
 
     # -- restoring -----------------------------------------------------------------------
