@@ -267,9 +267,9 @@ class _Parser:
             if kind not in KINDS[:3] or not isinstance(d.get("dtype"), str):  # a pickle is never external
                 raise self.fail(f"external entry {name!r}: malformed description")
             shape = d.get("shape")
-            if itemsize(d["kind"], d["dtype"]) is None or not _ints(shape):
+            if itemsize(kind, d["dtype"]) is None or not _ints(shape):
                 raise self.fail(f"external entry {name!r}: bad dtype or shape")
-            external[name] = TensorInfo(name, d["kind"], d["dtype"], tuple(shape), 0, 0, None)
+            external[name] = TensorInfo(name, kind, d["dtype"], tuple(shape), 0, 0, None)
         return external
 
     def info(self, name: str, d: Any, entry: tuple[str, list[int], int, int]) -> TensorInfo:

@@ -23,7 +23,7 @@ from typing import Any, final
 
 from . import _offload
 from ._errors import CheckpointError, CorruptCheckpointError
-from ._format import read_header
+from ._format import Header, read_header
 from ._header import crc32c
 from ._storage import Storage
 from ._tree import format_path, walk_leaves
@@ -113,25 +113,34 @@ def read_manifest(storage: Storage, step_dir: str) -> Manifest:
     return Manifest.parse(path, storage.read_bytes(path))
 
 
+def _header(storage: Storage, path: str) -> tuple[Header, int]:
+    """The validated header of a file, and the file's size. Blocking."""
+    f = storage.open_read(path)
+    try:
+        return read_header(f), f.size
+    finally:
+        f.close()
+
+
+def _first_paths(tree: Any) -> dict[str, str]:
+    """Each leaf's name -> the dotted path where capture first reached it (and named it)."""
+    seen: dict[str, str] = {}
+    for p, _, name in walk_leaves(tree):
+        seen.setdefault(name, format_path(p))
+    return seen
+
+
 def file_summary(storage: Storage, path: str, patterns: Sequence[str], rank: int) -> dict[str, Any]:
     """Read back the header of a rank's committed file: its checksum, and a digest of
     the replicated entries it describes (stored by rank 0, external elsewhere), which
     must agree across ranks. Blocking."""
-    f = storage.open_read(path)
-    try:
-        header = read_header(f)
-        size = f.size
-    finally:
-        f.close()
+    header, size = _header(storage, path)
     if rank == 0:
         matches = replicated_matcher(patterns)
-        seen: dict[str, Any] = {}
-        for p, _, name in walk_leaves(header.tree):
-            if name not in seen and name in header.tensors and matches(format_path(p)):
-                seen[name] = header.tensors[name]
-        replicated = seen.values()
+        paths = _first_paths(header.tree)
+        replicated = [header.tensors[n] for n, p in paths.items() if n in header.tensors and matches(p)]
     else:
-        replicated = header.external.values()
+        replicated = list(header.external.values())
     spec = sorted([i.name, i.kind, i.dtype, list(i.shape)] for i in replicated)
     digest = f"{crc32c(json.dumps(spec).encode()):08x}"
     return {"checksum": header.checksum, "bytes": size, "replicated": [len(spec), digest]}
@@ -139,26 +148,14 @@ def file_summary(storage: Storage, path: str, patterns: Sequence[str], rank: int
 
 def check_file(storage: Storage, path: str, checksum: str) -> None:
     """Raise CorruptCheckpointError unless the file's header is the committed one."""
-    f = storage.open_read(path)
-    try:
-        found = read_header(f).checksum
-    finally:
-        f.close()
+    found = _header(storage, path)[0].checksum
     if found != checksum:
         raise CorruptCheckpointError(path, f"header checksum {found} is not the committed {checksum}")
 
 
 def leaf_paths(storage: Storage, path: str) -> list[str]:
     """Dotted paths of the leaves of a file's tree, first occurrence of each. Blocking."""
-    f = storage.open_read(path)
-    try:
-        tree = read_header(f).tree
-    finally:
-        f.close()
-    seen: dict[str, str] = {}
-    for p, _, name in walk_leaves(tree):
-        seen.setdefault(name, format_path(p))
-    return list(seen.values())
+    return list(_first_paths(_header(storage, path)[0].tree).values())
 
 
 def only_replicated(keys: Sequence[str] | None, manifest: Manifest, paths: list[str], where: str) -> None:
@@ -205,8 +202,7 @@ class StepDirs:
                 committed[step] = name
                 await _offload.run_io(self.storage.sweep_temp, self.storage.join(self.directory, name))
             else:
-                logger.info("removing %s: a save that never committed", name)
-                await self.remove(name)
+                await self._drop_uncommitted(name)
         return committed
 
     async def remove(self, name: str) -> None:
@@ -220,5 +216,8 @@ class StepDirs:
         progress is writing: what failed or abandoned saves left."""
         for step, name in (await _offload.run_io(self._steps)).items():
             if step < below and name not in busy and not await _offload.run_io(self._committed, name):
-                logger.info("removing %s: a save that never committed", name)
-                await _offload.run_io(self.storage.remove_tree, self.storage.join(self.directory, name))
+                await self._drop_uncommitted(name)
+
+    async def _drop_uncommitted(self, name: str) -> None:
+        logger.info("removing %s: a save that never committed", name)
+        await _offload.run_io(self.storage.remove_tree, self.storage.join(self.directory, name))

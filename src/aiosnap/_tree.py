@@ -162,8 +162,9 @@ class _Capture:
         # The same tensor reached twice (tied weights) is stored once and loads as one.
         if key is not None and key in self.aliases:
             return self.aliases[key]
-        name = self.unique_name(format_path(path))
-        external = kind != "pickle" and self.is_external is not None and self.is_external(format_path(path))
+        where = format_path(path)
+        name = self.unique_name(where)
+        external = kind != "pickle" and self.is_external is not None and self.is_external(where)
         (self.snapshot.external if external else self.snapshot.leaves).append(Leaf(name, kind, value))
         if key is not None:
             self.aliases[key] = name
