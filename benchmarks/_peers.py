@@ -54,33 +54,45 @@ def dcp_save(state: dict[str, Any], directory: Path, rss: RssSampler) -> Result:
     return {"stall": total, "total": total}
 
 
-def dcp_async_save(reuse_stager: bool) -> Callable[[dict[str, Any], Path, RssSampler], Result]:
-    def run(state: dict[str, Any], directory: Path, rss: RssSampler) -> Result:
-        dcp = _dcp()
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+def cpu_stager() -> Any:
+    """A DCP DefaultStager that works on a CPU-only torch: no pinned memory, no
+    non-blocking copies."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-        # On a CPU-only torch, pinned memory and non-blocking copies are unavailable.
-        options = StagingOptions(
+    return DefaultStager(
+        StagingOptions(
             use_pinned_memory=False,
             use_shared_memory=False,
             use_async_staging=True,
             use_non_blocking_copy=False,
         )
-        stager = DefaultStager(options) if reuse_stager else None
+    )
+
+
+def timed_async_save(start: Callable[[], Any]) -> tuple[float, float]:
+    """(stall, call->durable) of a ``dcp.async_save`` call that ``start`` makes."""
+    t0 = time.perf_counter()
+    response = start()
+    if hasattr(response, "staging_completion"):
+        response.staging_completion.result()  # the state may change only after this
+        stall = time.perf_counter() - t0
+        response.upload_completion.result()
+    else:
+        stall = time.perf_counter() - t0
+        response.result()
+    return stall, time.perf_counter() - t0
+
+
+def dcp_async_save(reuse_stager: bool) -> Callable[[dict[str, Any], Path, RssSampler], Result]:
+    def run(state: dict[str, Any], directory: Path, rss: RssSampler) -> Result:
+        dcp = _dcp()
+        stager = cpu_stager() if reuse_stager else None
 
         def save(name: str) -> tuple[float, float]:
-            t0 = time.perf_counter()
-            response = dcp.async_save(
-                state, checkpoint_id=str(directory / name), async_stager=stager, no_dist=True
+            checkpoint_id = str(directory / name)
+            return timed_async_save(
+                lambda: dcp.async_save(state, checkpoint_id=checkpoint_id, async_stager=stager, no_dist=True)
             )
-            if hasattr(response, "staging_completion"):
-                response.staging_completion.result()  # the state may change only after this
-                stall = time.perf_counter() - t0
-                response.upload_completion.result()
-            else:
-                stall = time.perf_counter() - t0
-                response.result()
-            return stall, time.perf_counter() - t0
 
         try:
             with rss:

@@ -37,6 +37,7 @@ import aiosnap
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _harness import drop_cache, fsync_path
+from _peers import cpu_stager, timed_async_save
 
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parent
@@ -90,24 +91,16 @@ def dcp_save(state: dict[str, Any], directory: Path, step: int) -> tuple[float, 
 
 def dcp_async_save(state: dict[str, Any], directory: Path, step: int) -> tuple[float, float]:
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     flat = _flat(state)
-    options = StagingOptions(False, False, True, False)  # CPU-only torch: no pinned memory
-    stager = DefaultStager(options)
+    stager = cpu_stager()
     try:
 
         def save(name: str) -> tuple[float, float]:
-            t0 = time.perf_counter()
-            response = dcp.async_save(flat, checkpoint_id=str(directory / name), async_stager=stager)
-            if hasattr(response, "staging_completion"):
-                response.staging_completion.result()
-                stall = time.perf_counter() - t0
-                response.upload_completion.result()
-            else:
-                stall = time.perf_counter() - t0
-                response.result()
-            return stall, time.perf_counter() - t0
+            checkpoint_id = str(directory / name)
+            return timed_async_save(
+                lambda: dcp.async_save(flat, checkpoint_id=checkpoint_id, async_stager=stager)
+            )
 
         save("dcpa-warm")
         dist.barrier()

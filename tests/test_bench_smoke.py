@@ -10,24 +10,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_benchmark_suite_runs_small(tmp_path: Path) -> None:
+def run_bench(script: str, tmp_path: Path, *args: str) -> Path:
+    """Run a benchmark script with a scratch directory under ``tmp_path``; its output directory."""
     out = tmp_path / "results"
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "bench.py"),
-            "--quick",
-            "--size",
-            "16MiB",
-            "--dir",
-            str(tmp_path / "scratch"),
-            "--out",
-            str(out),
-        ],
-        check=True,
-        timeout=600,
-        capture_output=True,
-    )
+    command = [sys.executable, str(ROOT / "benchmarks" / script), *args]
+    command += ["--dir", str(tmp_path / "scratch"), "--out", str(out)]
+    subprocess.run(command, check=True, timeout=600, capture_output=True)
+    return out
+
+
+def test_benchmark_suite_runs_small(tmp_path: Path) -> None:
+    out = run_bench("bench.py", tmp_path, "--quick", "--size", "16MiB")
     table = (out / "latest.md").read_text()
     assert "aiosnap QueueWriter (thread)" in table and "peer: dcp.async_save" in table
     summary = json.loads((out / "latest.json").read_text())["summary"]
@@ -36,24 +29,7 @@ def test_benchmark_suite_runs_small(tmp_path: Path) -> None:
 
 
 def test_multi_rank_benchmark_runs_small(tmp_path: Path) -> None:
-    out = tmp_path / "results"
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "bench_ranks.py"),
-            "--size",
-            "32MiB",
-            "--reps",
-            "1",
-            "--dir",
-            str(tmp_path / "scratch"),
-            "--out",
-            str(out),
-        ],
-        check=True,
-        timeout=600,
-        capture_output=True,
-    )
+    out = run_bench("bench_ranks.py", tmp_path, "--size", "32MiB", "--reps", "1")
     data = json.loads((out / "ranks.json").read_text())
     assert data["ranks"] == 2 and set(data["summary"]) >= {
         "peer: dcp.save",

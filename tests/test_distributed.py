@@ -95,6 +95,18 @@ def state_of(rank: int, step: int) -> dict[str, Any]:
     }
 
 
+async def failure_of(mgr: aiosnap.CheckpointManager, handle: aiosnap.SaveHandle) -> dict[str, Any]:
+    """How a save failed (which ranks, the message, seconds waited), or that it committed."""
+    t0 = time.monotonic()
+    try:
+        await handle.wait()
+    except aiosnap.RankFailedError as exc:
+        return {"failed": sorted(exc.failed), "message": str(exc), "after": time.monotonic() - t0}
+    finally:
+        mgr._errors.clear()  # these tests look only at the handle; the group is broken
+    return {"committed": True}
+
+
 def ok(results: dict[int, Any], world: int) -> None:
     assert sorted(results) == list(range(world)), results
     for rank, r in results.items():
@@ -223,15 +235,7 @@ async def _killed_mid_save(rank: int, world: int, directory: str, victim: int, s
     writer = aiosnap.QueueWriter(storage=storage)
     async with aiosnap.CheckpointManager(directory, writer=writer, storage=storage, timeout=silence) as mgr:
         await (await mgr.save(1, state_of(rank, 1))).wait()
-        handle = await mgr.save(2, state_of(rank, 2))
-        t0 = time.monotonic()
-        try:
-            await handle.wait()
-        except aiosnap.RankFailedError as exc:
-            return {"failed": sorted(exc.failed), "message": str(exc), "after": time.monotonic() - t0}
-        finally:
-            mgr._errors.clear()  # this test looks only at the handle; the group is broken
-        return {"error": "step 2 committed"}
+        return await failure_of(mgr, await mgr.save(2, state_of(rank, 2)))
 
 
 async def _restart(rank: int, world: int, directory: str) -> Any:
@@ -266,14 +270,7 @@ async def _hung_rank(rank: int, world: int, directory: str, silence: float) -> A
         handle = await mgr.save(2, state_of(rank, 2))
         if rank == 1:
             time.sleep(3 * silence)  # noqa: ASYNC251 - a stuck training step that never awaits
-        t0 = time.monotonic()
-        try:
-            await handle.wait()
-        except aiosnap.RankFailedError as exc:
-            return {"failed": sorted(exc.failed), "message": str(exc), "after": time.monotonic() - t0}
-        finally:
-            mgr._errors.clear()
-        return {"committed": True}
+        return await failure_of(mgr, handle)
 
 
 def test_a_silent_rank_is_named_within_the_deadline(tmp_path: Path) -> None:
