@@ -430,3 +430,36 @@ def test_a_damaged_manifest_is_refused(tmp_path: Path) -> None:
         hostile["crc32c"] = f"{crc32c(body):08x}"  # a consistent but hostile manifest
         with pytest.raises(aiosnap.CorruptCheckpointError, match="bad manifest"):
             Manifest.parse("m", json.dumps(hostile).encode())
+
+
+async def _cancelled_save(rank: int, world: int, directory: str) -> Any:
+    async with aiosnap.CheckpointManager(directory, timeout=20) as mgr:
+        await (await mgr.save(1, state_of(rank, 1))).wait()
+        big = {**state_of(rank, 2), "bulk": [torch.ones(1 << 20) for _ in range(64)]}  # 256 MiB
+        result: dict[str, Any] = {}
+        if rank == 1:
+            try:
+                async with asyncio.timeout(0.005):  # cancelled during the capture
+                    await mgr.save(2, big)
+                result["cancelled"] = False
+            except TimeoutError:
+                result["cancelled"] = True
+            try:
+                await mgr.save(3, state_of(rank, 3))  # the group's failure of step 2 is not its own
+                result["next"] = "saved"
+            except aiosnap.RankFailedError:
+                result["next"] = "RankFailedError"
+        else:
+            result.update(await failure_of(mgr, await mgr.save(2, big)))
+            await mgr.save(3, state_of(rank, 3))
+        await mgr.flush()
+        result["steps"] = await mgr.steps()
+        return result
+
+
+def test_a_save_cancelled_on_one_rank_commits_nothing_and_the_group_goes_on(tmp_path: Path) -> None:
+    results = run_ranks(2, _cancelled_save, str(tmp_path))
+    assert results[1]["cancelled"] is True and results[1]["next"] == "saved", results[1]
+    assert results[0]["failed"] == [1] and "cancelled" in results[0]["message"], results[0]
+    assert results[0]["steps"] == results[1]["steps"] == [1, 3]
+    assert not (tmp_path / "snapshot_iter_2" / MANIFEST_NAME).exists()

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from . import _offload
 from ._catalog import Catalog
+from ._coord import Turn
 from ._errors import CheckpointNotFoundError, CorruptCheckpointError, WriterClosedError
 from ._group import StepDirs, rank_file
 from ._handle import SaveHandle, SaveStats
@@ -286,7 +287,9 @@ class CheckpointManager(anyio.abc.AsyncResource):
         ranks, tg = self._ranks, self._tg
         assert ranks is not None
         assert tg is not None
-        op = f"save step {record.step}"
+        # The turn is taken now, in program order, as every rank does for this call; the
+        # vote that fills it runs in the background.
+        turn = ranks.votes.turn(f"save step {record.step}")
         step_dir = self._storage.join(self.directory, record.file)
         target = state if ranks.rank == 0 or not ranks.replicated else ExternalLeaves(state, ranks.matches)
         outer = SaveHandle(self._storage.join(step_dir, rank_file(ranks.rank)))
@@ -300,18 +303,18 @@ class CheckpointManager(anyio.abc.AsyncResource):
             failure = (
                 exc if isinstance(exc, Exception) else WriterClosedError("this rank's save was cancelled")
             )
-            tg.start_soon(self._vote, op, failure, record, outer)
+            tg.start_soon(self._vote, turn, failure, record, outer)
             raise
         self._last = Moment(record.step, record.epoch, time.monotonic())
-        tg.start_soon(self._vote, op, inner, record, outer)
+        tg.start_soon(self._vote, turn, inner, record, outer)
         return outer
 
     async def _vote(
-        self, op: str, inner: SaveHandle | BaseException, record: CheckpointRecord, outer: SaveHandle
+        self, turn: Turn, inner: SaveHandle | BaseException, record: CheckpointRecord, outer: SaveHandle
     ) -> None:
         assert self._ranks is not None
         try:
-            await self._ranks.vote(op, inner, record, outer, self._errors.append)
+            await self._ranks.vote(turn, inner, record, outer, self._errors.append)
         finally:
             self._pending.discard(outer)
 

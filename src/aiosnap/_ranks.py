@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from . import _offload
 from ._catalog import Catalog
-from ._coord import Channel, Refused, new_group
+from ._coord import Channel, Refused, Turn, new_group
 from ._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, RankFailedError
 from ._group import (
     MANIFEST_NAME,
@@ -126,15 +126,15 @@ class Ranks:
     # -- saving --------------------------------------------------------------------------
     async def vote(
         self,
-        op: str,
+        turn: Turn,
         inner: SaveHandle | BaseException,
         record: CheckpointRecord,
         outer: SaveHandle,
         report: Callable[[BaseException], None],
     ) -> None:
         """The second phase of a save: wait for this rank's file, report it, and let
-        rank 0 commit the step (or not); resolve ``outer`` with the outcome."""
-        turn = self.votes.turn(op)  # taken before any await: ranks take turns in program order
+        rank 0 commit the step (or not); resolve ``outer`` with the outcome. ``turn`` was
+        taken when the save was called, so that ranks take turns in program order."""
         step_dir = self.storage.join(self.directory, record.file)
         stats: list[SaveStats] = []
 
