@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 import aiosnap
 from aiosnap._dtypes import TORCH_DTYPES
+from aiosnap._header import crc32c
 
 from .conftest import assert_tree_equal, raw_bytes
 
@@ -302,3 +303,40 @@ def test_o_direct_falls_back_to_buffered_writes_on_tmpfs() -> None:
         aiosnap.save_sync(path, state)
         assert torch.equal(aiosnap.load_sync(path)["w"], state["w"])
         assert os.path.getsize(path) == aiosnap.verify_sync(path).bytes + 4096
+
+
+def _rewrite_sealed(path: Path, edit_meta: Any) -> None:
+    """Edit the aiosnap metadata and seal the header again with a valid checksum: what a
+    hostile writer can do, so only the reader's own checks stand in its way."""
+    data = path.read_bytes()
+    n, header = _header(path)
+    meta = json.loads(header["__metadata__"]["aiosnap"])
+    edit_meta(meta)
+    header["__metadata__"]["aiosnap"] = json.dumps(meta)
+    header["__metadata__"]["aiosnap_crc32c"] = "00000000"
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= n
+    raw = data[:8] + text + b" " * (n - len(text))
+    sealed = raw.replace(b'"00000000"', f'"{crc32c(raw):08x}"'.encode())
+    path.write_bytes(sealed + data[8 + n :])
+
+
+@pytest.mark.parametrize(
+    ("external", "match"),
+    [
+        ([], "external entries are malformed"),
+        ({"a": {"kind": "tensor", "dtype": "float32", "shape": [100]}}, "both stored and external"),
+        ({"x": {"kind": "pickle", "dtype": "|u1", "shape": [3]}}, "malformed description"),
+        ({"x": {"kind": "tensor", "dtype": "float99", "shape": [3]}}, "bad dtype or shape"),
+        ({"x": {"kind": "tensor", "dtype": "float32", "shape": [-1]}}, "bad dtype or shape"),
+        ({"x": "tensor"}, "malformed description"),
+    ],
+)
+def test_hostile_external_entries(good_file: Path, external: Any, match: str) -> None:
+    _rewrite_sealed(good_file, lambda meta: meta.update(external=external))
+    _corrupt(good_file, match)
+
+
+def test_a_sealed_header_passes_unchanged(good_file: Path) -> None:
+    _rewrite_sealed(good_file, lambda meta: None)  # the helper itself is sound
+    assert aiosnap.verify_sync(str(good_file)).tensors == 2
