@@ -7,6 +7,7 @@ import errno
 import json
 import multiprocessing
 import os
+import shutil
 import signal
 import socket
 import time
@@ -463,3 +464,15 @@ def test_a_save_cancelled_on_one_rank_commits_nothing_and_the_group_goes_on(tmp_
     assert results[0]["failed"] == [1] and "cancelled" in results[0]["message"], results[0]
     assert results[0]["steps"] == results[1]["steps"] == [1, 3]
     assert not (tmp_path / "snapshot_iter_2" / MANIFEST_NAME).exists()
+
+
+def test_a_rank_file_that_is_not_the_committed_one_sends_every_rank_back_a_step(tmp_path: Path) -> None:
+    ok(run_ranks(2, _round_trip, str(tmp_path)), 2)
+    # A valid checkpoint file, but not the one step 3's manifest committed (a stale copy).
+    shutil.copy(tmp_path / "snapshot_iter_2" / "rank_00001", tmp_path / "snapshot_iter_3" / "rank_00001")
+    restarted = run_ranks(2, _restart, str(tmp_path))
+    ok(restarted, 2)
+    assert restarted == {0: {"step": 2, "m": 2.0}, 1: {"step": 2, "m": 102.0}}
+    index = json.loads((tmp_path / aiosnap._catalog.INDEX_NAME).read_text())
+    (three,) = [c for c in index["checkpoints"] if c["step"] == 3]
+    assert "not the committed" in three["corrupt"] and "rank 1" in three["corrupt"]

@@ -146,13 +146,6 @@ def file_summary(storage: Storage, path: str, patterns: Sequence[str], rank: int
     return {"checksum": header.checksum, "bytes": size, "replicated": [len(spec), digest]}
 
 
-def check_file(storage: Storage, path: str, checksum: str) -> None:
-    """Raise CorruptCheckpointError unless the file's header is the committed one."""
-    found = _header(storage, path)[0].checksum
-    if found != checksum:
-        raise CorruptCheckpointError(path, f"header checksum {found} is not the committed {checksum}")
-
-
 def leaf_paths(storage: Storage, path: str) -> list[str]:
     """Dotted paths of the leaves of a file's tree, first occurrence of each. Blocking."""
     return list(_first_paths(_header(storage, path)[0].tree).values())

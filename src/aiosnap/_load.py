@@ -8,7 +8,7 @@ is checked before the tree is handed back.
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, final
 
@@ -109,10 +109,13 @@ def _load_blocking(
     target: Any = None,
     strict: bool = True,
     replicas: str | None = None,
+    checksums: Mapping[str, str] | None = None,
 ) -> Any:
+    """``checksums`` (path -> header crc32c, as a manifest records them) refuses a file
+    that is not the one committed."""
     files: list[ReadHandle] = [storage.open_read(path)]
     try:
-        header = read_header(files[0])
+        header = _read_checked(files[0], checksums)
         tree = _plain_tree(header) if header.tree is None else header.tree
         try:
             if keys is not None:
@@ -125,7 +128,7 @@ def _load_blocking(
                         "entries; pass replicas= (CheckpointManager.restore does)"
                     )
                 files.append(storage.open_read(replicas))
-                reader.add_replicas(files[1], read_header(files[1]))
+                reader.add_replicas(files[1], _read_checked(files[1], checksums))
             if target is not None:
                 _destinations(target, tree, reader.lookup, reader.direct)
             reader.prefetch(tree)
@@ -140,6 +143,14 @@ def _load_blocking(
     if target is not None:
         _assign(target, loaded, (), strict)
     return loaded
+
+
+def _read_checked(f: ReadHandle, checksums: Mapping[str, str] | None) -> Header:
+    header = read_header(f)
+    want = None if checksums is None else checksums.get(f.path)
+    if want is not None and header.checksum != want:
+        raise CorruptCheckpointError(f.path, f"header checksum {header.checksum} is not the committed {want}")
+    return header
 
 
 def _refers_to(tree: Any, names: dict[str, TensorInfo]) -> bool:

@@ -24,7 +24,6 @@ from ._group import (
     MANIFEST_NAME,
     Manifest,
     StepDirs,
-    check_file,
     file_summary,
     leaf_paths,
     only_replicated,
@@ -33,7 +32,7 @@ from ._group import (
     replicated_matcher,
 )
 from ._handle import SaveHandle, SaveStats
-from ._load import load, load_into
+from ._load import _load_blocking
 from ._records import CheckpointRecord
 from ._storage import Storage
 
@@ -256,6 +255,10 @@ class Ranks:
         step_dir = self.storage.join(self.directory, record.file)
         manifest = await _offload.run_io(read_manifest, self.storage, step_dir)
         replicas = self.storage.join(step_dir, manifest.replicas)
+        # Each file read must be the one the manifest committed.
+        checksums = {
+            self.storage.join(step_dir, f): c for f, c in zip(manifest.files, manifest.checksums, strict=True)
+        }
         if self.rank >= manifest.world_size:
             # Only replicated entries: they are all in the file that holds them.
             paths = await _offload.run_io(leaf_paths, self.storage, replicas)
@@ -264,15 +267,19 @@ class Ranks:
                 raise CheckpointError(
                     f"step {record.step}: restore replicated entries with keys=, not target="
                 )
-            await _offload.run_io(check_file, self.storage, replicas, manifest.checksums[0])
-            return replicas, await load(
-                replicas, keys=keys, allow_pickle=self.allow_pickle, storage=self.storage
-            )
-        own = self.storage.join(step_dir, manifest.files[self.rank])
-        await _offload.run_io(check_file, self.storage, own, manifest.checksums[self.rank])
-        if self.rank != 0:
-            await _offload.run_io(check_file, self.storage, replicas, manifest.checksums[0])
-        pickle, storage = self.allow_pickle, self.storage
-        if target is not None:
-            return own, await load_into(own, target, replicas=replicas, allow_pickle=pickle, storage=storage)
-        return own, await load(own, keys=keys, replicas=replicas, allow_pickle=pickle, storage=storage)
+            own, replicas_of_own = replicas, None
+        else:
+            own, replicas_of_own = self.storage.join(step_dir, manifest.files[self.rank]), replicas
+        state = await _offload.run_io(
+            _load_blocking,
+            self.storage,
+            own,
+            keys,
+            None,
+            self.allow_pickle,
+            target,
+            True,
+            replicas_of_own,
+            checksums,
+        )
+        return own, state
