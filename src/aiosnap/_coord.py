@@ -92,10 +92,6 @@ class Channel:
         #: Buffers of receives that missed their deadline: gloo may still write to them.
         self._stale: list[object] = []
 
-    @property
-    def broken(self) -> RankFailedError | None:
-        return self._broken
-
     def turn(self, op: str) -> Turn:
         """Take the next turn; enter it (``async with``) to wait for the earlier ones."""
         prev, done = self._tail, anyio.Event()

@@ -1,11 +1,12 @@
 """CheckpointManager: steps, triggers, retention, verified resume, history.
 
 The files are the truth. A checkpoint exists once its file has been committed (the
-writer's durable atomic rename); the index next to them (latest pointer, history) is
-a cache that is replaced atomically after each commit and rebuilt from the directory
-whenever it is missing, stale or unreadable. Retention runs after a commit, deletes
-only checkpoints older than the newest one, and never the newest one, so a crash at
-any point leaves at least one valid checkpoint.
+writer's durable atomic rename) -- in a process group, once rank 0 wrote the step's
+manifest (``_ranks``); the index next to them (latest pointer, history; ``_catalog``)
+is a cache that is replaced atomically after each commit and rebuilt from the
+directory whenever it is missing, stale or unreadable. Retention runs after a commit,
+deletes only checkpoints older than the newest one, and never the newest one, so a
+crash at any point leaves at least one valid checkpoint.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from ._catalog import Catalog
 from ._coord import Turn
 from ._errors import CheckpointNotFoundError, CorruptCheckpointError, WriterClosedError
 from ._group import StepDirs, rank_file
-from ._handle import SaveHandle, SaveStats
+from ._handle import SaveHandle
 from ._load import load, load_into
 from ._ranks import Ranks
 from ._records import CheckpointRecord
@@ -334,7 +335,8 @@ class CheckpointManager(anyio.abc.AsyncResource):
                 outer._finish(stats)
                 return
             try:
-                await self._commit_record(record, stats)
+                assert self._catalog is not None
+                await self._catalog.add(record, stats)
             except Exception as exc:
                 logger.error("indexing or rotation after step %d failed: %r", record.step, exc)
                 self._errors.append(exc)
@@ -345,10 +347,6 @@ class CheckpointManager(anyio.abc.AsyncResource):
             self._pending.discard(outer)
             if not outer.done():
                 outer._fail(WriterClosedError("the manager closed before the save finished"))
-
-    async def _commit_record(self, record: CheckpointRecord, stats: SaveStats) -> None:
-        assert self._catalog is not None
-        await self._catalog.add(record, stats)
 
     # -- the single-process layout: a file per step ---------------------------------------
     async def _scan_files(self) -> dict[int, str]:
