@@ -124,12 +124,19 @@ def test_values_of_every_kind_round_trip(tmp_path: Path) -> None:
         "npbool": np.bool_(True),
         "npf": np.float64(2.5),
         "size": torch.Size([2, 3]),
+        # The skeleton and the names are JSON written by hand, escaped in slices:
+        # quotes, backslashes, controls, line separators, astral characters, a string
+        # longer than one slice, and tensor names that need escaping.
+        "escapes": ['"\\\n\t\x00\x1f\u2028\U0001f600', "é" * 70_000 + '"' + "\\" * 3],
+        'na"me\\ü\U0001f600': torch.arange(3),
+        "nested": {"a\nb": [{"c": torch.ones(1)}, ()]},
     }
     path = str(tmp_path / "c")
     aiosnap.save_sync(path, state)
     loaded = aiosnap.load_sync(path)
     state["size"] = (2, 3)
     assert_tree_equal(state, loaded)
+    assert aiosnap.verify_sync(path).checksummed
 
 
 def test_tied_tensors_are_stored_once_and_load_tied(tmp_path: Path) -> None:

@@ -44,6 +44,7 @@ def _commit_here(storage: Storage, path: str, staged: StagedImage, savefun: Save
         seal(staged.image(), staged.template, staged.spans)
         return storage.write_image(path, staged.aligned_image(), staged.size)
     assert staged.tensors is not None
+    assert staged.tree is not None
     obj = rebuild_image(staged.image(), staged.data_start, staged.tensors, staged.tree)
     return storage.write_atomic_with(path, lambda tmp: savefun(obj, tmp))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import array
 import functools
+import json
 import mmap
 import os
 import pickle
@@ -166,9 +167,10 @@ class StagedImage:
     #: one object instead of thousands for the garbage collector to walk.
     spans: array.array[int]
     stage_s: float = 0.0
-    #: The entries and tree, kept only where a ``savefun`` rebuilds the state from them.
+    #: The entries and the skeleton's JSON, kept only where a ``savefun`` rebuilds the
+    #: state from them.
     tensors: list[TensorInfo] | None = None
-    tree: Any = None
+    tree: str | None = None
 
     @property
     def data_start(self) -> int:
@@ -201,7 +203,7 @@ class Plan:
     leaves: list[Leaf]
     tensors: list[TensorInfo]
     template: HeaderTemplate
-    tree: Any
+    tree: str
 
     @property
     def data_start(self) -> int:
@@ -403,8 +405,9 @@ def tensor_view(image: memoryview, data_start: int, info: TensorInfo) -> object:
     return array[()] if info.kind == "npscalar" else array
 
 
-def rebuild_image(image: memoryview, data_start: int, tensors: list[TensorInfo], tree: Any) -> object:
-    """The state tree over a staged image, sharing its memory (for ``savefun``)."""
+def rebuild_image(image: memoryview, data_start: int, tensors: list[TensorInfo], tree: str) -> object:
+    """The state tree over a staged image, sharing its memory (for ``savefun``); ``tree``
+    is the skeleton's JSON text."""
     from ._tree import rebuild
 
     by_name = {t.name: t for t in tensors}
@@ -415,4 +418,4 @@ def rebuild_image(image: memoryview, data_start: int, tensors: list[TensorInfo],
             made[name] = tensor_view(image, data_start, by_name[name])
         return made[name]
 
-    return rebuild(tree, resolve)
+    return rebuild(json.loads(tree), resolve)

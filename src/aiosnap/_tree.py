@@ -2,7 +2,10 @@
 
 The skeleton holds every container and small value *by value* (so the caller may
 mutate them once the save call returns); tensors and arrays become references by
-name, and their bytes are copied by the staging step. Objects with
+name, and their bytes are copied by the staging step. Capture writes the skeleton
+as JSON text as it walks: a tree of Python nodes would cost a second walk to encode
+it, and freeing a large one holds the GIL for as long as the cascade of
+deallocations runs. Objects with
 ``state_dict()``/``load_state_dict()`` are captured through ``state_dict()``.
 
 Node encoding (JSON):
@@ -30,6 +33,7 @@ import torch
 
 from ._dtypes import is_storable_torch, numpy_file_dtype
 from ._errors import UnsupportedTypeError
+from ._header import json_string
 
 Node = Any  # a JSON value, as described in the module docstring
 _KEY_TYPES = (str, int, float, bool, type(None))
@@ -49,13 +53,13 @@ class Leaf:
 
 @dataclass(slots=True)
 class Snapshot:
-    """The captured state: the skeleton, and the leaves it refers to by name.
+    """The captured state: the skeleton as JSON text, and the leaves it refers to by name.
 
     ``external`` leaves are referred to by the skeleton but stored in another file
     (see ExternalLeaves): they are described in the header, never staged.
     """
 
-    tree: Node
+    tree: str
     leaves: list[Leaf] = field(default_factory=list)
     external: list[Leaf] = field(default_factory=list)
 
@@ -86,7 +90,7 @@ def capture(target: object, *, allow_pickle: bool = False) -> Snapshot:
 class _Capture:
     def __init__(self, allow_pickle: bool) -> None:
         self.allow_pickle = allow_pickle
-        self.snapshot = Snapshot(tree=None)
+        self.snapshot = Snapshot(tree="")
         self.names: set[str] = set()
         self.aliases: dict[object, str] = {}
         self.active: set[int] = set()
@@ -98,46 +102,58 @@ class _Capture:
         self.snapshot.tree = self.node(target, ())
         return self.snapshot
 
-    def node(self, obj: object, path: tuple[object, ...]) -> Node:
+    def node(self, obj: object, path: tuple[object, ...]) -> str:
+        """The JSON text of ``obj``'s node (see the module docstring)."""
         if isinstance(obj, np.generic):  # before float: np.float64 is a float subclass
             return self.array(obj, path, "npscalar")
-        if obj is None or isinstance(obj, (bool, int, str)):
-            return obj if type(obj) in (bool, int, str, type(None)) else self.other(obj, path)
+        kind = type(obj)
+        if kind is str:
+            return json_string(obj)  # type: ignore[arg-type]
+        if kind is int:
+            return int.__repr__(obj)
+        if kind is bool:
+            return "true" if obj else "false"
+        if obj is None:
+            return "null"
+        if isinstance(obj, (bool, int, str)):
+            return self.other(obj, path)
         if isinstance(obj, float):
-            return obj if math.isfinite(obj) else {"$": "float", "v": repr(obj)}
+            text = float.__repr__(obj)
+            return text if math.isfinite(obj) else f'{{"$":"float","v":"{text}"}}'
         if isinstance(obj, torch.Tensor):
             return self.tensor(obj, path)
         if isinstance(obj, np.ndarray):
             return self.array(obj, path, "ndarray")
         if isinstance(obj, (bytes, bytearray)):
-            return {"$": "bytes", "v": base64.b64encode(obj).decode()}
+            return f'{{"$":"bytes","v":"{base64.b64encode(obj).decode()}"}}'
         if isinstance(obj, (dict, list)) or type(obj) in (tuple, torch.Size):
             return self.container(obj, path)
         if is_stateful(obj):
             return self.node(obj.state_dict(), path)  # type: ignore[attr-defined]
         return self.other(obj, path)
 
-    def container(self, obj: Any, path: tuple[object, ...]) -> Node:
+    def container(self, obj: Any, path: tuple[object, ...]) -> str:
         if id(obj) in self.active:
             raise UnsupportedTypeError(f"the state tree contains itself at {format_path(path)}")
         self.active.add(id(obj))
         try:
             if isinstance(obj, dict):
-                return {"$": "dict", "items": [self.item(k, v, path) for k, v in obj.items()]}
-            values = [self.node(v, (*path, i)) for i, v in enumerate(obj)]
-            return values if isinstance(obj, list) else {"$": "tuple", "v": values}
+                items = ",".join([self.item(k, v, path) for k, v in obj.items()])
+                return f'{{"$":"dict","items":[{items}]}}'
+            values = ",".join([self.node(v, (*path, i)) for i, v in enumerate(obj)])
+            return f"[{values}]" if isinstance(obj, list) else f'{{"$":"tuple","v":[{values}]}}'
         finally:
             self.active.discard(id(obj))
 
-    def item(self, key: object, value: object, path: tuple[object, ...]) -> list[Node]:
+    def item(self, key: object, value: object, path: tuple[object, ...]) -> str:
         if not isinstance(key, _KEY_TYPES):
             raise UnsupportedTypeError(
                 f"dict key {key!r} of type {type(key).__name__} at {format_path(path)}: "
                 "keys must be str, int, float, bool or None"
             )
-        return [self.node(key, path), self.node(value, (*path, key))]
+        return f"[{self.node(key, path)},{self.node(value, (*path, key))}]"
 
-    def tensor(self, t: torch.Tensor, path: tuple[object, ...]) -> Node:
+    def tensor(self, t: torch.Tensor, path: tuple[object, ...]) -> str:
         problem = _tensor_problem(t)
         if problem:
             return self.other(t, path, problem)
@@ -150,13 +166,13 @@ class _Capture:
             tuple(t.shape),
             t.stride(),
         )
-        return {"$": "tensor", "n": self.leaf(key, t, path, "tensor")}
+        return f'{{"$":"tensor","n":{json_string(self.leaf(key, t, path, "tensor"))}}}'
 
-    def array(self, a: np.ndarray[Any, Any] | np.generic, path: tuple[object, ...], kind: str) -> Node:
+    def array(self, a: np.ndarray[Any, Any] | np.generic, path: tuple[object, ...], kind: str) -> str:
         if numpy_file_dtype(a.dtype) is None:
             return self.other(a, path, f"NumPy dtype {a.dtype} has no raw form")
         key = ("ndarray", id(a)) if kind == "ndarray" else None
-        return {"$": kind, "n": self.leaf(key, a, path, kind)}
+        return f'{{"$":"{kind}","n":{json_string(self.leaf(key, a, path, kind))}}}'
 
     def leaf(self, key: object, value: object, path: tuple[object, ...], kind: str) -> str:
         # The same tensor reached twice (tied weights) is stored once and loads as one.
@@ -178,9 +194,9 @@ class _Capture:
         self.names.add(name)
         return name
 
-    def other(self, obj: object, path: tuple[object, ...], why: str = "") -> Node:
+    def other(self, obj: object, path: tuple[object, ...], why: str = "") -> str:
         if self.allow_pickle:
-            return {"$": "pickle", "n": self.leaf(None, obj, path, "pickle")}
+            return f'{{"$":"pickle","n":{json_string(self.leaf(None, obj, path, "pickle"))}}}'
         reason = why or f"{type(obj).__module__}.{type(obj).__qualname__} is not a state type"
         raise UnsupportedTypeError(
             f"cannot store the value at {format_path(path)}: {reason}; "
