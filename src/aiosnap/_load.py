@@ -132,7 +132,8 @@ def _load_blocking(
             if target is not None:
                 _destinations(target, tree, reader.lookup, reader.direct)
             reader.prefetch(tree)
-            loaded = rebuild(tree, reader.resolve)
+            with _offload.gc_paused():  # what rebuild makes is returned: nothing to collect
+                loaded = rebuild(tree, reader.resolve)
         except CheckpointError:
             raise
         except ValueError as exc:
@@ -272,7 +273,8 @@ class _Reader:
                 )
             wanted[name] = info
             by_source[src].append(info)
-        made = {name: self.direct.get(name) or _allocate(info) for name, info in wanted.items()}
+        with _offload.gc_paused():  # thousands of small tensors, all kept
+            made = {name: self.direct.get(name) or _allocate(info) for name, info in wanted.items()}
         for (f, header), infos in zip(self.sources, by_source, strict=True):
             self.read_all(f, header, sorted(infos, key=lambda i: i.start), made)
         self.made = {name: self.finish(wanted[name], obj) for name, (obj, _) in made.items()}

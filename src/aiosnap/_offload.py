@@ -74,7 +74,8 @@ def gc_paused() -> Iterator[None]:
 
     A full collection stops every thread, the event loop's included, for as long as it
     takes to traverse the heap (~0.2 s with a 20,000-tensor state). What capture builds
-    is freed by reference counting, so no collection is needed for it.
+    is freed by reference counting, so no collection is needed for it. What a load
+    builds is kept: the young collection it would have caused runs once, after.
     """
     global _gc_holders, _gc_was_enabled
     with _gc_lock:
