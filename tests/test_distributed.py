@@ -319,6 +319,36 @@ def test_a_checkpoint_of_four_ranks_restores_at_two_and_two_at_four(tmp_path: Pa
     assert all(r == {"keys": ["model"], "m": None} for r in replicated.values())
 
 
+# -- subgroups --------------------------------------------------------------------------
+async def _in_subgroups(rank: int, world: int, root: str) -> Any:
+    # Two pipelines of two ranks each, checkpointing independently (group= a subgroup):
+    # every rank creates both subgroups, as torch requires, and uses its own.
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pair = pairs[rank // 2]
+    directory = os.path.join(root, f"pair{rank // 2}")
+    seen = []
+    for round_ in range(2):  # a second manager over the same subgroup opens and works
+        async with aiosnap.CheckpointManager(directory, group=pair, replicated=["model"], timeout=20) as mgr:
+            seen.append((mgr.rank, mgr.world_size))
+            step = 10 * round_ + rank // 2
+            await (await mgr.save(step, state_of(rank, step))).wait()
+            restored = await mgr.restore()
+        assert restored.step == step and restored.state["rank"] == rank
+        assert float(restored.state["optim"]["m"][0]) == rank * 100 + step
+    return {"seen": seen}
+
+
+def test_managers_over_subgroups_checkpoint_independently(tmp_path: Path) -> None:
+    results = run_ranks(4, _in_subgroups, str(tmp_path))
+    ok(results, 4)
+    assert [results[r]["seen"] for r in range(4)] == [[(0, 2), (0, 2)], [(1, 2), (1, 2)]] * 2
+    for p, steps in ((0, [0, 10]), (1, [1, 11])):
+        for step in steps:
+            manifest_path = tmp_path / f"pair{p}" / f"snapshot_iter_{step}" / MANIFEST_NAME
+            manifest = Manifest.parse(str(manifest_path), manifest_path.read_bytes())
+            assert manifest.world_size == 2 and manifest.step == step
+
+
 # -- agreement --------------------------------------------------------------------------
 async def _clock_trigger(rank: int, world: int, directory: str) -> Any:
     # The ranks' clocks (here: their triggers) disagree; rank 0's decision is followed.

@@ -32,6 +32,7 @@ def files(directory: Path) -> list[str]:
 
 async def test_saves_rotate_and_the_index_follows(tmp_path: Path) -> None:
     async with aiosnap.CheckpointManager(str(tmp_path), keep=aiosnap.KeepLast(2)) as mgr:
+        assert (mgr.rank, mgr.world_size) == (0, None)  # no process group
         for step in range(6):
             handle = await mgr.save(
                 step, {"w": torch.full((10,), float(step))}, metrics={"loss": 1 / (step + 1)}

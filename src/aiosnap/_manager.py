@@ -136,6 +136,8 @@ class CheckpointManager(anyio.abc.AsyncResource):
         elif replicated:
             raise ValueError("replicated= needs a process group")
         self.rank = rank
+        #: The number of ranks that checkpoint together; None outside a group.
+        self.world_size: int | None = self._ranks.size if self._ranks is not None else None
         self._catalog: Catalog | None = None
         if self._ranks is None or rank == 0:
             dirs = StepDirs(self._storage, directory, self._pattern) if self._ranks else None
