@@ -17,13 +17,12 @@ file size before anything is allocated, and every failure is a CorruptCheckpoint
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _dtypes
+from . import _dtypes, _json
 from ._errors import CorruptCheckpointError
 from ._header import CRC_KEY, CRC_ZERO, META_KEY, HeaderTemplate, crc32c, json_string
 from ._offload import gc_paused
@@ -169,7 +168,7 @@ class _Parser:
 
     def json(self, data: bytes, what: str) -> Any:
         try:
-            return json.loads(data.decode("utf-8"))
+            return _json.loads(data.decode("utf-8"))
         except (UnicodeDecodeError, ValueError, RecursionError) as exc:
             raise self.fail(f"{what} is not valid JSON ({type(exc).__name__})") from None
 

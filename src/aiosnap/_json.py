@@ -1,0 +1,171 @@
+"""``json.loads`` for large headers, in C calls over a bounded slice of text each.
+
+One ``json.loads`` over the header of a 20,000-tensor checkpoint holds the GIL for a
+few hundred milliseconds, and the event loop stalls for as long. Here the C scanner
+parses one value at a time inside a window of ``WINDOW`` characters; a value that
+does not fit is descended into (objects and arrays member by member, strings slice
+by slice), so no single call sees more than a window. The result, and the errors
+(ValueError), are those of ``json.loads``.
+"""
+
+from __future__ import annotations
+
+import json
+import json.decoder
+import json.scanner
+import re
+from collections.abc import Callable
+from typing import Any
+
+#: Characters one C call may parse: a few milliseconds.
+WINDOW = 1 << 16
+#: Containers larger than a window nested deeper than this are refused (json.loads
+#: itself stops at the interpreter's recursion limit).
+MAX_DEPTH = 200
+
+_WS_CHARS = frozenset(" \t\n\r")
+_WS = re.compile(r"[ \t\n\r]*").match  # JSON's whitespace, as json.decoder has it
+_scanstring: Callable[[str, int], tuple[str, int]] = json.decoder.scanstring  # type: ignore[attr-defined]
+
+
+def loads(text: str) -> Any:
+    if len(text) <= WINDOW:
+        return json.loads(text)
+    return _Parser(text).parse()
+
+
+class _Parser:
+    def __init__(self, text: str) -> None:
+        self.s = text
+        self.scan = json.scanner.make_scanner(json.JSONDecoder())  # type: ignore[arg-type]
+        self.start = 0  # the window is s[start : start + len(window)]
+        self.window = ""
+
+    def parse(self) -> Any:
+        value, end = self.value(self.ws(0), 0)
+        if self.ws(end) != len(self.s):
+            raise json.JSONDecodeError("Extra data", self.s, end)
+        return value
+
+    def ws(self, i: int) -> int:
+        if self.s[i : i + 1] not in _WS_CHARS:  # the common case: compact JSON
+            return i
+        match = _WS(self.s, i)
+        assert match is not None  # the pattern matches the empty string
+        return match.end()
+
+    def value(self, i: int, depth: int) -> tuple[Any, int]:
+        fitted = self.small(i)
+        if fitted is not None:
+            return fitted
+        if depth >= MAX_DEPTH:
+            raise json.JSONDecodeError("large containers nested too deeply", self.s, i)
+        c = self.s[i : i + 1]
+        if c == "{":
+            return self.obj(i + 1, depth + 1)
+        if c == "[":
+            return self.array(i + 1, depth + 1)
+        if c == '"':
+            return self.string(i + 1)
+        try:  # a number longer than a window: the scanner reads only the number itself
+            value, end = self.scan(self.s, i)
+        except StopIteration:
+            raise json.JSONDecodeError("Expecting value", self.s, i) from None
+        return value, end
+
+    def small(self, i: int) -> tuple[Any, int] | None:
+        """The value at ``i`` and where it ends, if it parses within one window."""
+        at = i - self.start
+        if at >= 0 and at + 3 < len(self.window):  # the common case, first: inside the window
+            try:
+                value, end = self.scan(self.window, at)
+                if end + 3 <= len(self.window):
+                    return value, self.start + end
+            except (StopIteration, ValueError, RecursionError):
+                pass
+        for fresh in (False, True):
+            if fresh or not self.start <= i < self.start + len(self.window):
+                if fresh and self.start == i:
+                    return None  # a fresh window at i already failed
+                self.start, self.window = i, self.s[i : i + WINDOW]
+            truncated = self.start + len(self.window) < len(self.s)
+            try:
+                value, end = self.scan(self.window, i - self.start)
+            except (StopIteration, ValueError, RecursionError):
+                if truncated:
+                    continue  # perhaps cut off by the window: retry, then descend
+                return None  # a real error: descending finds and reports it
+            # A number cut off by the window can still parse ("2.5e-7" cut to "2.5e" reads
+            # as 2.5): its end is trusted only with the 2 characters the grammar looks
+            # ahead (".d", "e-d") and one more inside the window.
+            if end + 3 <= len(self.window) or not truncated:
+                return value, self.start + end
+        return None
+
+    def obj(self, i: int, depth: int) -> tuple[dict[str, Any], int]:
+        s, out = self.s, dict[str, Any]()
+        i = self.ws(i)
+        if s[i : i + 1] == "}":
+            return out, i + 1
+        while True:
+            if s[i : i + 1] != '"':
+                raise json.JSONDecodeError("Expecting property name enclosed in double quotes", s, i)
+            key, i = self.value(i, depth)
+            i = self.ws(i)
+            if s[i : i + 1] != ":":
+                raise json.JSONDecodeError("Expecting ':' delimiter", s, i)
+            out[key], i = self.value(self.ws(i + 1), depth)
+            i = self.ws(i)
+            if s[i : i + 1] == "}":
+                return out, i + 1
+            if s[i : i + 1] != ",":
+                raise json.JSONDecodeError("Expecting ',' delimiter", s, i)
+            i = self.ws(i + 1)
+
+    def array(self, i: int, depth: int) -> tuple[list[Any], int]:
+        s, out = self.s, list[Any]()
+        i = self.ws(i)
+        if s[i : i + 1] == "]":
+            return out, i + 1
+        while True:
+            value, i = self.value(i, depth)
+            out.append(value)
+            i = self.ws(i)
+            if s[i : i + 1] == "]":
+                return out, i + 1
+            if s[i : i + 1] != ",":
+                raise json.JSONDecodeError("Expecting ',' delimiter", s, i)
+            i = self.ws(i + 1)
+
+    def string(self, p: int) -> tuple[str, int]:
+        """A string longer than a window, from just after its opening quote: decoded a
+        slice at a time, each cut where no escape sequence (nor a surrogate pair of
+        them) is split."""
+        s, parts = self.s, []
+        while True:
+            q = min(p + WINDOW, len(s))
+            if q < len(s):
+                q = _safe_cut(s, p, q)
+            piece = '"' + s[p:q] + '"'
+            text, end = _scanstring(piece, 1)  # raises on a control character or bad escape
+            parts.append(text)
+            if end < len(piece):  # the string's own closing quote is inside this slice
+                return "".join(parts), p + end - 1
+            if q == len(s):
+                raise json.JSONDecodeError("Unterminated string starting at", s, p - 1)
+            p = q
+
+
+def _safe_cut(s: str, p: int, q: int) -> int:
+    """A cut at or before ``q`` (and after ``p``) outside any escape sequence: before the
+    run of backslashes holding the last backslash of the 6 characters before ``q``, or,
+    if that run reaches back to ``p``, after an even number of its backslashes."""
+    b = s.rfind("\\", max(p, q - 6), q)
+    if b < 0:
+        return q
+    start = b
+    while start > p and s[start - 1] == "\\":
+        start -= 1
+    if start > p:
+        return start
+    return p + max(2, (b + 1 - p) // 2 * 2)
