@@ -139,6 +139,36 @@ def test_values_of_every_kind_round_trip(tmp_path: Path) -> None:
     assert aiosnap.verify_sync(path).checksummed
 
 
+def test_runs_of_small_tensors_of_every_sort_round_trip(tmp_path: Path) -> None:
+    # Small host tensors are copied in runs through NumPy views; everything NumPy cannot
+    # view exactly (other dtypes, conjugate and negative bits, strides) breaks a run.
+    z = torch.complex(torch.randn(5), torch.randn(5))
+    param = torch.nn.Parameter(torch.randn(7))
+    state = {
+        "many": [torch.full((3,), float(i)) for i in range(2500)],  # longer than one run
+        "wide": [torch.randn(300_000 // 4) for _ in range(20)],  # runs bounded by bytes
+        "param": param,
+        "bf16": torch.randn(9).bfloat16(),
+        "conj": z.conj(),
+        "neg": torch._neg_view(torch.randn(4)),
+        "strided": torch.randn(6, 4).t(),
+        "scalar": torch.tensor(2.5),
+        "bool": torch.tensor([True, False, True]),
+        "big": torch.randn(1 << 17),
+        "after": torch.arange(10, dtype=torch.int16),
+    }
+    path = str(tmp_path / "c")
+    aiosnap.save_sync(path, state)
+    loaded = aiosnap.load_sync(path)
+    assert all(torch.equal(a, b) for a, b in zip(loaded["many"], state["many"], strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(loaded["wide"], state["wide"], strict=True))
+    assert torch.equal(loaded["param"], param.detach())
+    assert torch.equal(loaded["conj"], z.conj().resolve_conj())
+    assert torch.equal(loaded["neg"], state["neg"].resolve_neg())
+    for key in ("bf16", "strided", "scalar", "bool", "big", "after"):
+        assert torch.equal(loaded[key], state[key]), key
+
+
 def test_tied_tensors_are_stored_once_and_load_tied(tmp_path: Path) -> None:
     shared = torch.randn(100, 100)
     path = str(tmp_path / "c")
