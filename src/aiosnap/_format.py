@@ -128,9 +128,9 @@ def _int_list(values: tuple[int, ...] | list[int]) -> str:
 
 
 def read_header(f: ReadHandle) -> Header:
-    """Read and validate the header of an open file. The collector is held off: with it,
-    parsing a 20,000-tensor header took twice as long (1.3 s instead of 0.65 s), in
-    collections run inside a single ``json.loads`` call over objects that are all kept."""
+    """Read and validate the header of an open file. The collector is held off: parsing
+    builds objects that are all kept, and collections over them doubled the time to
+    parse a 20,000-tensor header (1.3 s instead of 0.65 s)."""
     with gc_paused():
         return _Parser(f).parse()
 
