@@ -36,3 +36,12 @@ def test_multi_rank_benchmark_runs_small(tmp_path: Path) -> None:
         "aiosnap CheckpointManager (replicated model)",
     }
     assert all(row["total"] > 0 for row in data["summary"].values())
+
+
+def test_loop_stall_probe_runs_small(tmp_path: Path) -> None:
+    dumps = tmp_path / "dumps.txt"
+    command = [sys.executable, str(ROOT / "benchmarks" / "loop_stalls.py"), "--tensors", "300", "--reps", "1"]
+    command += ["--dir", str(tmp_path), "--out", str(dumps), "--deadline-ms", "1"]
+    out = subprocess.run(command, check=True, timeout=300, capture_output=True, text=True).stdout
+    assert "save #0" in out and "load #0" in out and "largest gap" in out
+    assert "Thread 0x" in dumps.read_text()  # a 1 ms deadline is always missed: dumps were written
