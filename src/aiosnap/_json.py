@@ -104,10 +104,8 @@ class _Parser:
 
     def obj(self, i: int, depth: int) -> tuple[dict[str, Any], int]:
         s, out = self.s, dict[str, Any]()
-        i = self.ws(i)
-        if s[i : i + 1] == "}":
-            return out, i + 1
-        while True:
+
+        def member(i: int) -> int:
             if s[i : i + 1] != '"':
                 raise json.JSONDecodeError("Expecting property name enclosed in double quotes", s, i)
             key, i = self.value(i, depth)
@@ -115,24 +113,31 @@ class _Parser:
             if s[i : i + 1] != ":":
                 raise json.JSONDecodeError("Expecting ':' delimiter", s, i)
             out[key], i = self.value(self.ws(i + 1), depth)
-            i = self.ws(i)
-            if s[i : i + 1] == "}":
-                return out, i + 1
-            if s[i : i + 1] != ",":
-                raise json.JSONDecodeError("Expecting ',' delimiter", s, i)
-            i = self.ws(i + 1)
+            return i
+
+        return out, self.members(i, "}", member)
 
     def array(self, i: int, depth: int) -> tuple[list[Any], int]:
-        s, out = self.s, list[Any]()
-        i = self.ws(i)
-        if s[i : i + 1] == "]":
-            return out, i + 1
-        while True:
+        out = list[Any]()
+
+        def member(i: int) -> int:
             value, i = self.value(i, depth)
             out.append(value)
-            i = self.ws(i)
-            if s[i : i + 1] == "]":
-                return out, i + 1
+            return i
+
+        return out, self.members(i, "]", member)
+
+    def members(self, i: int, close: str, member: Callable[[int], int]) -> int:
+        """Parse ``member`` after ``member``, comma-separated, up to ``close``; the index
+        just after it."""
+        s = self.s
+        i = self.ws(i)
+        if s[i : i + 1] == close:
+            return i + 1
+        while True:
+            i = self.ws(member(i))
+            if s[i : i + 1] == close:
+                return i + 1
             if s[i : i + 1] != ",":
                 raise json.JSONDecodeError("Expecting ',' delimiter", s, i)
             i = self.ws(i + 1)
