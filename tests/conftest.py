@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,20 @@ WRITERS: list[tuple[str, Callable[[], Any]]] = [
 @pytest.fixture(params=[w for _, w in WRITERS], ids=[n for n, _ in WRITERS])
 def make_writer(request: pytest.FixtureRequest) -> Callable[[], Any]:
     return request.param  # type: ignore[no-any-return]
+
+
+async def wait_until(condition: Callable[[], bool], *, what: str = "the condition") -> None:
+    """Wait for ``condition()`` to hold: a state the test waits for, not a duration. The
+    cap only ends a test whose code is broken; it is no bound on how long things take."""
+    deadline = time.monotonic() + WAIT_CAP
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not come about within {WAIT_CAP} s")
+        await asyncio.sleep(0.001)
+
+
+#: How long a test waits for an event before it declares the code under test broken.
+WAIT_CAP = 120.0
 
 
 def temp_files(directory: Path) -> list[str]:

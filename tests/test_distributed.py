@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable, Coroutine
@@ -97,12 +98,11 @@ def state_of(rank: int, step: int) -> dict[str, Any]:
 
 
 async def failure_of(mgr: aiosnap.CheckpointManager, handle: aiosnap.SaveHandle) -> dict[str, Any]:
-    """How a save failed (which ranks, the message, seconds waited), or that it committed."""
-    t0 = time.monotonic()
+    """How a save failed (which ranks, the message), or that it committed."""
     try:
         await handle.wait()
     except aiosnap.RankFailedError as exc:
-        return {"failed": sorted(exc.failed), "message": str(exc), "after": time.monotonic() - t0}
+        return {"failed": sorted(exc.failed), "message": str(exc)}
     finally:
         mgr._errors.clear()  # these tests look only at the handle; the group is broken
     return {"committed": True}
@@ -246,16 +246,16 @@ async def _restart(rank: int, world: int, directory: str) -> Any:
 
 
 @pytest.mark.parametrize(("world", "victim"), [(4, 2), (2, 0)])
-def test_a_rank_killed_mid_save_fails_the_survivors_in_time_and_the_restart_resumes(
+def test_a_rank_killed_mid_save_fails_the_survivors_at_once_and_the_restart_resumes(
     tmp_path: Path, world: int, victim: int
 ) -> None:
-    timeout = 4.0
-    results = run_ranks(world, _killed_mid_save, str(tmp_path), victim, timeout)
+    # A deadline far longer than the test may take: the survivors learn of the death
+    # from the closed connection, never by waiting the deadline out.
+    results = run_ranks(world, _killed_mid_save, str(tmp_path), victim, 600.0, limit=300)
     assert sorted(results) == [r for r in range(world) if r != victim]
     for r in results.values():
         assert r["failed"] == [victim], r
-        assert "gone" in r["message"] or "did not answer" in r["message"], r
-        assert r["after"] < 2 * timeout, r
+        assert "gone: its connection closed" in r["message"], r
     assert (tmp_path / "snapshot_iter_2").exists() and not (
         tmp_path / "snapshot_iter_2" / MANIFEST_NAME
     ).exists()
@@ -266,18 +266,28 @@ def test_a_rank_killed_mid_save_fails_the_survivors_in_time_and_the_restart_resu
 
 
 async def _hung_rank(rank: int, world: int, directory: str, silence: float) -> Any:
+    reported = os.path.join(directory, "rank0-reported")
     async with aiosnap.CheckpointManager(directory, timeout=silence) as mgr:
         await (await mgr.save(1, state_of(rank, 1))).wait()
         handle = await mgr.save(2, state_of(rank, 2))
-        if rank == 1:
-            time.sleep(3 * silence)  # noqa: ASYNC251 - a stuck training step that never awaits
-        return await failure_of(mgr, handle)
+        if rank == 0:
+            failure = await failure_of(mgr, handle)
+            Path(reported).touch()
+            return failure
+        # A stuck training step that never awaits, until rank 0 has named this rank: so
+        # rank 0 did not wait for it. The cap only ends the test if rank 0 never does.
+        deadline = time.monotonic() + 60 * silence
+        while not os.path.exists(reported) and time.monotonic() < deadline:
+            time.sleep(0.01)  # noqa: ASYNC251 - blocking on purpose
+        failure = await failure_of(mgr, handle)
+        failure["released_by_rank0"] = os.path.exists(reported)
+        return failure
 
 
-def test_a_silent_rank_is_named_within_the_deadline(tmp_path: Path) -> None:
-    results = run_ranks(2, _hung_rank, str(tmp_path), 2.0)
+def test_a_silent_rank_is_named_while_it_is_still_stuck(tmp_path: Path) -> None:
+    results = run_ranks(2, _hung_rank, str(tmp_path), 2.0, limit=300)
     assert results[0]["failed"] == [1] and "did not answer within 2 s" in results[0]["message"]
-    assert results[0]["after"] < 2 * 2.0
+    assert results[1]["released_by_rank0"], results[1]
     assert "failed" in results[1]  # it learns, once it runs again, that the step failed
 
 
@@ -463,17 +473,37 @@ def test_a_damaged_manifest_is_refused(tmp_path: Path) -> None:
             Manifest.parse("m", json.dumps(hostile).encode())
 
 
+class HeldCapture:
+    """A Stateful value whose capture (``state_dict``, in the staging thread) says it has
+    started, then holds until released."""
+
+    def __init__(self) -> None:
+        self.started, self.release = threading.Event(), threading.Event()
+
+    def state_dict(self) -> dict[str, Any]:
+        self.started.set()
+        self.release.wait(120)
+        return {"held": torch.ones(4)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
 async def _cancelled_save(rank: int, world: int, directory: str) -> Any:
     async with aiosnap.CheckpointManager(directory, timeout=20) as mgr:
         await (await mgr.save(1, state_of(rank, 1))).wait()
-        big = {**state_of(rank, 2), "bulk": [torch.ones(1 << 20) for _ in range(64)]}  # 256 MiB
+        held = HeldCapture()
+        big = {**state_of(rank, 2), "held": held}
         result: dict[str, Any] = {}
         if rank == 1:
+            task = asyncio.create_task(mgr.save(2, big))
+            assert await asyncio.to_thread(held.started.wait, 120)
+            task.cancel()  # cancelled during the capture
+            held.release.set()
             try:
-                async with asyncio.timeout(0.005):  # cancelled during the capture
-                    await mgr.save(2, big)
+                await task
                 result["cancelled"] = False
-            except TimeoutError:
+            except asyncio.CancelledError:
                 result["cancelled"] = True
             try:
                 await mgr.save(3, state_of(rank, 3))  # the group's failure of step 2 is not its own
@@ -481,6 +511,7 @@ async def _cancelled_save(rank: int, world: int, directory: str) -> Any:
             except aiosnap.RankFailedError:
                 result["next"] = "RankFailedError"
         else:
+            held.release.set()
             result.update(await failure_of(mgr, await mgr.save(2, big)))
             await mgr.save(3, state_of(rank, 3))
         await mgr.flush()

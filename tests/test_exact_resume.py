@@ -1,4 +1,10 @@
-"""A run killed with SIGKILL at a random moment and resumed is the run that never stopped."""
+"""A run killed with SIGKILL mid-epoch and resumed is the run that never stopped.
+
+The child reports every batch it trains on; the parent kills it once it has reported
+the batch chosen for this run, so the kills land where the test says, on any machine.
+The child then waits on its event loop, where the previous epoch's checkpoint may
+still be in flight: the kill lands at whatever point of that save it has reached.
+"""
 
 from __future__ import annotations
 
@@ -17,14 +23,15 @@ from torch.utils.data import DataLoader, TensorDataset
 import aiosnap
 
 EPOCHS = 4
+BATCHES = 16  # per epoch: 512 samples in batches of 32
 
 
-def _train(directory: str, workers: int) -> None:
+def _train(directory: str, workers: int, stop_at: int | None, report: Any) -> None:
     torch.set_num_threads(1)  # the same kernels in every process: bit-identical results
-    asyncio.run(_train_async(directory, workers))
+    asyncio.run(_train_async(directory, workers, stop_at, report))
 
 
-async def _train_async(directory: str, workers: int) -> None:
+async def _train_async(directory: str, workers: int, stop_at: int | None, report: Any) -> None:
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(7)
     data = TensorDataset(torch.randn(512, 8, generator=g), torch.randn(512, 1, generator=g))
@@ -38,14 +45,19 @@ async def _train_async(directory: str, workers: int) -> None:
         )
     )
     job = aiosnap.Job()
+    trained = 0
 
     @job.epoch_group.add
     async def epoch(ctx: aiosnap.RunContext) -> None:
+        nonlocal trained
         async for x, y in loader:
             optimizer.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()  # type: ignore[no-untyped-call]
             optimizer.step()
-            await asyncio.sleep(0.002)  # room for the kill to land mid-epoch
+            trained += 1
+            report.send(trained)
+            if trained == stop_at:
+                await asyncio.Event().wait()  # the loop runs on (saves in flight) until the kill
 
     aiosnap.epoch_limiter(job, EPOCHS)
     state = {"model": model, "optimizer": optimizer, "loader": loader, "rng": aiosnap.RNGState()}
@@ -59,14 +71,30 @@ def _ctx() -> Any:
     return ctx
 
 
-def _run(directory: Path, workers: int, kill_after: float | None) -> int | None:
-    proc = _ctx().Process(target=_train, args=(str(directory), workers))
+def _run(directory: Path, workers: int, stop_at: int | None) -> bool:
+    """Train in a child; SIGKILL it once it has trained ``stop_at`` batches (None: never).
+    Whether it was killed (False: it finished first)."""
+    ctx = _ctx()
+    receive, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_train, args=(str(directory), workers, stop_at, send))
     proc.start()
-    proc.join(kill_after)
-    if proc.is_alive():
-        os.kill(proc.pid, signal.SIGKILL)
+    send.close()
+    killed = False
+    try:
+        while True:
+            try:
+                trained = receive.recv()  # EOFError once the child has exited
+            except EOFError:
+                break
+            if trained == stop_at:
+                os.kill(proc.pid, signal.SIGKILL)
+                killed = True
+                break
+    finally:
         proc.join()
-    return proc.exitcode
+        receive.close()
+    assert killed or proc.exitcode == 0, f"the run failed with exit code {proc.exitcode}"
+    return killed
 
 
 def _final_params(directory: Path) -> dict[str, torch.Tensor]:
@@ -75,18 +103,19 @@ def _final_params(directory: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_killed_and_resumed_run_is_bit_identical(workers: int, tmp_path: Path) -> None:
-    assert _run(tmp_path / "reference", workers, None) == 0
+    assert not _run(tmp_path / "reference", workers, None)
     reference = _final_params(tmp_path / "reference")
     rng = random.Random(workers)
-    total_kills = 0
     for attempt in range(2):
         directory = tmp_path / f"run{attempt}"
-        kills = 0
-        while _run(directory, workers, rng.uniform(0.3, 2.0) if kills < 2 else None) != 0:
-            kills += 1
-        total_kills += kills
+        # A run resumes at an epoch boundary at most two epochs back, so at least
+        # BATCHES batches remain and a kill before then always lands mid-run: first
+        # anywhere in the first three epochs, then early, while saves are in flight.
+        stops = [rng.randint(1, 3 * BATCHES - 1), rng.randint(1, BATCHES - 1)]
+        kills = [_run(directory, workers, stop) for stop in stops]
+        assert kills == [True, True]
+        assert not _run(directory, workers, None)
         got = _final_params(directory)
         assert got.keys() == reference.keys()
         for name, tensor in reference.items():
-            assert torch.equal(got[name], tensor), f"{name} differs after {kills} kill(s)"
-    assert total_kills >= 2, "the runs finished before they could be killed"
+            assert torch.equal(got[name], tensor), f"{name} differs after kills at batches {stops}"

@@ -79,19 +79,20 @@ async def test_train_from_scratch_then_resume(tmp_path: Path) -> None:
 
 async def test_a_failure_in_a_group_cancels_the_rest_and_propagates(tmp_path: Path) -> None:
     job = aiosnap.Job()
-    cancelled = asyncio.Event()
+    started, cancelled = asyncio.Event(), asyncio.Event()
 
     @job.epoch_group.add
     async def slow(ctx: aiosnap.RunContext) -> None:
+        started.set()
         try:
-            await asyncio.sleep(30)
+            await asyncio.Event().wait()  # never set: only a cancel ends it
         except asyncio.CancelledError:
             cancelled.set()
             raise
 
     @job.epoch_group.add
     async def broken(ctx: aiosnap.RunContext) -> None:
-        await asyncio.sleep(0.01)
+        await started.wait()
         raise ValueError("bad batch")
 
     async with aiosnap.CheckpointManager(str(tmp_path)) as mgr:

@@ -16,6 +16,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 import aiosnap
 
+from .conftest import WAIT_CAP, wait_until
+
 DATA = TensorDataset(torch.arange(100).float().unsqueeze(1))
 
 
@@ -93,6 +95,7 @@ class Counting(Dataset[int]):
     def __init__(self) -> None:
         self.fetched = 0
         self.thread: set[str] = set()
+        self.three = threading.Event()
 
     def __len__(self) -> int:
         return 10
@@ -100,6 +103,8 @@ class Counting(Dataset[int]):
     def __getitem__(self, i: int) -> int:
         self.fetched += 1
         self.thread.add(threading.current_thread().name)
+        if self.fetched == 3:
+            self.three.set()
         return i
 
 
@@ -107,8 +112,9 @@ async def test_prefetch_runs_ahead_in_a_worker_thread() -> None:
     data = Counting()
     async with aiosnap.AsyncLoader(DataLoader(data, batch_size=1), prefetch=3) as loader:
         async for _ in loader:
-            await asyncio.sleep(0.05)  # a slow training step
-            assert data.fetched >= 3  # batches were fetched while the step ran
+            # A training step that never asks for the next batch: batches 2 and 3 come
+            # all the same, fetched ahead in a worker thread.
+            assert await asyncio.to_thread(data.three.wait, WAIT_CAP)
             break
     assert threading.main_thread().name not in data.thread
 
@@ -165,11 +171,12 @@ class Resumable:
 
 
 async def test_a_stateful_source_is_restored_from_its_own_snapshot() -> None:
-    async with aiosnap.AsyncLoader(Resumable(), prefetch=3) as loader:
+    source = Resumable()
+    async with aiosnap.AsyncLoader(source, prefetch=3) as loader:
         async for i in loader:
             if i == 1:
                 break
-        await asyncio.sleep(0.05)  # the producer has run ahead: its position is not ours
+        await wait_until(lambda: source.pos > 2)  # the producer has run ahead: its position is not ours
         state = loader.state_dict()
     assert state["source"] == {"pos": 2}
     again = aiosnap.AsyncLoader(Resumable())

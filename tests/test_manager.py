@@ -24,6 +24,7 @@ from aiosnap._catalog import INDEX_NAME
 from aiosnap._retention import victims
 
 from .conftest import temp_files
+from .test_writers import Gate
 
 
 def files(directory: Path) -> list[str]:
@@ -53,18 +54,14 @@ async def test_saves_rotate_and_the_index_follows(tmp_path: Path) -> None:
 
 
 async def test_a_checkpoint_is_visible_only_after_its_commit(tmp_path: Path) -> None:
-    gate = asyncio.Event()
+    gate = Gate()
     writer = aiosnap.QueueWriter()
-
-    async def hold(stats: aiosnap.SaveStats) -> None:
-        await gate.wait()
-
-    writer.add_post_save_hook(hold)
+    writer.add_post_save_hook(gate)
     async with aiosnap.CheckpointManager(str(tmp_path), writer=writer) as mgr:
         handle = await mgr.save(1, {"x": torch.ones(3)})
-        await asyncio.sleep(0.05)
+        await gate.entered.wait()  # the file is written; the manager has not heard of it yet
         assert await mgr.steps() == [] and not handle.done()
-        gate.set()
+        gate.open()
         await handle.wait()
         assert await mgr.steps() == [1]
 
@@ -276,7 +273,7 @@ def _hold_lock(directory: str, ready: Any) -> None:
     async def main() -> None:
         async with aiosnap.CheckpointManager(directory):
             ready.set()
-            await asyncio.sleep(60)
+            await asyncio.Event().wait()  # until killed
 
     asyncio.run(main())
 
@@ -330,7 +327,7 @@ async def test_save_on_signal(tmp_path: Path) -> None:
 # -- crashes ---------------------------------------------------------------------------------------
 
 
-def _train_until_killed(directory: str, seed: int) -> None:
+def _train_until_killed(directory: str, seed: int, report: Any) -> None:
     async def main() -> None:
         rng = random.Random(seed)
         async with aiosnap.CheckpointManager(directory, keep=aiosnap.KeepLast(2)) as mgr:
@@ -338,24 +335,32 @@ def _train_until_killed(directory: str, seed: int) -> None:
             while True:
                 step += 1
                 n = rng.randint(1, 50_000)
-                await mgr.save(step, {"step": step, "x": np.full(n, step, dtype=np.int64)})
-                await asyncio.sleep(rng.random() * 0.004)
+                handle = await mgr.save(step, {"step": step, "x": np.full(n, step, dtype=np.int64)})
+                if step == 1:
+                    await handle.wait()  # the first run has a checkpoint before it is killed
+                report.send(step)
+                for _ in range(rng.randint(0, 20)):  # a training step of random length
+                    await asyncio.sleep(0)
 
     asyncio.run(main())
 
 
 async def _crash_and_restore(tmp_path: Path, runs: int) -> None:
+    """Kill a saving child after a random number of save calls: the kill lands wherever
+    its background commits, index writes and rotations then are."""
     ctx = _ctx()
     rng = random.Random(1234)
     last = 0
     for run in range(runs):
-        proc = ctx.Process(target=_train_until_killed, args=(str(tmp_path), run))
+        receive, send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_train_until_killed, args=(str(tmp_path), run, send))
         proc.start()
-        await asyncio.sleep(0.08 + rng.random() * 0.25)
-        while run == 0 and not files(tmp_path):
-            await asyncio.sleep(0.02)
+        send.close()
+        for _ in range(rng.randint(1, 12)):
+            await asyncio.to_thread(receive.recv)
         os.kill(proc.pid, signal.SIGKILL)
         await asyncio.to_thread(proc.join)
+        receive.close()
         async with aiosnap.CheckpointManager(str(tmp_path)) as mgr:
             assert temp_files(tmp_path) == []
             restored = await mgr.restore()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,7 +15,7 @@ import torch
 
 import aiosnap
 
-from .conftest import assert_tree_equal, temp_files, training_state
+from .conftest import assert_tree_equal, temp_files, training_state, wait_until
 
 
 async def test_state_may_change_right_after_the_call(make_writer: Callable[[], Any], tmp_path: Path) -> None:
@@ -67,74 +67,106 @@ async def test_saves_to_one_file_commit_in_call_order(tmp_path: Path) -> None:
 
 
 async def test_skip_drops_new_saves_when_full(tmp_path: Path) -> None:
-    gate = asyncio.Event()
-
-    async def slow_savefun(obj: Any, path: str) -> None:
-        raise AssertionError("not used")
-
+    gate = Gate()
     async with aiosnap.QueueWriter(max_pending=1, when_full="skip") as writer:
-        writer.add_post_save_hook(_waiter(gate))
-        first = await writer("a", str(tmp_path), {"x": torch.ones(2)})
-        second = await _when_started(writer, first, "b", tmp_path)
+        writer.add_post_save_hook(gate)
+        await writer("a", str(tmp_path), {"x": torch.ones(2)})
+        await gate.entered.wait()  # "a" is committing: the queue is empty
+        second = await writer("b", str(tmp_path), {"x": torch.ones(2)})
         third = await writer("c", str(tmp_path), {"x": torch.ones(2)})
         assert third.skipped and third.done() and (await third.wait()).skipped
-        gate.set()
+        gate.open()
         assert not (await second.wait()).skipped
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
 
 
 async def test_replace_keeps_the_newest_waiting_save(tmp_path: Path) -> None:
-    gate = asyncio.Event()
+    gate = Gate()
     async with aiosnap.QueueWriter(max_pending=1, when_full="replace") as writer:
-        writer.add_post_save_hook(_waiter(gate))
+        writer.add_post_save_hook(gate)
         await writer("a", str(tmp_path), {"x": torch.ones(2)})
-        await asyncio.sleep(0.05)  # "a" is committing and holds at the hook
+        await gate.entered.wait()  # "a" is committing and holds at the hook
         b = await writer("b", str(tmp_path), {"x": torch.ones(2)})
         c = await writer("c", str(tmp_path), {"x": torch.ones(2)})
         assert b.skipped and not c.done()
-        gate.set()
+        gate.open()
         assert not (await c.wait()).skipped
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "c"]
 
 
 async def test_block_waits_for_room(tmp_path: Path) -> None:
-    gate = asyncio.Event()
+    gate = Gate()
+    probe = CaptureProbe()
     async with aiosnap.QueueWriter(max_pending=1, when_full="block") as writer:
-        writer.add_post_save_hook(_waiter(gate))
+        writer.add_post_save_hook(gate)
         await writer("a", str(tmp_path), {"x": torch.ones(2)})
-        await asyncio.sleep(0.05)
+        await gate.entered.wait()  # "a" is committing: "b" fills the queue
         await writer("b", str(tmp_path), {"x": torch.ones(2)})
-        blocked = asyncio.create_task(writer("c", str(tmp_path), {"x": torch.ones(2)}))
-        await asyncio.sleep(0.05)
-        assert not blocked.done()
-        gate.set()
+        blocked = asyncio.create_task(writer("c", str(tmp_path), {"x": torch.ones(2), "p": probe}))
+        await settle()
+        # No room: "c" waits before its capture starts, however long the commit holds.
+        assert not blocked.done() and not probe.captured.is_set()
+        gate.open()
         await (await blocked).wait()
+        assert probe.captured.is_set()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "c"]
 
 
-def _waiter(gate: asyncio.Event) -> Callable[[aiosnap.SaveStats], Any]:
-    async def hook(stats: aiosnap.SaveStats) -> None:
-        await gate.wait()
+class Gate:
+    """A post-save hook that holds each commit until ``open()``; ``entered`` is set once
+    a commit has reached it (so the consumer has taken that save off the queue)."""
 
-    return hook
+    def __init__(self) -> None:
+        self.entered = asyncio.Event()
+        self._open = asyncio.Event()
+
+    async def __call__(self, stats: aiosnap.SaveStats) -> None:
+        self.entered.set()
+        await self._open.wait()
+
+    def open(self) -> None:
+        self._open.set()
 
 
-async def _when_started(writer: Any, first: aiosnap.SaveHandle, name: str, tmp_path: Path) -> Any:
-    await asyncio.sleep(0.05)  # the consumer has taken the first save: the queue is empty
-    return await writer(name, str(tmp_path), {"x": torch.ones(2)})
+class CaptureProbe:
+    """A Stateful value: ``captured`` is set once a capture has called ``state_dict``."""
+
+    def __init__(self) -> None:
+        self.captured = threading.Event()
+
+    def state_dict(self) -> dict[str, int]:
+        self.captured.set()
+        return {"probe": 1}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        pass
+
+
+async def settle() -> None:
+    """Let every task that can run without waiting for anything run."""
+    for _ in range(100):
+        await asyncio.sleep(0)
 
 
 async def test_standard_writer_waits_for_the_previous_save(tmp_path: Path) -> None:
     order: list[str] = []
+    gate = Gate()
+    probe = CaptureProbe()
 
     async def hook(stats: aiosnap.SaveStats) -> None:
-        await asyncio.sleep(0.05)
         order.append(Path(stats.path).name)
 
     async with aiosnap.ThreadWriter() as writer:
+        writer.add_post_save_hook(gate)
         writer.add_post_save_hook(hook)
         first = await writer("a", str(tmp_path), {"x": torch.ones(2)})
-        await writer("b", str(tmp_path), {"x": torch.ones(2)})
+        second = asyncio.create_task(writer("b", str(tmp_path), {"x": torch.ones(2), "p": probe}))
+        await gate.entered.wait()
+        await settle()
+        # "a" is held at the gate: "b" has not even started its capture.
+        assert not second.done() and not probe.captured.is_set()
+        gate.open()
+        await second
         assert first.done() and order == ["a"]
     assert order == ["a", "b"]
 
@@ -241,16 +273,18 @@ async def test_unwritable_directory_fails_without_hanging(make: Callable[[], Any
             await writer.flush()
 
 
-def slow_failing_savefun(obj: Any, path: str) -> None:
-    time.sleep(0.3)  # all three saves are accepted before the first one fails
-    failing_savefun(obj, path)
-
-
 async def test_several_failures_are_all_reported(tmp_path: Path) -> None:
+    accepted = threading.Event()
+
+    def held_failing_savefun(obj: Any, path: str) -> None:
+        assert accepted.wait(60), "the saves were never all accepted"
+        failing_savefun(obj, path)
+
     with pytest.raises(Boom) as info:
         async with aiosnap.QueueWriter(max_pending=3) as writer:
             for i in range(3):
-                await writer(f"c{i}", str(tmp_path), {"x": torch.ones(1)}, savefun=slow_failing_savefun)
+                await writer(f"c{i}", str(tmp_path), {"x": torch.ones(1)}, savefun=held_failing_savefun)
+            accepted.set()  # all three saves are accepted before the first one fails
     assert any("2 more background save(s) failed" in n for n in info.value.__notes__)
 
 
@@ -313,7 +347,7 @@ async def test_a_killed_worker_process_fails_one_save_and_is_replaced(tmp_path: 
 
     async with aiosnap.ProcessQueueWriter() as writer:
         os.kill(writer._engine._process.pid, signal.SIGKILL)
-        await asyncio.sleep(0.1)
+        await writer._engine._process.wait()
         handle = await writer("a", str(tmp_path), {"x": torch.ones(3)})
         with pytest.raises(aiosnap.WorkerCrashedError):
             await handle.wait()
@@ -324,14 +358,17 @@ async def test_a_killed_worker_process_fails_one_save_and_is_replaced(tmp_path: 
 
 
 async def test_cancelling_wait_does_not_cancel_the_save(tmp_path: Path) -> None:
-    gate = asyncio.Event()
+    gate = Gate()
     async with aiosnap.QueueWriter() as writer:
-        writer.add_post_save_hook(_waiter(gate))
+        writer.add_post_save_hook(gate)
         handle = await writer("a", str(tmp_path), {"x": torch.ones(3)})
-        with pytest.raises(TimeoutError):
-            async with asyncio.timeout(0.05):
-                await handle.wait()
-        gate.set()
+        await gate.entered.wait()
+        waiting = asyncio.create_task(handle.wait())
+        await settle()
+        waiting.cancel()  # the save is held at the gate: only the wait is cancelled
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        gate.open()
         assert (await handle.wait()).bytes > 0
 
 
@@ -369,17 +406,18 @@ async def test_a_state_larger_than_the_budget_is_written_in_pieces(offload: str,
 
 
 async def test_queued_saves_count_against_the_budget(tmp_path: Path) -> None:
-    gate = asyncio.Event()
+    gate = Gate()
     state = {"x": torch.randn(1 << 20)}  # 4 MiB: an arena of 5 MiB with the header
     async with aiosnap.QueueWriter(max_pending=3, max_host_bytes=12 << 20) as writer:
-        writer.add_post_save_hook(_waiter(gate))
+        writer.add_post_save_hook(gate)
         await writer("a", str(tmp_path), state)
         await writer("b", str(tmp_path), state)
         third = asyncio.create_task(writer("c", str(tmp_path), state))
-        await asyncio.sleep(0.2)
-        assert not third.done()  # two arenas in use: a third does not fit until one is released
-        assert writer._pool._in_use <= 12 << 20
-        gate.set()
+        # Two arenas in use: the third waits for memory (in its staging thread) until one
+        # is released.
+        await wait_until(lambda: writer._pool.waiting == 1)
+        assert not third.done() and writer._pool._in_use <= 12 << 20
+        gate.open()
         await (await third).wait()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "c"]
 

@@ -104,6 +104,8 @@ class ArenaPool:
         self._in_use = 0
         self._cond = threading.Condition()
         self._closed = False
+        #: Staging threads waiting for memory to be released (what a test can wait for).
+        self.waiting = 0
 
     def acquire(self, nbytes: int) -> Arena:
         capacity = max(_GRAIN, -(-nbytes // _GRAIN) * _GRAIN)
@@ -129,7 +131,11 @@ class ArenaPool:
                         drop.append(self._free.pop(0))  # largest first
                     self._in_use += capacity
                     break
-                self._cond.wait()
+                self.waiting += 1
+                try:
+                    self._cond.wait()
+                finally:
+                    self.waiting -= 1
         for old in drop:
             old.close()
         return Arena(capacity, shared=self.shared)
