@@ -17,8 +17,10 @@ def test_all_is_sorted_and_complete() -> None:
 def test_every_error_is_a_checkpoint_error_and_its_nearest_builtin() -> None:
     pairs = {
         aiosnap.CheckpointNotFoundError: FileNotFoundError,
+        aiosnap.ConflictError: RuntimeError,
         aiosnap.CorruptCheckpointError: ValueError,
         aiosnap.DirectoryLockedError: RuntimeError,
+        aiosnap.LeaseLostError: RuntimeError,
         aiosnap.LoaderClosedError: RuntimeError,
         aiosnap.CheckpointKeyError: KeyError,
         aiosnap.PickleNotAllowedError: ValueError,

@@ -28,6 +28,8 @@ from aiosnap._header import crc32c
 from aiosnap._tree import ExternalLeaves
 from aiosnap._triggers import deterministic
 
+from .faults import enospc, failing_writes
+
 Scenario = Callable[..., Coroutine[Any, Any, Any]]
 
 
@@ -164,19 +166,15 @@ def test_a_group_saves_one_directory_per_step_and_restores(tmp_path: Path, world
 
 
 # -- failures ---------------------------------------------------------------------------
-class FailingStorage(aiosnap.LocalStorage):
+def FailingStorage(victim: str, how: str) -> aiosnap.Storage:
     """The real local storage; writes of one rank's file of one step fail, or kill it."""
 
-    def __init__(self, victim: str, how: str) -> None:
-        super().__init__()
-        self.victim, self.how = victim, how
+    def fail(path: str) -> BaseException:
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return enospc(path)
 
-    def write_image(self, path: str, image: memoryview, size: int) -> aiosnap.CommitTimes:
-        if path.endswith(self.victim):
-            if self.how == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            raise OSError(errno.ENOSPC, "No space left on device (injected)", path)
-        return super().write_image(path, image, size)
+    return failing_writes(lambda path: path.endswith(victim), fail)
 
 
 async def _failing_write(rank: int, world: int, directory: str, victim: int) -> dict[str, Any]:

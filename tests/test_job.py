@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +11,8 @@ import pytest
 import torch
 
 import aiosnap
+
+from .faults import failing_writes
 
 
 class Counter:
@@ -120,11 +120,8 @@ async def test_async_stop_condition(tmp_path: Path) -> None:
     assert seen == [1, 2]
 
 
-class FullDisk(aiosnap.LocalStorage):
-    def write_image(self, path: str, image: memoryview, size: int) -> aiosnap.CommitTimes:
-        if os.path.basename(path) in ("snapshot_iter_1", "snapshot_iter_2"):
-            raise OSError(errno.ENOSPC, "No space left on device (injected)", path)
-        return super().write_image(path, image, size)
+def FullDisk() -> aiosnap.Storage:
+    return failing_writes({"snapshot_iter_1", "snapshot_iter_2"})
 
 
 async def test_failed_saves_warn_and_training_goes_on(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import errno
 import json
 import logging
 import multiprocessing
@@ -24,6 +23,7 @@ from aiosnap._catalog import INDEX_NAME
 from aiosnap._retention import victims
 
 from .conftest import temp_files
+from .faults import failing_writes
 from .test_writers import Gate
 
 
@@ -121,19 +121,6 @@ def test_retention_policies() -> None:
             bad()
 
 
-class FlakyStorage(aiosnap.LocalStorage):
-    """The real local storage, with writes to chosen files failing as a full disk does."""
-
-    def __init__(self, failing: set[str]) -> None:
-        super().__init__()
-        self.failing = failing
-
-    def write_image(self, path: str, image: memoryview, size: int) -> aiosnap.CommitTimes:
-        if os.path.basename(path) in self.failing:
-            raise OSError(errno.ENOSPC, "No space left on device (injected)", path)
-        return super().write_image(path, image, size)
-
-
 POLICIES = st.one_of(
     st.integers(1, 3).map(aiosnap.KeepLast),
     st.integers(2, 4).map(aiosnap.KeepEvery),
@@ -155,7 +142,7 @@ def test_retention_rules_hold_for_any_sequence(tmp_path_factory: Any, policy: An
 
 async def _run_sequence(directory: Path, policy: Any, ops: list[Any], failing: set[str]) -> None:
     model: list[aiosnap.CheckpointRecord] = []
-    storage = FlakyStorage(failing)
+    storage = failing_writes(failing)
     async with aiosnap.CheckpointManager(str(directory), keep=policy, storage=storage) as mgr:
         for step, (loss, fail) in enumerate(ops):
             try:

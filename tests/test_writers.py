@@ -15,7 +15,8 @@ import torch
 
 import aiosnap
 
-from .conftest import assert_tree_equal, temp_files, training_state, wait_until
+from .conftest import WAIT_CAP, assert_tree_equal, temp_files, training_state, wait_until
+from .faults import HookedPosix
 
 
 async def test_state_may_change_right_after_the_call(make_writer: Callable[[], Any], tmp_path: Path) -> None:
@@ -423,9 +424,20 @@ async def test_queued_saves_count_against_the_budget(tmp_path: Path) -> None:
 
 
 async def test_cancel_during_a_save_in_pieces_commits_nothing(tmp_path: Path) -> None:
-    state = {f"w{i}": torch.randn(1 << 20) for i in range(64)}  # 256 MiB through a 2 MiB buffer
-    async with aiosnap.QueueWriter(max_host_bytes=2 << 20) as writer:
-        with pytest.raises(TimeoutError):
-            async with asyncio.timeout(0.05):
-                await writer("ckpt", str(tmp_path), state)
+    state = {f"w{i}": torch.randn(1 << 20) for i in range(16)}  # 64 MiB through a 2 MiB buffer
+    writing, release = threading.Event(), threading.Event()
+
+    def hold_the_first_write(op: str, path: str) -> None:
+        if op == "write" and not writing.is_set():
+            writing.set()
+            assert release.wait(WAIT_CAP)
+
+    storage = aiosnap.LocalStorage(posix=HookedPosix(hold_the_first_write))
+    async with aiosnap.QueueWriter(max_host_bytes=2 << 20, storage=storage) as writer:
+        save = asyncio.create_task(writer("ckpt", str(tmp_path), state))
+        assert await asyncio.to_thread(writing.wait, WAIT_CAP)  # the first piece is being written
+        save.cancel()
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await save
     assert not (tmp_path / "ckpt").exists() and temp_files(tmp_path) == []

@@ -32,8 +32,10 @@ from ._api import verify_sync as verify_sync
 from ._errors import CheckpointError as CheckpointError
 from ._errors import CheckpointKeyError as CheckpointKeyError
 from ._errors import CheckpointNotFoundError as CheckpointNotFoundError
+from ._errors import ConflictError as ConflictError
 from ._errors import CorruptCheckpointError as CorruptCheckpointError
 from ._errors import DirectoryLockedError as DirectoryLockedError
+from ._errors import LeaseLostError as LeaseLostError
 from ._errors import LoaderClosedError as LoaderClosedError
 from ._errors import PickleNotAllowedError as PickleNotAllowedError
 from ._errors import RankFailedError as RankFailedError
@@ -53,6 +55,7 @@ from ._load import load as load
 from ._load import load_into as load_into
 from ._load import verify as verify
 from ._loader import AsyncLoader as AsyncLoader
+from ._local import LocalStorage as LocalStorage
 from ._manager import CheckpointManager as CheckpointManager
 from ._manager import Restored as Restored
 from ._records import CheckpointRecord as CheckpointRecord
@@ -65,10 +68,7 @@ from ._retention import RetentionPolicy as RetentionPolicy
 from ._rng import RNGState as RNGState
 from ._storage import TEMP_PREFIX as TEMP_PREFIX
 from ._storage import CommitTimes as CommitTimes
-from ._storage import LocalStorage as LocalStorage
-from ._storage import ReadHandle as ReadHandle
 from ._storage import Storage as Storage
-from ._storage import StorageLock as StorageLock
 from ._triggers import AnyTrigger as AnyTrigger
 from ._triggers import AtSteps as AtSteps
 from ._triggers import EveryNEpochs as EveryNEpochs
@@ -99,6 +99,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointRecord",
     "CommitTimes",
+    "ConflictError",
     "CorruptCheckpointError",
     "DirectoryLockedError",
     "EveryNEpochs",
@@ -111,6 +112,7 @@ __all__ = [
     "KeepEvery",
     "KeepLast",
     "KeepWithin",
+    "LeaseLostError",
     "LoaderClosedError",
     "LocalStorage",
     "Moment",
@@ -120,7 +122,6 @@ __all__ = [
     "QueueWriter",
     "RNGState",
     "RankFailedError",
-    "ReadHandle",
     "Restored",
     "RetentionPolicy",
     "RunContext",
@@ -130,7 +131,6 @@ __all__ = [
     "StandardWriter",
     "StateMismatchError",
     "Storage",
-    "StorageLock",
     "TEMP_PREFIX",
     "ThreadQueueWriter",
     "ThreadWriter",

@@ -9,10 +9,11 @@ from typing import Any, ParamSpec, TypeVar
 
 import anyio
 
+from ._backends import resolve
 from ._engine import SaveFun
 from ._handle import SaveStats
 from ._load import VerifyReport, load, load_into, verify
-from ._storage import LocalStorage, Storage
+from ._storage import Storage
 from ._writers import SimpleWriter
 
 P = ParamSpec("P")
@@ -28,7 +29,7 @@ async def save(
     storage: Storage | None = None,
 ) -> SaveStats:
     """Durably save ``target`` to ``path`` and return when it is committed."""
-    storage = storage if storage is not None else LocalStorage()
+    storage, path = resolve(path, storage)
     directory, name = storage.split(path)
     async with SimpleWriter(storage=storage, allow_pickle=allow_pickle) as writer:
         handle = await writer(name, directory, target, savefun=savefun)

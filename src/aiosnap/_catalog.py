@@ -23,7 +23,7 @@ from ._errors import CheckpointNotFoundError
 from ._handle import SaveStats
 from ._records import CheckpointRecord
 from ._retention import RetentionPolicy, victims
-from ._storage import Storage
+from ._storage import Storage, Version
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,9 @@ class Catalog:
         self.history: list[CheckpointRecord] = []
         self._lock = anyio.Lock()
         self._writable = True
+        #: The version of the index as this catalog last read or wrote it: the index is
+        #: replaced only if it is still that one, so no other writer's update is lost.
+        self._version: Version | None = None
 
     def steps(self) -> list[int]:
         """Committed steps that have not failed verification."""
@@ -130,11 +133,12 @@ class Catalog:
     async def _read_index(self) -> tuple[dict[int, CheckpointRecord], list[CheckpointRecord]]:
         path = self._storage.join(self._directory, INDEX_NAME)
         try:
-            raw = await _offload.run_io(self._storage.read_bytes, path)
+            raw, self._version = await _offload.run_io(self._storage.read_versioned, path)
             data = json.loads(raw)
             records = [CheckpointRecord.from_json(r) for r in data["checkpoints"]]
             history = [CheckpointRecord.from_json(r) for r in data.get("history", [])]
         except CheckpointNotFoundError:
+            self._version = None
             return {}, []
         except (ValueError, KeyError, TypeError) as exc:
             logger.warning("index %s is unreadable (%r); rebuilding it from the directory", path, exc)
@@ -151,4 +155,4 @@ class Catalog:
         }
         blob = json.dumps(data, indent=1, default=repr).encode()
         path = self._storage.join(self._directory, INDEX_NAME)
-        await _offload.run_io(self._storage.write_atomic, path, [memoryview(blob)])
+        self._version = await _offload.run_io(self._storage.replace_if, path, blob, self._version)

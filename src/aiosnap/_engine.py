@@ -21,7 +21,7 @@ from . import _offload, _worker
 from ._errors import WorkerCrashedError
 from ._header import seal
 from ._stage import StagedImage, rebuild_image
-from ._storage import CommitTimes, Storage
+from ._storage import CommitTimes, Storage, write_image, write_with
 
 SaveFun = Callable[[Any, str], object]
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -42,11 +42,11 @@ class Engine(Protocol):
 def _commit_here(storage: Storage, path: str, staged: StagedImage, savefun: SaveFun | None) -> CommitTimes:
     if savefun is None:
         seal(staged.image(), staged.template, staged.spans)
-        return storage.write_image(path, staged.aligned_image(), staged.size)
+        return write_image(storage, path, staged.aligned_image(), staged.size)
     assert staged.tensors is not None
     assert staged.tree is not None
     obj = rebuild_image(staged.image(), staged.data_start, staged.tensors, staged.tree)
-    return storage.write_atomic_with(path, lambda tmp: savefun(obj, tmp))
+    return write_with(storage, path, lambda local: savefun(obj, local))
 
 
 class ThreadEngine:

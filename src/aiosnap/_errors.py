@@ -2,8 +2,10 @@
 
     CheckpointError
     ├── CheckpointNotFoundError   (also FileNotFoundError)
+    ├── ConflictError             (also RuntimeError)
     ├── CorruptCheckpointError    (also ValueError)
     ├── DirectoryLockedError      (also RuntimeError)
+    ├── LeaseLostError            (also RuntimeError)
     ├── LoaderClosedError         (also RuntimeError)
     ├── CheckpointKeyError        (also KeyError)
     ├── PickleNotAllowedError     (also ValueError)
@@ -36,6 +38,14 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
         return str(self.args[0])
 
 
+class ConflictError(CheckpointError, RuntimeError):
+    """An object changed on storage since it was read: another writer replaced it."""
+
+    def __init__(self, path: str, message: str | None = None) -> None:
+        super().__init__(message or f"{path} was replaced by another writer since it was read")
+        self.path = path
+
+
 class CorruptCheckpointError(CheckpointError, ValueError):
     """The file is truncated, altered or not a checkpoint at all."""
 
@@ -54,6 +64,10 @@ class CheckpointKeyError(CheckpointError, KeyError):
 
 class DirectoryLockedError(CheckpointError, RuntimeError):
     """Another CheckpointManager holds the directory."""
+
+
+class LeaseLostError(CheckpointError, RuntimeError):
+    """The lease of a checkpoint directory expired and another manager took it over."""
 
 
 class LoaderClosedError(CheckpointError, RuntimeError):

@@ -25,7 +25,7 @@ from . import _offload
 from ._errors import CheckpointError, CorruptCheckpointError
 from ._format import Header, read_header
 from ._header import crc32c
-from ._storage import Storage
+from ._storage import Storage, exists, get
 from ._tree import format_path, walk_leaves
 
 logger = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ class Manifest:
 
 def read_manifest(storage: Storage, step_dir: str) -> Manifest:
     path = storage.join(step_dir, MANIFEST_NAME)
-    return Manifest.parse(path, storage.read_bytes(path))
+    return Manifest.parse(path, get(storage, path))
 
 
 def _header(storage: Storage, path: str) -> tuple[Header, int]:
@@ -175,16 +175,15 @@ class StepDirs:
         self.storage, self.directory, self.pattern = storage, directory, pattern
 
     def _steps(self) -> dict[int, str]:
-        names = self.storage.listdir(self.directory)
         found = {}
-        for name in names:
-            m = self.pattern.fullmatch(name)
-            if m is not None and self.storage.isdir(self.storage.join(self.directory, name)):
-                found[int(m.group("step"))] = name
+        for entry in self.storage.list(self.directory):
+            m = self.pattern.fullmatch(entry.name)
+            if m is not None and entry.is_dir:
+                found[int(m.group("step"))] = entry.name
         return found
 
     def _committed(self, name: str) -> bool:
-        return self.storage.exists(self.storage.join(self.directory, name, MANIFEST_NAME))
+        return exists(self.storage, self.storage.join(self.directory, name, MANIFEST_NAME))
 
     async def scan(self) -> dict[int, str]:
         """Committed steps; the directories of failed saves are removed (at open, when
@@ -193,7 +192,7 @@ class StepDirs:
         for step, name in (await _offload.run_io(self._steps)).items():
             if await _offload.run_io(self._committed, name):
                 committed[step] = name
-                await _offload.run_io(self.storage.sweep_temp, self.storage.join(self.directory, name))
+                await _offload.run_io(self.storage.sweep_incomplete, self.storage.join(self.directory, name))
             else:
                 await self._drop_uncommitted(name)
         return committed
@@ -201,8 +200,8 @@ class StepDirs:
     async def remove(self, name: str) -> None:
         # The manifest goes first: a half-removed step must not look committed.
         path = self.storage.join(self.directory, name)
-        await _offload.run_io(self.storage.remove, self.storage.join(path, MANIFEST_NAME))
-        await _offload.run_io(self.storage.remove_tree, path)
+        await _offload.run_io(self.storage.delete, self.storage.join(path, MANIFEST_NAME))
+        await _offload.run_io(self.storage.delete_tree, path)
 
     async def sweep(self, below: int, busy: set[str]) -> None:
         """Remove uncommitted step directories older than ``below`` that no save in
@@ -213,4 +212,4 @@ class StepDirs:
 
     async def _drop_uncommitted(self, name: str) -> None:
         logger.info("removing %s: a save that never committed", name)
-        await _offload.run_io(self.storage.remove_tree, self.storage.join(self.directory, name))
+        await _offload.run_io(self.storage.delete_tree, self.storage.join(self.directory, name))

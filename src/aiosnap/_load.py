@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from . import _dtypes, _offload
+from ._backends import resolve
 from ._errors import (
     CheckpointError,
     CheckpointKeyError,
@@ -25,7 +26,7 @@ from ._errors import (
 )
 from ._format import Header, TensorInfo, read_header
 from ._header import crc32c
-from ._storage import LocalStorage, ReadHandle, Storage
+from ._storage import Reader, Storage
 from ._tree import decode_key, dict_items, format_path, is_stateful, rebuild, sequence_values, walk_leaves
 
 #: verify() reads in pieces of this size, so it needs no memory for the tensors.
@@ -64,7 +65,7 @@ async def load(
     ``replicas`` is the file holding the entries this one marks external: in a
     checkpoint of a process group, rank 0's file of the same step.
     """
-    storage = storage if storage is not None else LocalStorage()
+    storage, path = resolve(path, storage)
     return await _offload.run_io(
         _load_blocking, storage, path, keys, map_location, allow_pickle, None, True, replicas
     )
@@ -72,7 +73,8 @@ async def load(
 
 async def verify(path: str, *, storage: Storage | None = None) -> VerifyReport:
     """Recompute every checksum; raise CorruptCheckpointError on any mismatch."""
-    return await _offload.run_io(_verify_blocking, storage or LocalStorage(), path)
+    storage, path = resolve(path, storage)
+    return await _offload.run_io(_verify_blocking, storage, path)
 
 
 async def load_into(
@@ -95,7 +97,7 @@ async def load_into(
     into it, as CheckpointManager.restore does). Stateful objects get
     ``load_state_dict`` with freshly read tensors. ``replicas`` as in ``load``.
     """
-    storage = storage if storage is not None else LocalStorage()
+    storage, path = resolve(path, storage)
     await _offload.run_io(_load_blocking, storage, path, None, None, allow_pickle, target, strict, replicas)
     return target
 
@@ -113,7 +115,7 @@ def _load_blocking(
 ) -> Any:
     """``checksums`` (path -> header crc32c, as a manifest records them) refuses a file
     that is not the one committed."""
-    files: list[ReadHandle] = [storage.open_read(path)]
+    files: list[Reader] = [storage.open_read(path)]
     try:
         header = _read_checked(files[0], checksums)
         tree = _plain_tree(header) if header.tree is None else header.tree
@@ -146,7 +148,7 @@ def _load_blocking(
     return loaded
 
 
-def _read_checked(f: ReadHandle, checksums: Mapping[str, str] | None) -> Header:
+def _read_checked(f: Reader, checksums: Mapping[str, str] | None) -> Header:
     header = read_header(f)
     want = None if checksums is None else checksums.get(f.path)
     if want is not None and header.checksum != want:
@@ -215,14 +217,14 @@ class _Reader:
     """Reads the leaves a tree refers to: from the file, and external ones from the
     file of replicated entries, checking that each is the entry the tree describes."""
 
-    def __init__(self, f: ReadHandle, header: Header, map_location: MapLocation, allow_pickle: bool) -> None:
-        self.sources: list[tuple[ReadHandle, Header]] = [(f, header)]
+    def __init__(self, f: Reader, header: Header, map_location: MapLocation, allow_pickle: bool) -> None:
+        self.sources: list[tuple[Reader, Header]] = [(f, header)]
         self.map_location, self.allow_pickle = map_location, allow_pickle
         self.made: dict[str, object] = {}
         #: Entries to read into existing memory (load_into): name -> (object, its bytes).
         self.direct: dict[str, tuple[Any, Any]] = {}
 
-    def add_replicas(self, f: ReadHandle, header: Header) -> None:
+    def add_replicas(self, f: Reader, header: Header) -> None:
         own = self.sources[0][1]
         for name, want in own.external.items():
             have = header.tensors.get(name)
@@ -280,7 +282,7 @@ class _Reader:
         self.made = {name: self.finish(wanted[name], obj) for name, (obj, _) in made.items()}
 
     def read_all(
-        self, f: ReadHandle, header: Header, infos: list[TensorInfo], made: dict[str, tuple[Any, Any]]
+        self, f: Reader, header: Header, infos: list[TensorInfo], made: dict[str, tuple[Any, Any]]
     ) -> None:
         group: list[TensorInfo] = []
         for info in infos:
@@ -307,11 +309,9 @@ def _spec(info: TensorInfo) -> tuple[str, str, tuple[int, ...]]:
     return info.kind, info.dtype, info.shape
 
 
-def _read_group(
-    f: ReadHandle, header: Header, group: list[TensorInfo], made: dict[str, tuple[Any, Any]]
-) -> None:
+def _read_group(f: Reader, header: Header, group: list[TensorInfo], made: dict[str, tuple[Any, Any]]) -> None:
     views = [memoryview(made[info.name][1]) for info in group]
-    f.readinto_many(header.data_start + group[0].start, views)
+    f.read_batch([(header.data_start + group[0].start, views)])
     for info, view in zip(group, views, strict=True):
         if info.crc is not None and crc32c(view) != info.crc:
             raise CorruptCheckpointError(f.path, f"checksum mismatch in tensor {info.name!r}")
@@ -393,7 +393,7 @@ def _verify_blocking(storage: Storage, path: str) -> VerifyReport:
         f.close()
 
 
-def _verify_one(f: ReadHandle, header: Header, info: TensorInfo, buf: np.ndarray[Any, Any]) -> None:
+def _verify_one(f: Reader, header: Header, info: TensorInfo, buf: np.ndarray[Any, Any]) -> None:
     crc, pos = 0, info.start
     while pos < info.end:
         piece = memoryview(buf[: min(len(buf), info.end - pos)])  # type: ignore[arg-type]

@@ -28,6 +28,7 @@ import anyio.abc
 import torch.distributed as dist
 
 from . import _offload
+from ._backends import resolve
 from ._catalog import Catalog
 from ._coord import Turn
 from ._errors import CheckpointNotFoundError, CorruptCheckpointError, WriterClosedError
@@ -37,7 +38,7 @@ from ._load import load, load_into
 from ._ranks import Ranks
 from ._records import CheckpointRecord
 from ._retention import RetentionPolicy
-from ._storage import LocalStorage, Storage, StorageLock
+from ._storage import Lease, Storage
 from ._tree import ExternalLeaves
 from ._triggers import EveryNSteps, Moment, Trigger, deterministic
 from ._writers import QueueWriter, Writer
@@ -45,6 +46,8 @@ from ._writers import QueueWriter, Writer
 logger = logging.getLogger(__name__)
 
 StateFn = Callable[[], "tuple[int, object] | Awaitable[tuple[int, object]]"]
+#: How long a lease on an object store outlives a holder that stopped renewing it.
+LEASE_TTL = 60.0
 
 
 @final
@@ -112,8 +115,7 @@ class CheckpointManager(anyio.abc.AsyncResource):
         replicated: Sequence[str] = (),
         timeout: float = 300.0,
     ) -> None:
-        self.directory = directory
-        self._storage = storage if storage is not None else LocalStorage()
+        self._storage, self.directory = resolve(directory, storage)
         self._writer: Writer = writer if writer is not None else QueueWriter(storage=self._storage)
         self._name = name
         self._pattern = _name_pattern(name)
@@ -155,7 +157,7 @@ class CheckpointManager(anyio.abc.AsyncResource):
         self._pending: set[SaveHandle] = set()
         self._errors: list[BaseException] = []
         self._tg: anyio.abc.TaskGroup | None = None
-        self._lock: StorageLock | None = None
+        self._lock: Lease | None = None
         self._signals: list[int] = []
         self._state = "new"
         #: Set once a signal given to ``save_on_signal`` has arrived and its save is done.
@@ -184,8 +186,8 @@ class CheckpointManager(anyio.abc.AsyncResource):
     async def _prepare(self) -> None:
         """Lock the directory, sweep what crashed saves left, load the index."""
         assert self._catalog is not None
-        self._lock = await _offload.run_io(self._storage.lock, self.directory)
-        swept = await _offload.run_io(self._storage.sweep_temp, self.directory)
+        self._lock = await _offload.run_io(self._storage.lease, self.directory, LEASE_TTL)
+        swept = await _offload.run_io(self._storage.sweep_incomplete, self.directory)
         if swept:
             logger.info("removed %d temp file(s) of crashed saves in %s", len(swept), self.directory)
         await self._catalog.load()
@@ -352,9 +354,9 @@ class CheckpointManager(anyio.abc.AsyncResource):
 
     # -- the single-process layout: a file per step ---------------------------------------
     async def _scan_files(self) -> dict[int, str]:
-        names = await _offload.run_io(self._storage.listdir, self.directory)
+        entries = await _offload.run_io(self._storage.list, self.directory)
         on_disk: dict[int, str] = {}
-        for name in names:
+        for name in (e.name for e in entries if not e.is_dir):
             m = self._pattern.fullmatch(name)
             if m is None or int(m.groupdict().get("rank") or self.rank) != self.rank:
                 continue
@@ -362,7 +364,7 @@ class CheckpointManager(anyio.abc.AsyncResource):
         return on_disk
 
     async def _remove_file(self, name: str) -> None:
-        await _offload.run_io(self._storage.remove, self._storage.join(self.directory, name))
+        await _offload.run_io(self._storage.delete, self._storage.join(self.directory, name))
 
     # -- reading -------------------------------------------------------------------------
     async def steps(self) -> list[int]:

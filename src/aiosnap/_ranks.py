@@ -34,7 +34,7 @@ from ._group import (
 from ._handle import SaveHandle, SaveStats
 from ._load import _load_blocking
 from ._records import CheckpointRecord
-from ._storage import Storage
+from ._storage import Storage, put
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ class Ranks:
                 rank_file(0),
             )
             path = self.storage.join(step_dir, MANIFEST_NAME)
-            await _offload.run_io(self.storage.write_atomic, path, [memoryview(manifest.to_bytes())])
+            await _offload.run_io(put, self.storage, path, manifest.to_bytes())
             return {"committed": True, "bytes": sum(manifest.sizes)}
 
         self.busy.add(record.file)

@@ -14,7 +14,6 @@ import array
 import functools
 import json
 import mmap
-import os
 import pickle
 import threading
 import time
@@ -31,6 +30,7 @@ from ._device import DeviceCopier, as_copyable, host_view
 from ._errors import WriterClosedError
 from ._format import TensorInfo
 from ._header import ALIGN, HeaderTemplate, crc32c
+from ._storage import Upload
 from ._tree import Leaf, Snapshot, capture
 
 _SMALL = 256 << 10
@@ -294,12 +294,11 @@ def stage_or_plan(
     return staged
 
 
-def write_in_pieces(layout: Plan, path: str, piece: int, stop: Callable[[], bool]) -> None:
+def write_in_pieces(layout: Plan, upload: Upload, piece: int, stop: Callable[[], bool]) -> None:
     """Stage and write an image larger than the memory budget through one ``piece``-byte
-    buffer into the file at ``path``: the data, each leaf's bytes in order, then the
-    header with the checksums. ``stop()`` is asked before each piece."""
+    buffer into ``upload``: the data, each leaf's bytes in order, then the header with
+    the checksums. ``stop()`` is asked before each piece."""
     buffer = Arena(max(ALIGN, piece // ALIGN * ALIGN), shared=False)
-    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
     try:
         crcs, filled, file_pos = [], 0, layout.data_start
         for leaf, info in zip(layout.leaves, layout.tensors, strict=True):
@@ -309,16 +308,15 @@ def write_in_pieces(layout: Plan, path: str, piece: int, stop: Callable[[], bool
                     raise WriterClosedError("the caller was cancelled during a save in pieces")
                 chunk = flat[lo : lo + buffer.capacity]
                 if filled + len(chunk) > buffer.capacity:
-                    _pwrite_all(fd, buffer.view(0, filled), file_pos)
+                    upload.write_at(file_pos, buffer.view(0, filled))
                     file_pos, filled = file_pos + filled, 0
                 buffer.array[filled : filled + len(chunk)] = chunk
                 crc = crc32c(buffer.view(filled, filled + len(chunk)), crc)
                 filled += len(chunk)
             crcs.append(crc)
-        _pwrite_all(fd, buffer.view(0, filled), file_pos)
-        _pwrite_all(fd, memoryview(layout.template.render(crcs)), 0)
+        upload.write_at(file_pos, buffer.view(0, filled))
+        upload.write_at(0, memoryview(layout.template.render(crcs)))
     finally:
-        os.close(fd)
         buffer.close()
 
 
@@ -333,12 +331,6 @@ def _flat_bytes(leaf: Leaf) -> np.ndarray[Any, np.dtype[np.uint8]]:
     file_dtype = _dtypes.numpy_file_dtype(value.dtype)
     flat: np.ndarray[Any, np.dtype[np.uint8]] = np.ascontiguousarray(value, dtype=file_dtype).reshape(-1)
     return flat.view(np.uint8)
-
-
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    while len(view):
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
 
 
 def _start_device_copies(

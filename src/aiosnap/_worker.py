@@ -17,8 +17,8 @@ import struct
 import traceback
 from typing import Any
 
-from ._header import seal
-from ._storage import ALIGN, CommitTimes, Storage
+from ._header import ALIGN, seal
+from ._storage import CommitTimes, Storage, write_image, write_with
 
 #: Run with ``python -c BOOTSTRAP <package dir>``: a bare package, no ``__init__``.
 BOOTSTRAP = (
@@ -64,11 +64,11 @@ def commit_from_shm(
         try:
             if savefun is None:
                 seal(image[:size], *layout)
-                return storage.write_image(path, image, size)
+                return write_image(storage, path, image, size)
             from ._stage import rebuild_image
 
             obj = rebuild_image(image[:size], *layout)
-            return storage.write_atomic_with(path, lambda tmp: savefun(obj, tmp))
+            return write_with(storage, path, lambda local: savefun(obj, local))
         finally:
             image.release()
     finally:

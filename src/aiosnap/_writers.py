@@ -23,12 +23,13 @@ import anyio.abc
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from . import _offload
+from ._backends import resolve
 from ._device import default_copier
 from ._engine import Engine, ProcessEngine, SaveFun, ThreadEngine
 from ._errors import WriterClosedError
 from ._handle import SaveHandle, SaveStats
 from ._stage import ArenaPool, Plan, StagedImage, stage_or_plan, write_in_pieces
-from ._storage import LocalStorage, Storage
+from ._storage import CommitTimes, Storage
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,8 @@ PostSaveHook = Callable[[SaveStats], object] | Callable[[SaveStats], Awaitable[o
 class WriterOptions(TypedDict, total=False):
     """Options every writer takes (keyword-only).
 
-    ``storage``: where files go (LocalStorage by default). ``allow_pickle``: store
+    ``storage``: where files go (by default, what each ``out_dir`` names: a local path,
+    or a URL such as ``s3://bucket/run``). ``allow_pickle``: store
     values that are not state types pickled. ``max_host_bytes``: the most host memory
     staging may hold, queued saves included; a state larger than that is staged and
     written in pieces before the call returns.
@@ -74,6 +76,7 @@ class Writer(Protocol):
 @dataclass(eq=False, slots=True)
 class _Save:
     handle: SaveHandle
+    storage: Storage
     target: object  # walked in the staging thread, while the caller waits
     savefun: SaveFun | None
     t0: float
@@ -104,7 +107,7 @@ class _WriterBase(abc.ABC):
         if max_host_bytes is not None and max_host_bytes < _MIN_BUDGET:
             raise ValueError(f"max_host_bytes must be at least {_MIN_BUDGET}")
         self.offload = offload
-        self._storage: Storage = storage if storage is not None else LocalStorage()
+        self._storage = storage
         self._engine: Engine = ProcessEngine() if offload == "process" else ThreadEngine()
         self._pool = ArenaPool(shared=self._engine.shared, keep=self._arenas_kept, budget=max_host_bytes)
         self._allow_pickle = allow_pickle
@@ -220,8 +223,12 @@ class _WriterBase(abc.ABC):
                 else "the writer is not open: use `async with writer:` around the saves"
             )
         self._raise_pending()
-        path = self._storage.join(out_dir, filename) if out_dir else filename
-        save = _Save(SaveHandle(path), target, savefun, t0)
+        if out_dir:
+            storage, directory = resolve(out_dir, self._storage)
+            path = storage.join(directory, filename)
+        else:
+            storage, path = resolve(filename, self._storage)
+        save = _Save(SaveHandle(path), storage, target, savefun, t0)
         if self._copier is not None:
             # Current streams are per thread: take the caller's here, on the loop thread.
             save.producers = self._copier.producer_streams()
@@ -275,14 +282,20 @@ class _WriterBase(abc.ABC):
         meanwhile stops it between two pieces, and nothing is committed."""
         budget = self._pool.budget
         assert budget is not None
+        storage, path = save.storage, save.handle.path
 
-        def produce(tmp: str) -> None:
-            write_in_pieces(layout, tmp, budget, lambda: save.abandoned)
+        def commit() -> CommitTimes:
+            upload = storage.create(path, layout.size)
+            try:
+                write_in_pieces(layout, upload, budget, lambda: save.abandoned)
+                return upload.commit()
+            except BaseException:
+                upload.abort()
+                raise
 
-        path = save.handle.path
-        times = await _offload.run_io(self._storage.write_atomic_with, path, produce)
+        times = await _offload.run_io(commit)
         total = time.perf_counter() - save.t0
-        stats = SaveStats(path, layout.size, total, 0.0, times.write_s, times.fsync_s, total)
+        stats = SaveStats(path, times.bytes, total, 0.0, times.write_s, times.fsync_s, total)
         await self._run_hooks(stats)
         return stats
 
@@ -311,10 +324,10 @@ class _WriterBase(abc.ABC):
         staged = save.staged
         assert staged is not None
         try:
-            times = await self._engine.commit(self._storage, save.handle.path, staged, save.savefun)
+            times = await self._engine.commit(save.storage, save.handle.path, staged, save.savefun)
             stats = SaveStats(
                 save.handle.path,
-                staged.size,
+                times.bytes,
                 save.stall_s,
                 staged.stage_s,
                 times.write_s,

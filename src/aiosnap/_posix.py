@@ -1,0 +1,107 @@
+"""The POSIX calls of LocalStorage, one method each.
+
+LocalStorage makes every system call through a ``Posix`` object, so tests can stand
+another one in its place: one that fails the Nth call with EIO or ENOSPC, one that
+kills the process there, one that keeps only what was made durable when the
+"power" goes. Imports nothing but the standard library (the offload worker process
+uses it).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import stat
+from typing import NamedTuple
+
+
+class FileStat(NamedTuple):
+    """What LocalStorage needs to know of a path."""
+
+    is_dir: bool
+    size: int
+    #: Changes whenever the file is replaced or written: inode, mtime and size.
+    version: str
+
+
+def _stat(st: os.stat_result) -> FileStat:
+    return FileStat(stat.S_ISDIR(st.st_mode), st.st_size, f"{st.st_ino}-{st.st_mtime_ns}-{st.st_size}")
+
+
+class Posix:
+    """The real calls. Every method is blocking."""
+
+    # -- files -----------------------------------------------------------------------------
+    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
+        return os.open(path, flags | os.O_CLOEXEC, mode)
+
+    def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
+        return os.pwrite(fd, data, offset)
+
+    def preadv(self, fd: int, bufs: list[memoryview], offset: int) -> int:
+        return os.preadv(fd, bufs, offset)
+
+    def ftruncate(self, fd: int, size: int) -> None:
+        os.ftruncate(fd, size)
+
+    def fsync(self, fd: int) -> None:
+        os.fsync(fd)
+
+    def close(self, fd: int) -> None:
+        os.close(fd)
+
+    def fstat(self, fd: int) -> FileStat:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) and not stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(f"fd {fd} is neither a file nor a directory")
+        return _stat(st)
+
+    def flock(self, fd: int, *, exclusive: bool = True, wait: bool = False) -> None:
+        """Raises BlockingIOError if another holder has it (and ``wait`` is false)."""
+        op = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+        fcntl.flock(fd, op if wait else op | fcntl.LOCK_NB)
+
+    # -- names -----------------------------------------------------------------------------
+    def rename(self, src: str, dst: str) -> None:
+        os.replace(src, dst)
+
+    def unlink(self, path: str) -> None:
+        os.unlink(path)
+
+    def mkdir(self, path: str) -> None:
+        os.mkdir(path)
+
+    def rmdir(self, path: str) -> None:
+        os.rmdir(path)
+
+    def fsync_dir(self, path: str) -> None:
+        fd = os.open(path or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def stat(self, path: str) -> FileStat | None:
+        try:
+            return _stat(os.stat(path))
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
+    def scandir(self, path: str) -> list[tuple[str, FileStat]]:
+        """The entries of a directory; FileNotFoundError if there is none."""
+        found = []
+        with os.scandir(path) as entries:
+            for entry in entries:
+                try:
+                    found.append((entry.name, _stat(entry.stat())))
+                except FileNotFoundError:
+                    continue  # removed while we looked
+        return found
+
+    def free_bytes(self, path: str) -> int | None:
+        """Space left for an unprivileged writer on the filesystem of ``path``."""
+        try:
+            st = os.statvfs(path or ".")
+        except OSError:
+            return None
+        return st.f_bavail * st.f_frsize
