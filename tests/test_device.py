@@ -20,6 +20,8 @@ class FakeDevice:
         self.ids = {id(t) for t in device_tensors}
         self.calls: list[tuple[Any, ...]] = []
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.pinned: set[int] = set()
+        self.unpinned: list[tuple[int, bool]] = []
 
     def is_device(self, t: torch.Tensor) -> bool:
         return id(t) in self.ids
@@ -30,6 +32,13 @@ class FakeDevice:
 
     def pin(self, array: Any) -> None:
         self.calls.append(("pin", int(array.ctypes.data)))
+        self.pinned.add(int(array.ctypes.data))
+
+    def unpin(self, array: Any) -> None:
+        address = int(array.ctypes.data)
+        if address in self.pinned:
+            self.pinned.discard(address)
+            self.unpinned.append((address, threading.current_thread() is threading.main_thread()))
 
     def start(self, src: torch.Tensor, dst: torch.Tensor, producers: Any) -> None:
         # The side stream waits for the producer, then the copy is enqueued: the value
@@ -81,6 +90,33 @@ async def test_device_copies_follow_stream_order_and_are_read_after_the_event(
     ] * 3 + [("synchronize", 3)]
     pins = {c[1] for c in fake.calls if c[0] == "pin"}
     assert len(pins) == 1  # one arena, pinned once and reused
+
+
+@pytest.mark.parametrize("offload", ["thread", "process"])
+async def test_arenas_are_unpinned_then_unmapped_off_the_event_loop(
+    offload: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Closing a writer after large saves must not unmap its arenas on the event loop
+    (~150 ms for 1 GiB), and arenas pinned for device copies are unregistered first."""
+    unmapped: list[bool] = []  # per unmapped arena: was it on the event-loop thread?
+    close = aiosnap._stage.Arena.close
+
+    def recording_close(arena: Any) -> None:
+        unmapped.append(threading.current_thread() is threading.main_thread())
+        close(arena)
+
+    monkeypatch.setattr(aiosnap._stage.Arena, "close", recording_close)
+    gpu = [torch.randn(1 << 16)]
+    fake = FakeDevice(gpu)
+    async with aiosnap.QueueWriter(max_pending=1, offload=offload) as writer:  # type: ignore[arg-type]
+        writer._copier = fake
+        # Growing states: each save outgrows the arenas kept, which are dropped.
+        for i, extra in enumerate((1, 4, 16)):
+            state = {"gpu": gpu, "cpu": torch.ones(extra << 18)}
+            await (await writer(f"c{i}", str(tmp_path), state)).wait()
+    assert unmapped and not any(unmapped), unmapped
+    assert fake.pinned == set()  # every pinned arena was unregistered before it was freed
+    assert len(fake.unpinned) == 3 and not any(on_loop for _, on_loop in fake.unpinned)
 
 
 @pytest.mark.cuda

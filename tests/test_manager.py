@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import multiprocessing
@@ -23,7 +24,7 @@ from aiosnap._catalog import INDEX_NAME
 from aiosnap._retention import victims
 
 from .conftest import temp_files
-from .faults import failing_writes
+from .faults import HookedPosix, failing_writes
 from .test_writers import Gate
 
 
@@ -155,8 +156,7 @@ async def _run_sequence(directory: Path, policy: Any, ops: list[Any], failing: s
                 model.append(rec(step, loss))
                 doomed = set(victims(policy, model, 0.0))
                 model = [r for r in model if r.step not in doomed]
-            with pytest.raises(OSError) if fail else _nothing():
-                await mgr.flush()
+            await mgr.flush()  # a failure seen through its handle is not raised again
             expected = [r.step for r in model]
             assert await mgr.steps() == expected
             assert files(directory) == sorted(f"snapshot_iter_{s}" for s in expected)
@@ -167,12 +167,41 @@ async def _run_sequence(directory: Path, policy: Any, ops: list[Any], failing: s
     assert temp_files(directory) == []
 
 
-class _nothing:
-    def __enter__(self) -> None:
-        return None
+async def test_a_failure_is_reported_once_and_never_costs_the_next_checkpoint(tmp_path: Path) -> None:
+    storage = failing_writes({"snapshot_iter_2", "snapshot_iter_4"})
+    async with aiosnap.CheckpointManager(str(tmp_path), storage=storage) as mgr:
+        await (await mgr.save(1, {"x": np.full(3, 1)})).wait()
+        failed = await mgr.save(2, {"x": np.full(3, 2)})
+        with pytest.raises(OSError, match="No space left"):
+            await failed.wait()  # seen through the handle...
+        await (await mgr.save(3, {"x": np.full(3, 3)})).wait()  # ...so not raised again
+        unseen = await mgr.save(4, {"x": np.full(3, 4)})
+        await unseen._outcome()
+        with pytest.raises(OSError, match="snapshot_iter_4") as info:
+            await mgr.save(5, {"x": np.full(3, 5)})  # unseen: raised by the next call...
+        assert any("own save of" in n for n in info.value.__notes__)
+        await mgr.flush()  # ...which kept its own checkpoint; and flush does not raise it again
+        assert await mgr.steps() == [1, 3, 5]
+        assert mgr.take_failures() == []
 
-    def __exit__(self, *exc: object) -> None:
-        return None
+
+async def test_take_failures_shows_an_index_failure_without_raising_it(tmp_path: Path) -> None:
+    def fail_the_index(op: str, path: str) -> None:
+        if op == "rename" and path.endswith(INDEX_NAME) and not os.path.exists(tmp_path / "go-on"):
+            raise OSError(errno.EIO, "I/O error (injected)", path)
+
+    storage = aiosnap.LocalStorage(posix=HookedPosix(fail_the_index))
+    async with aiosnap.CheckpointManager(str(tmp_path), storage=storage) as mgr:
+        handle = await mgr.save(1, {"x": np.full(3, 1)})
+        await handle._outcome()
+        (failure,) = mgr.take_failures()
+        assert isinstance(failure.error, OSError) and failure.error.errno == errno.EIO
+        (tmp_path / "go-on").touch()
+        await mgr.save(2, {"x": np.full(3, 2)})
+        await mgr.flush()
+        assert await mgr.steps() == [1, 2]  # the checkpoint committed; only its indexing failed
+    index = json.loads((tmp_path / INDEX_NAME).read_text())
+    assert [c["step"] for c in index["checkpoints"]] == [1, 2]
 
 
 async def test_corrupt_newest_falls_back_with_a_log_line(

@@ -222,19 +222,51 @@ QUEUED = [
 
 
 @pytest.mark.parametrize("make", QUEUED)
-async def test_failed_save_raises_from_wait_and_next_call(make: Callable[[], Any], tmp_path: Path) -> None:
+async def test_a_failure_seen_through_its_handle_is_not_raised_again(
+    make: Callable[[], Any], tmp_path: Path
+) -> None:
     (tmp_path / "ckpt").write_bytes(b"previous")
     async with make() as writer:
         handle = await writer("ckpt", str(tmp_path), {"x": torch.ones(3)}, savefun=failing_savefun)
         with pytest.raises(Boom, match="disk on fire") as info:
             await handle.wait()
         assert info.value.__cause__ is not None or writer.offload == "thread"
-        with pytest.raises(Boom):
-            await writer("next", str(tmp_path), {"x": torch.ones(3)})
-        # Reported once: the writer keeps working.
+        # Reported once: the next save goes through, and nothing is left to report.
         await (await writer("next", str(tmp_path), {"x": torch.ones(3)})).wait()
+        await writer.flush()
+        assert writer.take_failures() == []
     assert (tmp_path / "ckpt").read_bytes() == b"previous"
+    assert (await aiosnap.load(str(tmp_path / "next")))["x"].eq(1).all()
     assert temp_files(tmp_path) == []
+
+
+@pytest.mark.parametrize("make", QUEUED)
+async def test_the_next_call_reports_an_unseen_failure_and_keeps_its_own_save(
+    make: Callable[[], Any], tmp_path: Path
+) -> None:
+    async with make() as writer:
+        failed = await writer("ckpt", str(tmp_path), {"x": torch.ones(3)}, savefun=failing_savefun)
+        await failed._outcome()  # finished, unseen by the caller
+        state = {"x": torch.full((3,), 2.0)}
+        with pytest.raises(Boom) as info:
+            await writer("next", str(tmp_path), state)
+        state["x"].zero_()  # the call had captured its state before it raised
+        assert any("own save of" in n and "was accepted" in n for n in info.value.__notes__)
+        await writer.flush()  # the accepted save commits; the failure is not raised twice
+    assert (await aiosnap.load(str(tmp_path / "next")))["x"].eq(2).all()
+
+
+async def test_take_failures_reports_them_once(tmp_path: Path) -> None:
+    async with aiosnap.QueueWriter() as writer:
+        handle = await writer("a", str(tmp_path), {"x": torch.ones(1)}, savefun=failing_savefun)
+        await handle._outcome()
+        (failure,) = writer.take_failures()
+        assert failure.path == str(tmp_path / "a") and isinstance(failure.error, Boom) and failure.reported
+        assert writer.take_failures() == []
+        await (await writer("b", str(tmp_path), {"x": torch.ones(1)})).wait()
+        await writer.flush()
+    with pytest.raises(Boom):  # the handle still tells its own outcome
+        await handle.wait()
 
 
 @pytest.mark.parametrize("make", QUEUED)
@@ -244,6 +276,7 @@ async def test_failed_save_raises_from_flush(make: Callable[[], Any], tmp_path: 
         with pytest.raises(Boom):
             await writer.flush()
         await writer.flush()  # reported already
+        await (await writer("next", str(tmp_path), {"x": torch.ones(3)})).wait()
 
 
 @pytest.mark.parametrize("make", QUEUED)
@@ -269,8 +302,10 @@ async def test_unwritable_directory_fails_without_hanging(make: Callable[[], Any
     async with make() as writer:
         handle = await writer("ckpt", str(blocker / "sub"), {"x": torch.ones(3)})
         with pytest.raises((NotADirectoryError, FileExistsError)):
-            await asyncio.wait_for(handle.wait(), 30)
-        with pytest.raises(OSError):
+            await handle.wait()
+        await writer.flush()  # reported through the handle already
+        await writer("ckpt", str(blocker / "sub"), {"x": torch.ones(3)})
+        with pytest.raises(OSError, match=str(blocker)):  # unseen: flush reports it
             await writer.flush()
 
 
@@ -286,7 +321,7 @@ async def test_several_failures_are_all_reported(tmp_path: Path) -> None:
             for i in range(3):
                 await writer(f"c{i}", str(tmp_path), {"x": torch.ones(1)}, savefun=held_failing_savefun)
             accepted.set()  # all three saves are accepted before the first one fails
-    assert any("2 more background save(s) failed" in n for n in info.value.__notes__)
+    assert any("2 more background save(s) failed" in n and "c2" in n for n in info.value.__notes__)
 
 
 async def test_unsupported_values_are_refused_with_their_place(tmp_path: Path) -> None:
@@ -352,8 +387,7 @@ async def test_a_killed_worker_process_fails_one_save_and_is_replaced(tmp_path: 
         handle = await writer("a", str(tmp_path), {"x": torch.ones(3)})
         with pytest.raises(aiosnap.WorkerCrashedError):
             await handle.wait()
-        with pytest.raises(aiosnap.WorkerCrashedError):
-            await writer.flush()
+        await writer.flush()  # reported through the handle
         await (await writer("b", str(tmp_path), {"x": torch.ones(3)})).wait()
     assert [p.name for p in tmp_path.iterdir()] == ["b"]
 

@@ -30,6 +30,9 @@ class DeviceCopier(Protocol):
     def pin(self, array: Any) -> None:
         """Make a host buffer usable as the target of asynchronous copies (once per arena)."""
 
+    def unpin(self, array: Any) -> None:
+        """Undo ``pin``, before the buffer is freed (a buffer never pinned is ignored)."""
+
     def start(self, src: torch.Tensor, dst: torch.Tensor, producers: Any) -> None:
         """Enqueue ``dst.copy_(src)``; ``dst`` must not be read before ``finish``."""
 
@@ -70,6 +73,14 @@ class CudaCopier:
         # Register the arena with the driver once; it stays registered while reused.
         torch.cuda.cudart().cudaHostRegister(address, int(array.nbytes), 0)  # type: ignore[no-untyped-call]
         self._pinned.add(address)
+
+    def unpin(self, array: Any) -> None:
+        address = int(array.ctypes.data)
+        if address in self._pinned:
+            self._pinned.discard(address)
+            # The driver keeps a registration past munmap: a later mapping at the same
+            # address would then fail to register (cudaErrorHostMemoryAlreadyRegistered).
+            torch.cuda.cudart().cudaHostUnregister(address)  # type: ignore[no-untyped-call]
 
     def start(self, src: torch.Tensor, dst: torch.Tensor, producers: Any) -> None:
         side = self._streams.get(src.device)

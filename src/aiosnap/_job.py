@@ -25,8 +25,6 @@ logger = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[["RunContext"], Coroutine[Any, Any, object]])
 StopCondition = Callable[["RunContext"], "bool | Awaitable[bool]"]
-#: How often an epoch's save is tried while earlier failures are being reported.
-_SAVE_ATTEMPTS = 8
 Upload = Callable[[int, CheckpointManager], "object | Awaitable[object]"]
 
 
@@ -163,17 +161,14 @@ class JobRunner:
         return restored.step
 
     async def _checkpoint(self, ctx: RunContext) -> None:
-        # A save call raises the failure of an earlier background save, one per call;
-        # once those are reported the call goes through, so this epoch is still saved.
-        for _ in range(_SAVE_ATTEMPTS):
-            try:
-                await self.manager.save(ctx.epoch, self.state, epoch=ctx.epoch, force=True)
-                return
-            except Exception as exc:
-                if self.on_save_error == "raise":
-                    raise
-                logger.warning("checkpoint save failed (%r); training goes on", exc)
-        logger.warning("epoch %d was not checkpointed", ctx.epoch)
+        # A save call that raises the failure of an earlier background save has accepted
+        # its own save all the same: this epoch is still saved.
+        try:
+            await self.manager.save(ctx.epoch, self.state, epoch=ctx.epoch, force=True)
+        except Exception as exc:
+            if self.on_save_error == "raise":
+                raise
+            logger.warning("checkpoint save failed (%r); training goes on", exc)
 
     async def _finish_saves(self) -> None:
         try:

@@ -33,7 +33,7 @@ from ._catalog import Catalog
 from ._coord import Turn
 from ._errors import CheckpointNotFoundError, CorruptCheckpointError, WriterClosedError
 from ._group import StepDirs, rank_file
-from ._handle import SaveHandle
+from ._handle import Failures, SaveFailure, SaveHandle, raise_first
 from ._load import load, load_into
 from ._ranks import Ranks
 from ._records import CheckpointRecord
@@ -155,7 +155,7 @@ class CheckpointManager(anyio.abc.AsyncResource):
                 self._ranks.catalog, self._ranks.dirs = self._catalog, dirs
         self._last: Moment | None = None
         self._pending: set[SaveHandle] = set()
-        self._errors: list[BaseException] = []
+        self._failures = Failures()
         self._tg: anyio.abc.TaskGroup | None = None
         self._lock: Lease | None = None
         self._signals: list[int] = []
@@ -209,31 +209,50 @@ class CheckpointManager(anyio.abc.AsyncResource):
         loop = asyncio.get_running_loop()
         for sig in self._signals:
             loop.remove_signal_handler(sig)
+        writer_error: Exception | None = None
         try:
             try:
-                await self._writer.aclose()
+                await self._writer.aclose()  # raises (so reports) the writer's failures
+            except Exception as exc:
+                writer_error = exc
             finally:
                 await self._wait_pending()
                 assert self._tg is not None
                 await self._tg.__aexit__(None, None, None)
         finally:
             await self._release()
+        if writer_error is not None:
+            for failure in self._failures.take():
+                writer_error.add_note(f"aiosnap: the save of {failure.path} failed too: {failure.error!r}")
+            raise writer_error
         self._raise_pending()
 
     async def flush(self) -> None:
-        """Wait until every accepted save is committed, indexed and rotated."""
+        """Wait until every accepted save is committed, indexed and rotated; raise the
+        first failure not reported yet (noting any others)."""
         await self._writer.flush()
         await self._wait_pending()
         self._raise_pending()
+
+    def take_failures(self) -> list[SaveFailure]:
+        """The failed saves (of the writer, the index, the group) not reported yet, oldest
+        first; from now on they count as reported: no later call raises them."""
+        return self._writer.take_failures() + self._failures.take()
 
     async def _wait_pending(self) -> None:
         for handle in list(self._pending):
             await handle._done.wait()
 
-    def _raise_pending(self) -> None:
-        if self._errors:
-            error = self._errors.pop(0)
-            raise error
+    def _raise_pending(self, *, accepted: str | None = None) -> None:
+        raise_first(self.take_failures(), accepted=accepted)
+
+    async def _accept(self, filename: str, directory: str, state: object) -> SaveHandle:
+        """Hand a save to the writer; earlier failures are this manager's to report."""
+        accept = getattr(self._writer, "_accept", None)
+        if accept is not None:
+            handle: SaveHandle = await accept(filename, directory, state)
+            return handle
+        return await self._writer(filename, directory, state)
 
     # -- saving --------------------------------------------------------------------------
     def should_save(self, step: int, *, epoch: int | None = None) -> bool:
@@ -261,8 +280,6 @@ class CheckpointManager(anyio.abc.AsyncResource):
         """
         if self._state != "open":
             raise WriterClosedError("the manager is not open: use `async with manager:`")
-        if self._ranks is None:
-            self._raise_pending()
         filename = self.filename(step, epoch)
         record = CheckpointRecord(
             step, filename, epoch, metrics=dict(metrics or {}), metadata=dict(metadata or {})
@@ -273,13 +290,16 @@ class CheckpointManager(anyio.abc.AsyncResource):
             handle._skip()
             return handle
         if self._ranks is not None:
-            return await self._save_in_group(record, state)
-        inner = await self._writer(filename, self.directory, state)
-        self._last = Moment(step, epoch, time.monotonic())
-        outer = SaveHandle(inner.path)
-        self._pending.add(outer)
-        assert self._tg is not None
-        self._tg.start_soon(self._after_commit, inner, outer, record)
+            outer = await self._save_in_group(record, state)
+        else:
+            inner = await self._accept(filename, self.directory, state)
+            self._last = Moment(step, epoch, time.monotonic())
+            outer = SaveHandle(inner.path)
+            self._pending.add(outer)
+            assert self._tg is not None
+            self._tg.start_soon(self._after_commit, inner, outer, record)
+        # Earlier failures are raised only now: this call's own save is accepted, and goes on.
+        self._raise_pending(accepted=outer.path)
         return outer
 
     async def _due(self, step: int, epoch: int | None) -> bool:
@@ -300,10 +320,7 @@ class CheckpointManager(anyio.abc.AsyncResource):
         outer = SaveHandle(self._storage.join(step_dir, rank_file(ranks.rank)))
         self._pending.add(outer)
         try:
-            # An earlier failure is raised here, not before: the other ranks vote on this
-            # step all the same, so this rank must vote too (that it failed).
-            self._raise_pending()
-            inner: SaveHandle | BaseException = await self._writer(rank_file(ranks.rank), step_dir, target)
+            inner: SaveHandle | BaseException = await self._accept(rank_file(ranks.rank), step_dir, target)
         except BaseException as exc:
             failure = (
                 exc if isinstance(exc, Exception) else WriterClosedError("this rank's save was cancelled")
@@ -318,8 +335,9 @@ class CheckpointManager(anyio.abc.AsyncResource):
         self, turn: Turn, inner: SaveHandle | BaseException, record: CheckpointRecord, outer: SaveHandle
     ) -> None:
         assert self._ranks is not None
+        path = outer.path
         try:
-            await self._ranks.vote(turn, inner, record, outer, self._errors.append)
+            await self._ranks.vote(turn, inner, record, outer, lambda exc: self._failures.add(path, exc))
         finally:
             self._pending.discard(outer)
 
@@ -330,10 +348,9 @@ class CheckpointManager(anyio.abc.AsyncResource):
 
     async def _after_commit(self, inner: SaveHandle, outer: SaveHandle, record: CheckpointRecord) -> None:
         try:
-            try:
-                stats = await inner.wait()
-            except Exception as exc:
-                outer._fail(exc)  # the writer reports it too: do not raise it twice
+            stats = await inner._outcome()
+            if isinstance(stats, SaveFailure):
+                outer._fail(stats)  # one failure, shared: reported once, by either
                 return
             if stats.skipped:
                 outer._finish(stats)
@@ -343,8 +360,7 @@ class CheckpointManager(anyio.abc.AsyncResource):
                 await self._catalog.add(record, stats)
             except Exception as exc:
                 logger.error("indexing or rotation after step %d failed: %r", record.step, exc)
-                self._errors.append(exc)
-                outer._fail(exc)
+                outer._fail(self._failures.add(outer.path, exc))
             else:
                 outer._finish(stats)
         finally:
@@ -455,7 +471,7 @@ class CheckpointManager(anyio.abc.AsyncResource):
             logger.warning("saved step %d on signal %s", step, signal.Signals(sig).name)
         except Exception as exc:
             logger.error("the save on signal %s failed: %r", signal.Signals(sig).name, exc)
-            self._errors.append(exc)
+            self._failures.add(f"<save on {signal.Signals(sig).name}>", exc)
         finally:
             self.preempted.set()
 

@@ -31,7 +31,7 @@ from ._group import (
     read_manifest,
     replicated_matcher,
 )
-from ._handle import SaveHandle, SaveStats
+from ._handle import SaveFailure, SaveHandle, SaveStats
 from ._load import _load_blocking
 from ._records import CheckpointRecord
 from ._storage import Storage, put
@@ -129,18 +129,23 @@ class Ranks:
         inner: SaveHandle | BaseException,
         record: CheckpointRecord,
         outer: SaveHandle,
-        report: Callable[[BaseException], None],
+        report: Callable[[BaseException], SaveFailure],
     ) -> None:
         """The second phase of a save: wait for this rank's file, report it, and let
         rank 0 commit the step (or not); resolve ``outer`` with the outcome. ``turn`` was
         taken when the save was called, so that ranks take turns in program order."""
         step_dir = self.storage.join(self.directory, record.file)
         stats: list[SaveStats] = []
+        own: list[SaveFailure] = []  # this rank's own write, failed
 
         async def work() -> dict[str, Any]:
             if isinstance(inner, BaseException):
                 raise inner
-            stats.append(await inner.wait())
+            outcome = await inner._outcome()
+            if isinstance(outcome, SaveFailure):
+                own.append(outcome)
+                raise outcome.error
+            stats.append(outcome)
             if stats[0].skipped:
                 return {"skipped": True}
             return await _offload.run_io(
@@ -183,13 +188,18 @@ class Ranks:
             if self.catalog is not None:
                 await self._index(record, stats[0], verdict["bytes"])
         except RankFailedError as exc:
-            if self.rank not in exc.failed:
-                report(exc)  # this rank's own failure is reported by its writer
-            outer._fail(exc)
+            if own:
+                # This rank's write failed: one failure (the group's, chained from the
+                # write's), reported once, through the handle or the writer.
+                own[0].error = exc
+                outer._fail(own[0])
+            elif self.rank in exc.failed:
+                outer._fail(exc)  # the save call itself raised: reported already
+            else:
+                outer._fail(report(exc))
             return
         except Exception as exc:
-            report(exc)
-            outer._fail(exc)
+            outer._fail(report(exc))
             return
         finally:
             self.busy.discard(record.file)

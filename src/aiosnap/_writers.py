@@ -27,7 +27,7 @@ from ._backends import resolve
 from ._device import default_copier
 from ._engine import Engine, ProcessEngine, SaveFun, ThreadEngine
 from ._errors import WriterClosedError
-from ._handle import SaveHandle, SaveStats
+from ._handle import Failures, SaveFailure, SaveHandle, SaveStats, raise_first
 from ._stage import ArenaPool, Plan, StagedImage, stage_or_plan, write_in_pieces
 from ._storage import CommitTimes, Storage
 
@@ -72,6 +72,8 @@ class Writer(Protocol):
 
     async def aclose(self) -> None: ...
 
+    def take_failures(self) -> list[SaveFailure]: ...
+
 
 @dataclass(eq=False, slots=True)
 class _Save:
@@ -109,12 +111,14 @@ class _WriterBase(abc.ABC):
         self.offload = offload
         self._storage = storage
         self._engine: Engine = ProcessEngine() if offload == "process" else ThreadEngine()
-        self._pool = ArenaPool(shared=self._engine.shared, keep=self._arenas_kept, budget=max_host_bytes)
+        self._pool = ArenaPool(
+            shared=self._engine.shared, keep=self._arenas_kept, budget=max_host_bytes, on_free=self._unpin
+        )
         self._allow_pickle = allow_pickle
         self._tg: anyio.abc.TaskGroup | None = None
         self._state: Literal["new", "open", "closing", "closed"] = "new"
         self._inflight: set[_Save] = set()
-        self._errors: list[BaseException] = []
+        self._failures = Failures()
         self._hooks: list[PostSaveHook] = []
         self._capture_lock = anyio.Lock()
         self._copier = default_copier()
@@ -166,19 +170,31 @@ class _WriterBase(abc.ABC):
             await self._drain()
         finally:
             await self._engine.aclose()
-            self._pool.close()
+            # Unmapping hundreds of MiB takes ~100 ms: not on the event loop.
+            with anyio.CancelScope(shield=True):
+                await _offload.run_io(self._pool.close)
             self._state = "closed"
-        self._raise_pending(final=True)
+        raise_first(self._failures.take())
 
     async def flush(self) -> None:
-        """Wait until every save accepted so far is durable; raise a failed one."""
+        """Wait until every save accepted so far is durable; raise the first failure not
+        reported yet (with a note naming any others)."""
         await self._wait_inflight()
-        self._raise_pending()
+        raise_first(self._failures.take())
+
+    def take_failures(self) -> list[SaveFailure]:
+        """The failed saves not reported yet, oldest first; from now on they count as
+        reported, so no later call, ``flush`` or ``aclose`` raises them."""
+        return self._failures.take()
 
     def add_post_save_hook(self, hook: PostSaveHook) -> None:
         """Call ``hook(stats)`` after each commit (async hooks are awaited, sync ones run
         in a worker thread). A failing hook fails its save's handle."""
         self._hooks.append(hook)
+
+    def _unpin(self, array: object) -> None:
+        if self._copier is not None:
+            self._copier.unpin(array)
 
     def _on_open(self, tg: anyio.abc.TaskGroup) -> None:  # noqa: B027 - optional hook
         """Start the writer's own background tasks."""
@@ -189,17 +205,6 @@ class _WriterBase(abc.ABC):
     async def _wait_inflight(self) -> None:
         for save in list(self._inflight):
             await save.handle._done.wait()
-
-    def _raise_pending(self, *, final: bool = False) -> None:
-        if not self._errors:
-            return
-        error, rest = self._errors[0], self._errors[1:]
-        self._errors = [] if final else rest
-        if final and rest:
-            for other in rest:
-                logger.error("another background save failed too", exc_info=other)
-            error.add_note(f"aiosnap: {len(rest)} more background save(s) failed; see the log")
-        raise error
 
     # -- one save ------------------------------------------------------------------------
     async def __call__(
@@ -214,7 +219,18 @@ class _WriterBase(abc.ABC):
         ``savefun(obj, path)`` (such as ``torch.save``) that function writes the file
         from the captured copy, still through the durable atomic commit; it implies
         ``allow_pickle`` for values that are not state types.
+
+        If an earlier background save failed and that was not reported yet, the call
+        raises that failure -- after it has accepted its own save, which goes on.
         """
+        handle = await self._accept(filename, out_dir, target, savefun)
+        raise_first(self._failures.take(), accepted=handle.path)
+        return handle
+
+    async def _accept(
+        self, filename: str, out_dir: str, target: object, savefun: SaveFun | None = None
+    ) -> SaveHandle:
+        """The save call, without reporting earlier failures (a manager reports them)."""
         t0 = time.perf_counter()
         if self._state != "open":
             raise WriterClosedError(
@@ -222,7 +238,6 @@ class _WriterBase(abc.ABC):
                 if self._state != "new"
                 else "the writer is not open: use `async with writer:` around the saves"
             )
-        self._raise_pending()
         if out_dir:
             storage, directory = resolve(out_dir, self._storage)
             path = storage.join(directory, filename)
@@ -337,15 +352,16 @@ class _WriterBase(abc.ABC):
             await self._run_hooks(stats)
         except Exception as exc:
             logger.warning("background save of %s failed: %r", save.handle.path, exc)
-            self._errors.append(exc)
-            self._settle(save, exc)
+            self._settle(save, self._failures.add(save.handle.path, exc))
         except BaseException:
             self._settle(save, WriterClosedError("the writer closed during a commit"))
             raise
         else:
             self._settle(save, None, stats)
 
-    def _settle(self, save: _Save, error: BaseException | None, stats: SaveStats | None = None) -> None:
+    def _settle(
+        self, save: _Save, error: SaveFailure | BaseException | None, stats: SaveStats | None = None
+    ) -> None:
         if save.staged is not None:
             self._pool.release(save.staged.arena)
             save.staged = None
@@ -378,12 +394,7 @@ class SimpleWriter(_WriterBase):
     async def _submit(self, save: _Save) -> SaveHandle:
         self._start(save, self._commit)
         await self._await_capture(save)
-        await save.handle._done.wait()
-        if save.handle._error is not None:
-            # Raised here, to the caller: do not report it a second time later.
-            if save.handle._error in self._errors:
-                self._errors.remove(save.handle._error)
-            raise save.handle._error
+        await save.handle.wait()  # raised here, to the caller: reported
         return save.handle
 
 
@@ -399,7 +410,6 @@ class StandardWriter(_WriterBase):
         async with self._turn:
             if self._last is not None:
                 await self._last.handle._done.wait()
-            self._raise_pending()
             self._start(save, self._commit)
             await self._await_capture(save)
             self._last = save
