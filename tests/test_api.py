@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
+import re
+
 import aiosnap
 import aiosnap._errors as errors
 
@@ -12,6 +15,9 @@ def test_all_is_sorted_and_complete() -> None:
         n for n in dir(aiosnap) if not n.startswith("_") and n not in {"logging", "annotations", "demo"}
     }
     assert public == set(aiosnap.__all__)
+    for module in (aiosnap.storage, aiosnap.triggers, aiosnap.retention):
+        assert module.__all__ == sorted(module.__all__)
+        assert {n for n in dir(module) if not n.startswith("_") and n != "annotations"} == set(module.__all__)
 
 
 def test_every_error_is_a_checkpoint_error_and_its_nearest_builtin() -> None:
@@ -22,6 +28,7 @@ def test_every_error_is_a_checkpoint_error_and_its_nearest_builtin() -> None:
         aiosnap.DirectoryLockedError: RuntimeError,
         aiosnap.LeaseLostError: RuntimeError,
         aiosnap.LoaderClosedError: RuntimeError,
+        aiosnap.NotACheckpointError: ValueError,
         aiosnap.CheckpointKeyError: KeyError,
         aiosnap.PickleNotAllowedError: ValueError,
         aiosnap.RankFailedError: RuntimeError,
@@ -39,3 +46,30 @@ def test_every_error_is_a_checkpoint_error_and_its_nearest_builtin() -> None:
 def test_corrupt_error_names_path_and_reason() -> None:
     err = aiosnap.CorruptCheckpointError("/x/y", "truncated")
     assert str(err) == "/x/y: truncated" and err.path == "/x/y" and err.reason == "truncated"
+
+
+def _documented() -> list[tuple[str, str]]:
+    """(where, docstring) of every public module, name, method and property."""
+    found = []
+    for module in (aiosnap, aiosnap.storage, aiosnap.triggers, aiosnap.retention):
+        found.append((module.__name__, module.__doc__ or ""))
+        for name in module.__all__:
+            obj = getattr(module, name)
+            found.append((f"{module.__name__}.{name}", inspect.getdoc(obj) or ""))
+            for attr, member in vars(obj).items() if inspect.isclass(obj) else ():
+                if not attr.startswith("_") or attr in ("__call__", "__init__"):
+                    found.append((f"{module.__name__}.{name}.{attr}", inspect.getdoc(member) or ""))
+    return found
+
+
+def test_every_aiosnap_name_a_docstring_mentions_exists() -> None:
+    broken = []
+    for where, doc in _documented():
+        for ref in re.findall(r"\baiosnap(?:\.\w+)+", doc):
+            obj: object = aiosnap
+            for part in ref.split(".")[1:]:
+                if not hasattr(obj, part):
+                    broken.append(f"{where} mentions {ref}")
+                    break
+                obj = getattr(obj, part)
+    assert broken == []

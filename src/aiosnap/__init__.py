@@ -24,6 +24,9 @@ from __future__ import annotations
 
 import logging
 
+from . import retention as retention
+from . import storage as storage
+from . import triggers as triggers
 from ._api import load_into_sync as load_into_sync
 from ._api import load_sync as load_sync
 from ._api import save as save
@@ -37,12 +40,14 @@ from ._errors import CorruptCheckpointError as CorruptCheckpointError
 from ._errors import DirectoryLockedError as DirectoryLockedError
 from ._errors import LeaseLostError as LeaseLostError
 from ._errors import LoaderClosedError as LoaderClosedError
+from ._errors import NotACheckpointError as NotACheckpointError
 from ._errors import PickleNotAllowedError as PickleNotAllowedError
 from ._errors import RankFailedError as RankFailedError
 from ._errors import StateMismatchError as StateMismatchError
 from ._errors import UnsupportedTypeError as UnsupportedTypeError
 from ._errors import WorkerCrashedError as WorkerCrashedError
 from ._errors import WriterClosedError as WriterClosedError
+from ._handle import SaveFailure as SaveFailure
 from ._handle import SaveHandle as SaveHandle
 from ._handle import SaveStats as SaveStats
 from ._job import Group as Group
@@ -116,6 +121,7 @@ __all__ = [
     "LoaderClosedError",
     "LocalStorage",
     "Moment",
+    "NotACheckpointError",
     "PickleNotAllowedError",
     "ProcessQueueWriter",
     "ProcessWriter",
@@ -125,6 +131,7 @@ __all__ = [
     "Restored",
     "RetentionPolicy",
     "RunContext",
+    "SaveFailure",
     "SaveHandle",
     "SaveStats",
     "SimpleWriter",
@@ -146,8 +153,11 @@ __all__ = [
     "load_into",
     "load_into_sync",
     "load_sync",
+    "retention",
     "save",
     "save_sync",
+    "storage",
+    "triggers",
     "verify",
     "verify_sync",
 ]

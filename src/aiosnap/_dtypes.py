@@ -109,10 +109,12 @@ def is_storable_torch(dtype: torch.dtype) -> bool:
 
 
 def numpy_file_dtype(dtype: np.dtype[Any]) -> np.dtype[Any] | None:
-    """The little-endian dtype an array is written as, or None if it has no raw form."""
+    """The dtype an array is written as, or None if it has no raw form. Big-endian
+    arrays keep their byte order (raw ``U8`` bytes to safetensors), so they load back
+    exactly as they were."""
     if dtype.kind not in "biufc" or dtype.fields is not None or dtype.itemsize == 0:
         return None
-    return dtype.newbyteorder("<") if dtype.byteorder == ">" else dtype
+    return dtype
 
 
 def numpy_st_code(dtype: np.dtype[Any]) -> str:

@@ -4,6 +4,7 @@
     ├── CheckpointNotFoundError   (also FileNotFoundError)
     ├── ConflictError             (also RuntimeError)
     ├── CorruptCheckpointError    (also ValueError)
+    │   └── NotACheckpointError   a file of another format (torch.save, NumPy ...)
     ├── DirectoryLockedError      (also RuntimeError)
     ├── LeaseLostError            (also RuntimeError)
     ├── LoaderClosedError         (also RuntimeError)
@@ -53,6 +54,11 @@ class CorruptCheckpointError(CheckpointError, ValueError):
         super().__init__(f"{path}: {reason}")
         self.path = path
         self.reason = reason
+
+
+class NotACheckpointError(CorruptCheckpointError):
+    """The file is not a checkpoint aiosnap reads, but a file of another format (torch.save,
+    NumPy, pickle ...); the message says what it is and how to read it."""
 
 
 class CheckpointKeyError(CheckpointError, KeyError):

@@ -19,14 +19,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import struct
+import zipfile
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _dtypes, _json
-from ._errors import CorruptCheckpointError
+from . import _dtypes, _json, _tree
+from ._errors import CorruptCheckpointError, NotACheckpointError
 from ._header import CRC_KEY, CRC_ZERO, META_KEY, HeaderTemplate, crc32c, json_string
 from ._offload import gc_paused
-from ._storage import Reader
+from ._storage import Reader, ReaderFile
 
 FORMAT_VERSION = 1
 #: A larger header is refused before it is read (a lying length must not allocate).
@@ -127,6 +128,48 @@ def _int_list(values: tuple[int, ...] | list[int]) -> str:
     return f"[{','.join(map(str, values))}]"
 
 
+#: What a legacy (pre-zip) torch.save file starts with: a pickled long, its magic number.
+_TORCH_LEGACY = b"\x80\x02\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
+
+
+def sniff(f: Reader) -> str | None:
+    """What another program wrote ``f`` with, if it is not a safetensors-style file:
+    "torch.save" (a zip with a ``data.pkl``), "torch.save (legacy)", "pickle",
+    "NumPy .npy", "NumPy .npz", "zip"; None for a file to parse as a checkpoint."""
+    head = bytearray(min(16, f.size))
+    f.readinto(0, memoryview(head))
+    if head.startswith(b"PK\x03\x04"):
+        try:
+            names = zipfile.ZipFile(ReaderFile(f)).namelist()
+        except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+            return "zip (damaged)"
+        if any(n == "data.pkl" or n.endswith("/data.pkl") for n in names):
+            return "torch.save"
+        return "NumPy .npz" if names and all(n.endswith(".npy") for n in names) else "zip"
+    if head.startswith(_TORCH_LEGACY):
+        return "torch.save (legacy)"
+    if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
+        return "pickle"
+    if head.startswith(b"\x93NUMPY"):
+        return "NumPy .npy"
+    return None
+
+
+def how_to_read(path: str, kind: str) -> str:
+    """What to do with a file of another format."""
+    if kind.startswith("torch.save"):
+        return (
+            f"{path}: a torch.save file (written by torch.save, or by a writer's savefun=torch.save): "
+            "loading it runs pickled code from the file, so aiosnap reads it only with allow_pickle=True; "
+            "or read it with torch.load, or convert it with `aiosnap convert`"
+        )
+    if kind.startswith("NumPy"):
+        return f"{path}: not an aiosnap checkpoint but a {kind} file: read it with numpy.load"
+    if kind == "pickle":
+        return f"{path}: not an aiosnap checkpoint but a pickle: read it with pickle.load, if you trust it"
+    return f"{path}: not an aiosnap checkpoint but a {kind} file"
+
+
 def read_header(f: Reader) -> Header:
     """Read and validate the header of an open file. The collector is held off: parsing
     builds objects that are all kept, and collections over them doubled the time to
@@ -150,6 +193,13 @@ class _Parser:
         self.f.readinto(0, memoryview(prefix))
         (n,) = struct.unpack("<Q", prefix)
         if n < 2 or n > size - 8 or n > MAX_HEADER:
+            start = bytearray(min(size - 8, 2))
+            self.f.readinto(8, memoryview(start))
+            if start[:1] != b"{":  # not even the start of a JSON header: another format
+                raise NotACheckpointError(
+                    self.f.path,
+                    f"not an aiosnap or safetensors checkpoint (it starts with {bytes(prefix[:8])!r})",
+                )
             raise self.fail(f"header length {n} does not fit a file of {size} bytes")
         raw = bytearray(8 + n)
         self.f.readinto(0, memoryview(raw))
@@ -236,7 +286,12 @@ class _Parser:
         if set(described) != set(entries):
             raise self.fail("aiosnap metadata and safetensors entries list different tensors")
         tensors = {name: self.info(name, d, entries[name]) for name, d in described.items()}
-        return Header(data_start, tensors, meta.get("tree"), version, self.external(meta, tensors))
+        tree = meta.get("tree")
+        try:
+            _tree.check(tree)
+        except ValueError as exc:
+            raise self.fail(f"bad tree: {exc}") from None
+        return Header(data_start, tensors, tree, version, self.external(meta, tensors))
 
     def external(self, meta: dict[str, Any], tensors: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
         described = meta.get("external", {})

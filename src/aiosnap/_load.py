@@ -7,7 +7,9 @@ is checked before the tree is handed back.
 
 from __future__ import annotations
 
+import io
 import pickle
+import zipfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, final
@@ -21,12 +23,13 @@ from ._errors import (
     CheckpointError,
     CheckpointKeyError,
     CorruptCheckpointError,
+    NotACheckpointError,
     PickleNotAllowedError,
     StateMismatchError,
 )
-from ._format import Header, TensorInfo, read_header
+from ._format import Header, TensorInfo, how_to_read, read_header, sniff
 from ._header import crc32c
-from ._storage import Reader, Storage
+from ._storage import Reader, ReaderFile, Storage
 from ._tree import decode_key, dict_items, format_path, is_stateful, rebuild, sequence_values, walk_leaves
 
 #: verify() reads in pieces of this size, so it needs no memory for the tensors.
@@ -117,6 +120,12 @@ def _load_blocking(
     that is not the one committed."""
     files: list[Reader] = [storage.open_read(path)]
     try:
+        foreign = sniff(files[0])
+        if foreign is not None:
+            loaded = _load_foreign(files[0], foreign, keys, map_location, allow_pickle)
+            if target is not None:
+                _assign(target, loaded, (), strict)
+            return loaded
         header = _read_checked(files[0], checksums)
         tree = _plain_tree(header) if header.tree is None else header.tree
         try:
@@ -146,6 +155,50 @@ def _load_blocking(
     if target is not None:
         _assign(target, loaded, (), strict)
     return loaded
+
+
+def _load_foreign(
+    f: Reader, kind: str, keys: Sequence[str] | None, map_location: MapLocation, allow_pickle: bool
+) -> Any:
+    """A torch.save file (a savefun's), read with torch.load once the caller opted in to
+    pickle; any other format is refused with how to read it."""
+    if not kind.startswith("torch.save"):
+        raise NotACheckpointError(f.path, how_to_read(f.path, kind).removeprefix(f"{f.path}: "))
+    if not allow_pickle:
+        raise PickleNotAllowedError(how_to_read(f.path, kind))
+    try:
+        source = io.BufferedReader(ReaderFile(f), buffer_size=1 << 20)
+        obj = torch.load(source, map_location=map_location or "cpu", weights_only=False)
+    except Exception as exc:  # the file is damaged: what torch.load raises varies
+        raise CorruptCheckpointError(f.path, f"torch.load failed: {type(exc).__name__}: {exc}") from exc
+    return obj if keys is None else _select(obj, list(keys), f.path)
+
+
+def _select(obj: Any, keys: list[str], path: str) -> Any:
+    """``obj`` (a torch.load result) cut down to the dotted ``keys``, as ``keys=`` cuts a tree."""
+    out: dict[Any, Any] = {}
+    for key in keys:
+        node, src, dst = obj, key.split("."), out
+        for i, part in enumerate(src):
+            found = _child(node, part)
+            if found is _NOTHING:
+                raise CheckpointKeyError(f"{path}: no entry {key!r}")
+            name, node = found
+            if i == len(src) - 1:
+                dst[name] = node
+            else:
+                dst = dst.setdefault(name, {})
+    return out
+
+
+def _child(node: Any, part: str) -> Any:
+    if isinstance(node, dict):
+        for name in (part, int(part) if part.lstrip("-").isdigit() else None):
+            if name is not None and name in node:
+                return name, node[name]
+    elif isinstance(node, (list, tuple)) and part.isdigit() and int(part) < len(node):
+        return int(part), node[int(part)]
+    return _NOTHING
 
 
 def _read_checked(f: Reader, checksums: Mapping[str, str] | None) -> Header:
@@ -372,6 +425,11 @@ _NOTHING: Any = object()
 def _verify_blocking(storage: Storage, path: str) -> VerifyReport:
     f = storage.open_read(path)
     try:
+        foreign = sniff(f)
+        if foreign == "torch.save":
+            return _verify_zip(f)
+        if foreign is not None:
+            raise NotACheckpointError(path, how_to_read(path, foreign).removeprefix(f"{path}: "))
         header = read_header(f)
         buf = np.empty(
             min(_VERIFY_PIECE, max(t.nbytes for t in header.tensors.values()) if header.tensors else 0),
@@ -391,6 +449,20 @@ def _verify_blocking(storage: Storage, path: str) -> VerifyReport:
         return VerifyReport(path, len(header.tensors), total, header.tree is not None)
     finally:
         f.close()
+
+
+def _verify_zip(f: Reader) -> VerifyReport:
+    """A torch.save file: its zip records a crc32 per member; check them all."""
+    try:
+        with zipfile.ZipFile(ReaderFile(f)) as archive:
+            bad = archive.testzip()
+            members = archive.namelist()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
+        raise CorruptCheckpointError(f.path, f"damaged torch.save file: {exc}") from None
+    if bad is not None:
+        raise CorruptCheckpointError(f.path, f"checksum mismatch in member {bad!r} of the torch.save file")
+    data = [m for m in members if "/data/" in m and not m.endswith("/")]
+    return VerifyReport(f.path, len(data), f.size, True)
 
 
 def _verify_one(f: Reader, header: Header, info: TensorInfo, buf: np.ndarray[Any, Any]) -> None:

@@ -80,11 +80,12 @@ class CheckpointManager(anyio.abc.AsyncResource):
     """Owns a checkpoint directory: saves through a writer, keeps an index, rotates, restores.
 
     ``name`` is a format string with ``{step}`` and optionally ``{epoch}`` and ``{rank}``.
-    ``save_every`` is a step count or a Trigger (see ``aiosnap.triggers``); ``keep`` a
-    RetentionPolicy (None keeps everything). The writer, a QueueWriter by default, must
-    be passed unopened: the manager opens and closes it. One manager per directory: a
-    second one gets DirectoryLockedError, through a lock the OS drops when its holder
-    dies.
+    ``save_every=N`` saves when ``step % N == 0`` (step 0 included), at most once per
+    step; or pass a Trigger (``aiosnap.triggers``); None saves at every call. ``keep``
+    is a RetentionPolicy (``aiosnap.retention``); None keeps everything. The writer, a
+    QueueWriter by default, must be passed unopened: the manager opens and closes it.
+    One manager per directory: a second one gets DirectoryLockedError, through a lock
+    the OS drops when its holder dies.
 
     **Process groups.** When torch.distributed is initialised (or ``group=`` is given;
     ``group=False`` opts out), every rank of the group opens a manager on the same
@@ -384,7 +385,9 @@ class CheckpointManager(anyio.abc.AsyncResource):
 
     # -- reading -------------------------------------------------------------------------
     async def steps(self) -> list[int]:
-        """Steps of the committed checkpoints that have not failed verification."""
+        """Steps of the committed checkpoints that have not failed verification, oldest
+        first. A save still being written, or one that failed, is not listed: a step
+        appears once its checkpoint is durable and indexed (its handle has resolved)."""
         if self._ranks is not None:
             return list(await self._ranks.ask("steps", lambda: self._steps()))
         return self._steps()

@@ -15,11 +15,12 @@ Paths are strings in the backend's own form: OS paths for LocalStorage, URLs
 
 from __future__ import annotations
 
+import io
 import os
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 #: Temp files and uploads of unfinished commits start with this; nothing else does.
 TEMP_PREFIX = ".aiosnap-tmp-"
@@ -210,3 +211,33 @@ def exists(storage: Storage, path: str) -> bool:
     """Whether a committed object is at ``path``."""
     entry = storage.stat(path)
     return entry is not None and not entry.is_dir
+
+
+class ReaderFile(io.RawIOBase):
+    """A Reader as a seekable binary file, for readers that want one (zipfile, torch.load)."""
+
+    def __init__(self, reader: Reader) -> None:
+        super().__init__()
+        self._reader, self._pos = reader, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._reader.size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buf: Any) -> int:
+        view = memoryview(buf).cast("B")
+        n = max(0, min(len(view), self._reader.size - self._pos))
+        if n:
+            self._reader.readinto(self._pos, view[:n])
+            self._pos += n
+        return n

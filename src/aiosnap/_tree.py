@@ -37,6 +37,11 @@ from ._header import json_string
 
 Node = Any  # a JSON value, as described in the module docstring
 _KEY_TYPES = (str, int, float, bool, type(None))
+#: At most this many containers nest, at capture and at load: every walk of a tree is
+#: then bounded, whatever a file says.
+MAX_DEPTH = 100
+LEAF_TAGS = frozenset(("tensor", "ndarray", "npscalar", "pickle"))
+_FLOAT_WORDS = ("nan", "inf", "-inf")
 _PLAIN_TENSORS = tuple(
     cls for cls in (torch.Tensor, torch.nn.Parameter, getattr(torch.nn, "Buffer", None)) if cls
 )
@@ -123,6 +128,11 @@ class _Capture:
         if isinstance(obj, torch.Tensor):
             return self.tensor(obj, path)
         if isinstance(obj, np.ndarray):
+            if type(obj) not in (np.ndarray, np.memmap):
+                # A subclass would come back as a plain array (a MaskedArray without its
+                # mask): stored only pickled, which restores it exactly.
+                why = f"{type(obj).__module__}.{type(obj).__qualname__} would load as a plain ndarray"
+                return self.other(obj, path, why)
             return self.array(obj, path, "ndarray")
         if isinstance(obj, (bytes, bytearray)):
             return f'{{"$":"bytes","v":"{base64.b64encode(obj).decode()}"}}'
@@ -135,6 +145,9 @@ class _Capture:
     def container(self, obj: Any, path: tuple[object, ...]) -> str:
         if id(obj) in self.active:
             raise UnsupportedTypeError(f"the state tree contains itself at {format_path(path)}")
+        if len(path) >= MAX_DEPTH:
+            where = format_path(path[:8])
+            raise UnsupportedTypeError(f"the state tree is nested more than {MAX_DEPTH} deep at {where}...")
         self.active.add(id(obj))
         try:
             if isinstance(obj, dict):
@@ -216,6 +229,36 @@ def _tensor_problem(t: torch.Tensor) -> str:
     return ""
 
 
+def check(tree: Node) -> None:
+    """Check a tree read from a file, without recursion: at most MAX_DEPTH containers
+    nested, every node of a known shape, and dict keys only what capture writes
+    (scalars, and float nodes). ValueError names the first bad place. Walks of a checked
+    tree are safe."""
+    stack: list[tuple[Node, tuple[object, ...]]] = [(tree, ())]
+    while stack:
+        node, path = stack.pop()
+        if node is None or isinstance(node, (bool, int, float, str)):
+            continue
+        tag = node.get("$") if isinstance(node, dict) else None
+        if (isinstance(node, list) or tag in ("dict", "tuple")) and len(path) >= MAX_DEPTH:
+            raise ValueError(f"the tree is nested more than {MAX_DEPTH} deep at {format_path(path[:8])}...")
+        if isinstance(node, list):
+            stack.extend((v, (*path, i)) for i, v in enumerate(node))
+        elif not isinstance(node, dict):
+            raise ValueError(f"bad node at {format_path(path)}")
+        elif tag == "dict":
+            for key_node, value in dict_items(node, path):
+                stack.append((value, (*path, decode_key(key_node, path))))
+        elif tag == "tuple":
+            stack.extend((v, (*path, i)) for i, v in enumerate(sequence_values(node, path)))
+        elif tag == "float":
+            _str(node, "v", path, _FLOAT_WORDS)
+        elif tag == "bytes" or tag in LEAF_TAGS:
+            _str(node, "v" if tag == "bytes" else "n", path)
+        else:
+            raise ValueError(f"unknown node type {tag!r:.40} at {format_path(path)}")
+
+
 def rebuild(node: Node, resolve: Callable[[str, str, tuple[object, ...]], object]) -> object:
     """Turn a skeleton back into objects; ``resolve(kind, name, path)`` gives leaves."""
     return _rebuild(node, resolve, ())
@@ -240,12 +283,12 @@ def _rebuild(
     if tag == "tuple":
         return tuple(_rebuild(v, resolve, (*path, i)) for i, v in enumerate(sequence_values(node, path)))
     if tag == "float":
-        return float(_str(node, "v", path, ("nan", "inf", "-inf")))
+        return float(_str(node, "v", path, _FLOAT_WORDS))
     if tag == "bytes":
         return base64.b64decode(_str(node, "v", path), validate=True)
-    if tag in ("tensor", "ndarray", "npscalar", "pickle"):
+    if tag in LEAF_TAGS:
         return resolve(tag, _str(node, "n", path), path)
-    raise ValueError(f"unknown node type {tag!r} at {format_path(path)}")
+    raise ValueError(f"unknown node type {tag!r:.40} at {format_path(path)}")
 
 
 def dict_items(node: dict[str, Any], path: tuple[object, ...] = ()) -> Iterator[tuple[Node, Node]]:
@@ -256,9 +299,14 @@ def dict_items(node: dict[str, Any], path: tuple[object, ...] = ()) -> Iterator[
     for pair in items:
         if not isinstance(pair, list) or len(pair) != 2:
             raise ValueError(f"bad dict item at {format_path(path)}")
-        if not (pair[0] is None or isinstance(pair[0], (bool, int, float, str, dict))):
-            raise ValueError(f"bad dict key at {format_path(path)}")
-        yield pair[0], pair[1]
+        key = pair[0]
+        if not (key is None or isinstance(key, (bool, int, float, str)) or _is_float_node(key)):
+            raise ValueError(f"bad dict key at {format_path(path)}: only scalars are keys")
+        yield key, pair[1]
+
+
+def _is_float_node(node: Node) -> bool:
+    return isinstance(node, dict) and node.get("$") == "float" and node.get("v") in _FLOAT_WORDS
 
 
 def sequence_values(node: Node, path: tuple[object, ...] = ()) -> list[Node]:
@@ -296,7 +344,7 @@ def walk_leaves(node: Node, path: tuple[object, ...] = ()) -> Iterator[tuple[tup
         elif tag == "tuple":
             for i, v in enumerate(sequence_values(node, path)):
                 yield from walk_leaves(v, (*path, i))
-        elif tag in ("tensor", "ndarray", "npscalar", "pickle"):
+        elif tag in LEAF_TAGS:
             yield path, tag, _str(node, "n", path)
 
 

@@ -1,0 +1,17 @@
+"""Which checkpoints a CheckpointManager keeps: ``CheckpointManager(..., keep=policy)``.
+
+A policy names the steps it keeps out of the committed, valid checkpoints; the manager
+keeps those and the newest, and deletes the rest only after a newer checkpoint has
+committed. Policies compose with ``AnyOf``; any object with a ``keep`` method fits.
+"""
+
+from __future__ import annotations
+
+from ._retention import AnyOf as AnyOf
+from ._retention import KeepBest as KeepBest
+from ._retention import KeepEvery as KeepEvery
+from ._retention import KeepLast as KeepLast
+from ._retention import KeepWithin as KeepWithin
+from ._retention import RetentionPolicy as RetentionPolicy
+
+__all__ = ["AnyOf", "KeepBest", "KeepEvery", "KeepLast", "KeepWithin", "RetentionPolicy"]

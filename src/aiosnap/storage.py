@@ -1,0 +1,42 @@
+"""Where checkpoints live: the storage interface, an extension point, and its backends.
+
+Every path aiosnap takes may be a local path or a URL; ``from_url`` builds the storage
+for a URL explicitly, with options (``storage=aiosnap.storage.from_url(url, ...)``).
+A backend implements ``Storage``: ``create`` an ``Upload`` that is invisible until its
+``commit``, ``open_read`` a ``Reader`` by byte ranges, ``list``/``stat``/``delete``,
+``read_versioned``/``replace_if`` for objects several writers race on, and a
+``lease`` per checkpoint directory. Every method is blocking: aiosnap calls them from
+worker threads. See the module docstring of ``aiosnap._storage`` for the contract.
+"""
+
+from __future__ import annotations
+
+from ._backends import from_url as from_url
+from ._backends import resolve as resolve
+from ._local import LocalStorage as LocalStorage
+from ._posix import Posix as Posix
+from ._storage import LEASE_NAME as LEASE_NAME
+from ._storage import TEMP_PREFIX as TEMP_PREFIX
+from ._storage import CommitTimes as CommitTimes
+from ._storage import Entry as Entry
+from ._storage import Lease as Lease
+from ._storage import Reader as Reader
+from ._storage import Storage as Storage
+from ._storage import Upload as Upload
+from ._storage import Version as Version
+
+__all__ = [
+    "CommitTimes",
+    "Entry",
+    "LEASE_NAME",
+    "Lease",
+    "LocalStorage",
+    "Posix",
+    "Reader",
+    "Storage",
+    "TEMP_PREFIX",
+    "Upload",
+    "Version",
+    "from_url",
+    "resolve",
+]
