@@ -1,4 +1,4 @@
-"""Sessions: `nox -s demo`, `nox -s tests`, `nox -s bench`.
+"""Sessions: `nox -s demo`, `nox -s tests`, `nox -s stress`, `nox -s bench`.
 
 Every session installs through pip with constraints.txt, which pins torch to the CPU
 wheel on the project's machines (uv would not find it).
@@ -28,6 +28,14 @@ def tests(session: nox.Session) -> None:
     session.run("ruff", "check", "src", "tests", "benchmarks", "noxfile.py")
     session.run("ruff", "format", "--check", "src", "tests", "benchmarks", "noxfile.py")
     session.run("mypy")
+
+
+@nox.session
+def stress(session: nox.Session) -> None:
+    """The long runs kept out of CI (the `slow` marker): 1,000 random SIGKILLs of a saving
+    process, the full fault matrices, 1,000,000 fuzz cases."""
+    _install(session, "[test]")
+    session.run("pytest", "-m", "slow", *session.posargs)
 
 
 @nox.session

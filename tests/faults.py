@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +19,20 @@ import aiosnap
 from aiosnap._posix import FileStat, Posix
 
 #: The kinds of calls a hook sees.
-OPS = ("open", "write", "read", "fsync", "close", "truncate", "rename", "dirsync", "unlink", "mkdir", "rmdir")
+OPS = (
+    "open",
+    "write",
+    "read",
+    "fsync",
+    "close",
+    "truncate",
+    "lock",
+    "rename",
+    "dirsync",
+    "unlink",
+    "mkdir",
+    "rmdir",
+)
 
 Hook = Callable[[str, str], None]
 
@@ -67,10 +81,15 @@ class HookedPosix(Posix):
         self._fd("fsync", fd)
         super().fsync(fd)
 
+    def flock(self, fd: int, *, exclusive: bool = True, wait: bool = False) -> None:
+        self._fd("lock", fd)
+        super().flock(fd, exclusive=exclusive, wait=wait)
+
     def close(self, fd: int) -> None:
-        self._fd("close", fd)
-        self._paths.pop(fd, None)
+        # Linux releases the descriptor (and its flock) even when close reports an error.
+        path = self._paths.pop(fd, "")
         super().close(fd)
+        self.hook("close", path)
 
     def fstat(self, fd: int) -> FileStat:
         return super().fstat(fd)
@@ -108,3 +127,24 @@ def failing_writes(
             raise error(path)
 
     return aiosnap.LocalStorage(posix=HookedPosix(hook))
+
+
+class Injector:
+    """A hook that fails the ``n``-th call (counting from 1) with ``code``; with
+    ``persistent``, every call after it too, as a dying disk does. ``calls`` counts
+    them all (a run with n=0 only counts)."""
+
+    def __init__(self, n: int = 0, code: int = errno.EIO, *, persistent: bool = False) -> None:
+        self.n, self.code, self.persistent = n, code, persistent
+        self.calls = 0
+        self.failed: list[tuple[int, str, str]] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, op: str, path: str) -> None:
+        with self._lock:
+            self.calls += 1
+            hit = self.n and (self.calls == self.n or (self.persistent and self.calls > self.n))
+            if hit:
+                self.failed.append((self.calls, op, path))
+        if hit:
+            raise OSError(self.code, f"{os.strerror(self.code)} (injected: {op} #{self.calls})", path)

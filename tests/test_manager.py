@@ -390,5 +390,5 @@ async def test_sigkill_at_random_points_always_leaves_a_valid_checkpoint(tmp_pat
 
 
 @pytest.mark.slow
-async def test_sigkill_many_times(tmp_path: Path) -> None:
-    await _crash_and_restore(tmp_path, runs=500)
+async def test_a_thousand_random_sigkills(tmp_path: Path) -> None:
+    await _crash_and_restore(tmp_path, runs=1000)

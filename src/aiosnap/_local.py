@@ -366,21 +366,25 @@ class _FlockLease:
     def __init__(self, posix: Posix, directory: str) -> None:
         self._posix = posix
         path = os.path.join(directory, LEASE_NAME)
-        self._fd: int | None = posix.open(path, os.O_RDWR | os.O_CREAT)
+        fd = posix.open(path, os.O_RDWR | os.O_CREAT)
         try:
-            posix.flock(self._fd)
-        except BlockingIOError:
-            holder = bytearray(64)
-            n = posix.preadv(self._fd, [memoryview(holder)], 0)
-            posix.close(self._fd)
-            pid = holder[:n].decode(errors="replace").strip()
-            raise DirectoryLockedError(
-                f"{directory} is in use by another CheckpointManager (pid {pid or '?'}); "
-                "two managers on one directory would corrupt each other (open it with "
-                "read_only=True to read while it trains)"
-            ) from None
-        posix.ftruncate(self._fd, 0)
-        posix.pwrite(self._fd, memoryview(f"{os.getpid()}\n".encode()), 0)
+            try:
+                posix.flock(fd)
+            except BlockingIOError:
+                holder = bytearray(64)
+                n = posix.preadv(fd, [memoryview(holder)], 0)
+                pid = holder[:n].decode(errors="replace").strip()
+                raise DirectoryLockedError(
+                    f"{directory} is in use by another CheckpointManager (pid {pid or '?'}); "
+                    "two managers on one directory would corrupt each other (open it with "
+                    "read_only=True to read while it trains)"
+                ) from None
+            posix.ftruncate(fd, 0)
+            posix.pwrite(fd, memoryview(f"{os.getpid()}\n".encode()), 0)
+        except BaseException:
+            posix.close(fd)  # an fd left open would hold the lock for the life of the process
+            raise
+        self._fd: int | None = fd
 
     def renew(self) -> None:
         """A flock lasts as long as its holder: nothing to renew."""
