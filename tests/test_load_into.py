@@ -108,13 +108,13 @@ async def test_matching_tensors_are_read_straight_into_the_target(tmp_path: Path
     }  # not contiguous: read, then copied
     pointers = (target["w"].data_ptr(), target["a"].ctypes.data)
     allocated: list[str] = []
-    real_allocate = aiosnap._load._allocate
+    real_allocate = aiosnap._readers._allocate
 
     def spy(info: Any) -> Any:
         allocated.append(info.name)
         return real_allocate(info)
 
-    monkeypatch.setattr(aiosnap._load, "_allocate", spy)
+    monkeypatch.setattr(aiosnap._readers, "_allocate", spy)
     await aiosnap.load_into(str(tmp_path / "c"), target)
     assert allocated == ["odd"]  # everything else went straight into the target's memory
     assert (target["w"].data_ptr(), target["a"].ctypes.data) == pointers

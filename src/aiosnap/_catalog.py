@@ -19,7 +19,7 @@ from typing import final
 import anyio
 
 from . import _offload
-from ._errors import CheckpointNotFoundError
+from ._errors import CheckpointError, CheckpointNotFoundError
 from ._handle import SaveStats
 from ._records import CheckpointRecord
 from ._retention import RetentionPolicy, victims
@@ -50,13 +50,15 @@ class Catalog:
         *,
         scan: Scan,
         remove: Remove,
+        writable: bool = True,
     ) -> None:
         self._storage, self._directory, self._pattern, self._keep = storage, directory, pattern, keep
         self._scan, self._remove = scan, remove
         self.records: dict[int, CheckpointRecord] = {}
         self.history: list[CheckpointRecord] = []
         self._lock = anyio.Lock()
-        self._writable = True
+        #: A reader's catalog (``read_only``) keeps everything in memory.
+        self._writable = writable
         #: The version of the index as this catalog last read or wrote it: the index is
         #: replaced only if it is still that one, so no other writer's update is lost.
         self._version: Version | None = None
@@ -83,7 +85,7 @@ class Catalog:
                 else CheckpointRecord(step, name, self._epoch_of(name), wall_time=now)
             )
         self.history = history
-        if set(indexed) != set(on_disk):
+        if set(indexed) != set(on_disk) and self._writable:
             await self._write_index()
 
     def _epoch_of(self, name: str) -> int | None:
@@ -109,6 +111,8 @@ class Catalog:
             doomed = self._doomed()
             for step in doomed:
                 self.records.pop(step)
+            if not self._writable:
+                raise CheckpointError(f"{self._directory}: a read-only catalog cannot record a commit")
             await self._write_index()
             for name in doomed.values():
                 await self._remove(name)

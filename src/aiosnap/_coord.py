@@ -1,4 +1,7 @@
-"""Coordination of the ranks of a group, over a gloo process group of aiosnap's own.
+"""The channel of a real group: torch.distributed (gloo), over a process group of its own.
+
+This and ``_shards`` (for DTensors, which only a user of torch.distributed has) are
+the only modules that touch torch.distributed; a single process never imports them.
 
 Every exchange goes through rank 0: each rank sends it a message, rank 0 decides and
 sends the decision back to all. Point-to-point messages rather than collectives let
@@ -24,23 +27,39 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from types import TracebackType
-from typing import Any, Self, final
+from typing import Any, final
 
 import anyio
 import torch
 import torch.distributed as dist
 
 from . import _offload
+from ._channel import Decide, Ordered
+from ._decisions import Refused
 from ._errors import RankFailedError
 
 logger = logging.getLogger(__name__)
 
-Decide = Callable[[list[Any]], Awaitable[Any]]
-
 #: A message longer than this is refused before anything is allocated for it.
 MAX_MESSAGE = 64 << 20
 _TAG = 7
+
+
+def rank_and_size(parent: dist.ProcessGroup | None) -> tuple[int, int]:
+    """This process's rank in ``parent`` (the default group if None), and its size."""
+    if parent is not None:
+        return dist.get_rank(parent), dist.get_world_size(parent)
+    return dist.get_rank(), dist.get_world_size()
+
+
+async def channels(parent: dist.ProcessGroup | None, silence: float) -> tuple[GlooChannel, GlooChannel]:
+    """Two channels over gloo groups of their own: one for the votes, one for the
+    triggers' decisions (those never wait behind a vote)."""
+    made = []
+    for _ in range(2):
+        group = await _offload.run_coord(new_group, parent, silence)
+        made.append(GlooChannel(group, timeout=silence, destroy=parent is None))
+    return made[0], made[1]
 
 
 def new_group(parent: dist.ProcessGroup | None, timeout: float) -> dist.ProcessGroup:
@@ -66,16 +85,8 @@ def describe(exc: BaseException) -> str:
     return text if len(text) <= 500 else text[:497] + "..."
 
 
-class Refused(Exception):
-    """Raised by a ``decide`` function: an orderly failure of these ranks' work."""
-
-    def __init__(self, failed: dict[int, str]) -> None:
-        super().__init__(failed)
-        self.failed = failed
-
-
 @final
-class Channel:
+class GlooChannel:
     """Exchanges of JSON messages among the ranks of ``group``, through rank 0."""
 
     def __init__(self, group: dist.ProcessGroup, *, timeout: float, destroy: bool) -> None:
@@ -92,11 +103,11 @@ class Channel:
         #: Buffers of receives that missed their deadline: gloo may still write to them.
         self._stale: list[object] = []
 
-    def turn(self, op: str) -> Turn:
+    def turn(self, op: str) -> GlooTurn:
         """Take the next turn; enter it (``async with``) to wait for the earlier ones."""
         prev, done = self._tail, anyio.Event()
         self._tail = done
-        return Turn(self, op, prev, done)
+        return GlooTurn(self, op, prev, done)
 
     def close(self) -> None:
         """Release the group, if it can be (see ``new_group``). Blocking."""
@@ -233,22 +244,12 @@ class Channel:
 
 
 @final
-class Turn:
+class GlooTurn(Ordered):
     """One rank's place in the order of exchanges; ``async with`` waits for it."""
 
-    def __init__(self, channel: Channel, op: str, prev: anyio.Event | None, done: anyio.Event) -> None:
+    def __init__(self, channel: GlooChannel, op: str, prev: anyio.Event | None, done: anyio.Event) -> None:
+        super().__init__(prev, done)
         self.channel, self.op = channel, op
-        self._prev, self._done = prev, done
-
-    async def __aenter__(self) -> Self:
-        if self._prev is not None:
-            await self._prev.wait()
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self._done.set()
 
     async def exchange(self, body: Any, decide: Decide) -> Any:
         """Send ``body``; rank 0 calls ``decide(bodies)`` with every rank's, and every

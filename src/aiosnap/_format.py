@@ -25,7 +25,16 @@ from typing import Any
 
 from . import _dtypes, _json, _tree
 from ._errors import CorruptCheckpointError, NotACheckpointError
-from ._header import CRC_KEY, CRC_ZERO, META_KEY, HeaderTemplate, crc32c, json_string
+from ._header import (
+    BLOCK,
+    CRC_KEY,
+    CRC_ZERO,
+    META_KEY,
+    HeaderTemplate,
+    block_count,
+    crc32c,
+    json_string,
+)
 from ._offload import gc_paused
 from ._storage import Reader, ReaderFile
 
@@ -46,6 +55,11 @@ class TensorInfo:
     start: int  # offsets inside the data section
     end: int
     crc: int | None  # None in plain safetensors files
+    #: A shard of a distributed tensor: the whole's shape, and this box's offsets in it
+    #: (its lengths are ``shape``).
+    shard: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    #: The checksum of each BLOCK-byte block (shards longer than a block).
+    blocks: tuple[int, ...] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -99,29 +113,47 @@ def header_template(
     The per-tensor JSON is written directly: a generic encoder spends ~10 us on each
     small object (seconds for a state of 100,000 tensors), or holds the GIL for the
     whole header if called once. Names go through the C string escaper."""
-    prefix = f'{{"version":{FORMAT_VERSION},"checksum":"crc32c","tensors":{{'
     pieces: list[str] = []
+    holes: list[int] = []
+    blocks: list[int] = []
     entries: list[str] = []
     dtypes: dict[str, str] = {}
+    text = f'{{"version":{FORMAT_VERSION},"checksum":"crc32c","tensors":{{'
     for t in tensors:
         name, shape = json_string(t.name), _int_list(t.shape)
         dtype = dtypes.get(t.dtype) or dtypes.setdefault(t.dtype, json_string(t.dtype))
-        opening = "}," if pieces else prefix
-        pieces.append(f'{opening}{name}:{{"kind":"{t.kind}","dtype":{dtype},"shape":{shape},')
+        text += f'{name}:{{"kind":"{t.kind}","dtype":{dtype},"shape":{shape},{_shard_text(t)}'
+        k = block_count(t.nbytes) if t.shard is not None and t.nbytes > BLOCK else 0
+        if k:
+            pieces.append(text + '"blocks":"')
+            holes.append(k)
+            text = '",'
+        pieces.append(text + '"crc32c":"')
+        holes.append(1)
+        blocks.append(k)
+        text = '"},'
         code, st_shape = st_entry(t.kind, t.dtype, t.shape, t.nbytes)
         st_shape_text = shape if st_shape == list(t.shape) else _int_list(st_shape)
         entries.append(
             f'{name}:{{"dtype":"{code}","shape":{st_shape_text},"data_offsets":[{t.start},{t.end}]}}'
         )
-    tail = ["}}" if tensors else prefix + "}", ',"tree":', tree]
+    tail = [text[:-1] if tensors else text, '},"tree":', tree]
     if external:
         described = (
-            f'{json_string(t.name)}:{{"kind":"{t.kind}","dtype":{json_string(t.dtype)},"shape":{_int_list(t.shape)}}}'
+            f'{json_string(t.name)}:{{"kind":"{t.kind}","dtype":{json_string(t.dtype)},'
+            f'"shape":{_int_list(t.shape)}{"," + _shard_text(t)[:-1] if t.shard else ""}}}'
             for t in external
         )
         tail += [',"external":{', ",".join(described), "}"]
     pieces.append("".join(tail) + "}")
-    return HeaderTemplate(pieces, ",".join(entries))
+    return HeaderTemplate(pieces, holes, blocks, ",".join(entries))
+
+
+def _shard_text(t: TensorInfo) -> str:
+    if t.shard is None:
+        return ""
+    whole, offsets = t.shard
+    return f'"shard":{{"shape":{_int_list(whole)},"offset":{_int_list(offsets)}}},'
 
 
 def _int_list(values: tuple[int, ...] | list[int]) -> str:
@@ -307,8 +339,29 @@ class _Parser:
             shape = d.get("shape")
             if itemsize(kind, d["dtype"]) is None or not _ints(shape):
                 raise self.fail(f"external entry {name!r}: bad dtype or shape")
-            external[name] = TensorInfo(name, kind, d["dtype"], tuple(shape), 0, 0, None)
+            shard = self.shard(name, d, shape, kind)
+            external[name] = TensorInfo(name, kind, d["dtype"], tuple(shape), 0, 0, None, shard)
         return external
+
+    def shard(
+        self, name: str, d: dict[str, Any], shape: list[int], kind: str
+    ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """The ``shard`` field of a description: the whole's shape, and the offsets of this
+        box (of lengths ``shape``) inside it."""
+        if "shard" not in d:
+            return None
+        shard = d["shard"]
+        whole = shard.get("shape") if isinstance(shard, dict) else None
+        offsets = shard.get("offset") if isinstance(shard, dict) else None
+        if kind != "tensor" or not _ints(whole) or not _ints(offsets):
+            raise self.fail(f"tensor {name!r}: malformed shard description")
+        assert isinstance(whole, list)
+        assert isinstance(offsets, list)
+        if not len(whole) == len(offsets) == len(shape) or any(
+            o + n > w for o, n, w in zip(offsets, shape, whole, strict=True)
+        ):
+            raise self.fail(f"tensor {name!r}: shard {shape} at {offsets} does not fit in {whole}")
+        return tuple(whole), tuple(offsets)
 
     def info(self, name: str, d: Any, entry: tuple[str, list[int], int, int]) -> TensorInfo:
         code, st_shape, start, end = entry
@@ -329,7 +382,14 @@ class _Parser:
             raise self.fail(f"tensor {name!r}: safetensors entry disagrees with its description")
         if not isinstance(crc, str) or len(crc) != 8 or not _is_hex(crc):
             raise self.fail(f"tensor {name!r}: bad checksum field")
-        return TensorInfo(name, kind, dtype, tuple(shape), start, end, int(crc, 16))
+        shard = self.shard(name, d, shape, kind)
+        blocks = d.get("blocks")
+        if blocks is not None:
+            want = 8 * block_count(end - start)
+            if shard is None or not isinstance(blocks, str) or len(blocks) != want or not _is_hex(blocks):
+                raise self.fail(f"tensor {name!r}: bad block checksums")
+            blocks = tuple(int(blocks[i : i + 8], 16) for i in range(0, want, 8))
+        return TensorInfo(name, kind, dtype, tuple(shape), start, end, int(crc, 16), shard, blocks)
 
 
 def _ints(value: Any) -> bool:

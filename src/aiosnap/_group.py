@@ -1,14 +1,16 @@
-"""Checkpoints of a process group: a directory per step, committed by a manifest.
+"""Checkpoints of a group: a directory per step, committed by a manifest.
 
     <directory>/<name of the step>/rank_00000        each rank's own file
                                   /rank_00001        (written by all ranks in parallel)
                                   /aiosnap-manifest.json   written last, by rank 0
 
 Replicated entries (tree paths matching ``replicated`` globs) are stored only in rank
-0's file; the other ranks' files mark them external and are read together with it. A
-step exists once its manifest does; rank 0 writes it only after every rank reported
-its file durable, with the crc32c of its header (which holds the checksum of every
-entry), so a restore can tell that each file is the one that was committed.
+0's file; the other ranks' files mark them external and are read together with it.
+A DTensor's boxes are stored by one rank each; the manifest indexes where every box
+of every DTensor lies, so a restore at any world size reads exactly the bytes it
+needs. A step exists once its manifest does; rank 0 writes it only after every rank
+reported its file durable, with the crc32c of its header (which holds the checksum
+of every entry), so a restore can tell that each file is the one that was committed.
 """
 
 from __future__ import annotations
@@ -16,22 +18,27 @@ from __future__ import annotations
 import fnmatch
 import json
 import logging
+import math
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from typing import Any, final
 
 from . import _offload
-from ._errors import CheckpointError, CorruptCheckpointError
+from ._dtypes import TORCH_DTYPES
+from ._errors import CorruptCheckpointError
 from ._format import Header, read_header
 from ._header import crc32c
+from ._messages import FileReport, ShardBox, decode, encode
+from ._shards import Box, tiles
 from ._storage import Storage, exists, get
-from ._tree import format_path, walk_leaves
+from ._tree import format_path, walk_nodes
 
 logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = "aiosnap-manifest.json"
-MANIFEST_FORMAT = "aiosnap-manifest/1"
+MANIFEST_FORMAT = "aiosnap-manifest/2"
+_OLD_FORMATS = ("aiosnap-manifest/1",)
 
 
 def rank_file(rank: int) -> str:
@@ -52,6 +59,31 @@ def replicated_matcher(patterns: Sequence[str]) -> Callable[[str], bool]:
 
 @final
 @dataclass(frozen=True, slots=True)
+class SavedBox:
+    """A box of a DTensor, stored as entry ``name`` of file number ``file``."""
+
+    file: int
+    name: str
+    offsets: list[int]
+    lengths: list[int]
+
+    @property
+    def box(self) -> Box:
+        return Box(tuple(self.offsets), tuple(self.lengths))
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class SavedTensor:
+    """Every stored box of one DTensor (they tile its ``shape`` exactly)."""
+
+    dtype: str
+    shape: list[int]
+    boxes: list[SavedBox]
+
+
+@final
+@dataclass(frozen=True, slots=True)
 class Manifest:
     """What rank 0 writes last: which files make up the step, and their summaries."""
 
@@ -63,26 +95,17 @@ class Manifest:
     sizes: list[int]
     replicated: list[str]  # the globs
     replicas: str  # the file that holds the replicated entries
-
-    def well_typed(self) -> bool:
-        def strs(v: object) -> bool:
-            return isinstance(v, list) and all(isinstance(x, str) for x in v)
-
-        ints = (self.step, self.world_size, *(self.sizes if isinstance(self.sizes, list) else [None]))
-        return (
-            all(type(v) is int for v in ints)
-            and (self.epoch is None or type(self.epoch) is int)
-            and strs(self.files)
-            and strs(self.checksums)
-            and strs(self.replicated)
-            and isinstance(self.replicas, str)
-        )
+    #: Tree path -> where the boxes of that DTensor lie.
+    shards: dict[str, SavedTensor] = field(default_factory=dict)
+    #: Tree paths of the leaves whose values differed between ranks: state of its
+    #: own rank, which a restore at another world size must not hand to another.
+    per_rank: list[str] = field(default_factory=list)
 
     def to_bytes(self) -> bytes:
-        body = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        body = json.dumps(encode(self), sort_keys=True, separators=(",", ":"))
         return json.dumps(
             {"format": MANIFEST_FORMAT, "body": json.loads(body), "crc32c": f"{crc32c(body.encode()):08x}"},
-            indent=1,
+            separators=(",", ":"),
         ).encode()
 
     @classmethod
@@ -91,21 +114,34 @@ class Manifest:
             outer = json.loads(raw)
             body = json.dumps(outer["body"], sort_keys=True, separators=(",", ":"))
             if (
-                outer.get("format") != MANIFEST_FORMAT
+                outer.get("format") not in (MANIFEST_FORMAT, *_OLD_FORMATS)
                 or outer.get("crc32c") != f"{crc32c(body.encode()):08x}"
             ):
                 raise ValueError("format or checksum mismatch")
-            manifest = cls(**outer["body"])
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            manifest = decode(cls, outer["body"])
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             raise CorruptCheckpointError(path, f"bad manifest: {exc}") from None
-        if not manifest.well_typed():
-            raise CorruptCheckpointError(path, "bad manifest: a field has the wrong type")
-        n = manifest.world_size
-        if not (len(manifest.files) == len(manifest.checksums) == len(manifest.sizes) == n > 0):
-            raise CorruptCheckpointError(path, "bad manifest: the lists do not match the world size")
-        if any("/" in f or f.startswith(".") for f in [*manifest.files, manifest.replicas]):
-            raise CorruptCheckpointError(path, "bad manifest: a file name leaves the step directory")
+        problem = manifest._problem()
+        if problem:
+            raise CorruptCheckpointError(path, f"bad manifest: {problem}")
         return manifest
+
+    def _problem(self) -> str:
+        n = self.world_size
+        if self.step < 0 or any(s < 0 for s in self.sizes):
+            return "a negative step or size"
+        if not (len(self.files) == len(self.checksums) == len(self.sizes) == n > 0):
+            return "the lists do not match the world size"
+        if any("/" in f or f.startswith(".") or not f for f in [*self.files, self.replicas]):
+            return "a file name leaves the step directory"
+        for path, saved in self.shards.items():
+            if saved.dtype not in TORCH_DTYPES or any(s < 0 for s in saved.shape):
+                return f"DTensor {path!r}: bad dtype or shape"
+            if any(not 0 <= b.file < n for b in saved.boxes):
+                return f"DTensor {path!r}: a box in a file that is not in the step"
+            if not tiles(saved.shape, [b.box for b in saved.boxes]):
+                return f"DTensor {path!r}: its boxes do not cover it exactly once"
+        return ""
 
 
 def read_manifest(storage: Storage, step_dir: str) -> Manifest:
@@ -122,48 +158,48 @@ def _header(storage: Storage, path: str) -> tuple[Header, int]:
         f.close()
 
 
-def _first_paths(tree: Any) -> dict[str, str]:
-    """Each leaf's name -> the dotted path where capture first reached it (and named it)."""
-    seen: dict[str, str] = {}
-    for p, _, name in walk_leaves(tree):
-        seen.setdefault(name, format_path(p))
-    return seen
-
-
-def file_summary(storage: Storage, path: str, patterns: Sequence[str], rank: int) -> dict[str, Any]:
-    """Read back the header of a rank's committed file: its checksum, and a digest of
-    the replicated entries it describes (stored by rank 0, external elsewhere), which
-    must agree across ranks. Blocking."""
+def file_report(storage: Storage, path: str, patterns: Sequence[str], rank: int, leaves: bool) -> FileReport:
+    """Read back the header of a rank's committed file and report it: its checksum; a
+    digest of the replicated entries it describes (stored by rank 0, external
+    elsewhere), which must agree across ranks; the DTensor boxes it stored; and, when
+    other ranks compare them (``leaves``), a digest of every other leaf. Blocking."""
     header, size = _header(storage, path)
+    matches = replicated_matcher(patterns)
+    firsts: dict[str, str] = {}
+    shards, digests = [], {}
+    for parts, node in walk_nodes(header.tree):
+        where = format_path(parts)
+        tag, name = (node.get("$"), str(node.get("n"))) if isinstance(node, dict) else (None, "")
+        if tag in ("tensor", "ndarray", "npscalar", "pickle", "dtensor"):
+            firsts.setdefault(name, where)
+        if tag == "dtensor":
+            info = header.tensors.get(name)
+            if info is not None and info.shard is not None and info.nbytes:
+                whole, offsets = info.shard
+                shards.append(ShardBox(where, name, info.dtype, list(whole), list(offsets), list(info.shape)))
+        elif leaves and not matches(where):  # replicated ones are compared by their own digest
+            digests[where] = _digest(header, node)
     if rank == 0:
-        matches = replicated_matcher(patterns)
-        paths = _first_paths(header.tree)
-        replicated = [header.tensors[n] for n, p in paths.items() if n in header.tensors and matches(p)]
+        replicated = [header.tensors[n] for n, p in firsts.items() if n in header.tensors and matches(p)]
     else:
-        replicated = list(header.external.values())
+        replicated = [i for i in header.external.values() if i.shard is None]
     spec = sorted([i.name, i.kind, i.dtype, list(i.shape)] for i in replicated)
     digest = f"{crc32c(json.dumps(spec).encode()):08x}"
-    return {"checksum": header.checksum, "bytes": size, "replicated": [len(spec), digest]}
+    return FileReport(False, header.checksum or "", size, [str(len(spec)), digest], shards, digests)
 
 
-def leaf_paths(storage: Storage, path: str) -> list[str]:
-    """Dotted paths of the leaves of a file's tree, first occurrence of each. Blocking."""
-    return list(_first_paths(_header(storage, path)[0].tree).values())
+def _digest(header: Header, node: Any) -> str:
+    """What a leaf holds: an entry's checksum and description, or a value's JSON."""
+    if isinstance(node, dict) and node.get("$") in ("tensor", "ndarray", "npscalar", "pickle"):
+        info = header.tensors.get(node.get("n", ""))
+        if info is None:
+            return "missing"
+        return f"{info.kind}:{info.dtype}:{list(info.shape)}:{info.crc:08x}"
+    return f"{crc32c(json.dumps(node, sort_keys=True).encode()):08x}"
 
 
-def only_replicated(keys: Sequence[str] | None, manifest: Manifest, paths: list[str], where: str) -> None:
-    """A rank the step was not saved by may restore replicated entries, and only them."""
-    matches = replicated_matcher(manifest.replicated)
-    why = (
-        f"{where} was saved by {manifest.world_size} ranks, so this rank has no entries of its own "
-        f"in it; only replicated entries ({manifest.replicated}) can be restored, with keys=[...]"
-    )
-    if keys is None:
-        raise CheckpointError(why)
-    for key in keys:
-        under = [p for p in paths if p == key or p.startswith(key + ".")]
-        if not matches(key) and (not under or not all(matches(p) for p in under)):
-            raise CheckpointError(f"{why}: {key!r} is not replicated")
+def leaf_count(boxes: Sequence[SavedBox]) -> int:
+    return sum(math.prod(b.lengths) for b in boxes)
 
 
 @final
@@ -171,8 +207,9 @@ class StepDirs:
     """The layout of a group's directory for the catalog: steps are directories, and
     only those with a manifest are committed."""
 
-    def __init__(self, storage: Storage, directory: str, pattern: re.Pattern[str]) -> None:
+    def __init__(self, storage: Storage, directory: str, pattern: re.Pattern[str], *, writable: bool) -> None:
         self.storage, self.directory, self.pattern = storage, directory, pattern
+        self.writable = writable
 
     def _steps(self) -> dict[int, str]:
         found = {}
@@ -187,13 +224,15 @@ class StepDirs:
 
     async def scan(self) -> dict[int, str]:
         """Committed steps; the directories of failed saves are removed (at open, when
-        no save can be running)."""
+        no save can be running; not by a reader)."""
         committed = {}
         for step, name in (await _offload.run_io(self._steps)).items():
             if await _offload.run_io(self._committed, name):
                 committed[step] = name
-                await _offload.run_io(self.storage.sweep_incomplete, self.storage.join(self.directory, name))
-            else:
+                if self.writable:
+                    path = self.storage.join(self.directory, name)
+                    await _offload.run_io(self.storage.sweep_incomplete, path)
+            elif self.writable:
                 await self._drop_uncommitted(name)
         return committed
 
@@ -213,3 +252,8 @@ class StepDirs:
     async def _drop_uncommitted(self, name: str) -> None:
         logger.info("removing %s: a save that never committed", name)
         await _offload.run_io(self.storage.delete_tree, self.storage.join(self.directory, name))
+
+
+def has_step_dirs(storage: Storage, directory: str, pattern: re.Pattern[str]) -> bool:
+    """Whether ``directory`` holds step directories (a group's checkpoints). Blocking."""
+    return any(e.is_dir and pattern.fullmatch(e.name) for e in storage.list(directory))

@@ -37,46 +37,101 @@ def json_string(s: str) -> str:
     return '"' + "".join(slices) + '"'
 
 
+#: Shard entries longer than this carry a checksum per block of it, so a restore that
+#: reads part of a shard still verifies every byte it reads.
+BLOCK = 1 << 20
+
+_POLY = 0x82F63B78  # CRC-32C, reflected
+_SHIFTS: list[list[int]] = []  # _SHIFTS[k]: the operator that appends 2**k zero bytes
+
+
+def _times(matrix: list[int], vector: int) -> int:
+    out, i = 0, 0
+    while vector:
+        if vector & 1:
+            out ^= matrix[i]
+        vector >>= 1
+        i += 1
+    return out
+
+
+def _square(matrix: list[int]) -> list[int]:
+    return [_times(matrix, row) for row in matrix]
+
+
+def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The crc32c of ``a + b`` from ``crc32c(a)``, ``crc32c(b)`` and ``len(b)`` (zlib's
+    ``crc32_combine``, for CRC-32C): the whole-entry checksum from its block checksums,
+    without a second pass over the data."""
+    if not _SHIFTS:
+        op = [_POLY] + [1 << n for n in range(31)]  # one zero bit
+        for _ in range(3):
+            op = _square(op)
+        for _ in range(48):  # up to 2**48 bytes
+            _SHIFTS.append(op)
+            op = _square(op)
+    k = 0
+    while len2:
+        if len2 & 1:
+            crc1 = _times(_SHIFTS[k], crc1)
+        len2 >>= 1
+        k += 1
+    return crc1 ^ crc2
+
+
+def entry_crcs(data: memoryview, blocks: int) -> list[int]:
+    """The checksums of one entry, in the order its header holds them: one per block of
+    BLOCK bytes (if ``blocks``), then the whole entry's."""
+    if not blocks:
+        return [crc32c(data)]
+    parts = [crc32c(data[i : i + BLOCK]) for i in range(0, len(data), BLOCK)]
+    whole = parts[0] if parts else crc32c(b"")
+    for i, part in enumerate(parts[1:], 1):
+        whole = crc32c_combine(whole, part, min(BLOCK, len(data) - i * BLOCK))
+    return [*parts, whole]
+
+
+def block_count(nbytes: int) -> int:
+    return -(-nbytes // BLOCK)
+
+
 class HeaderTemplate:
     """A header laid out before the checksums are known; ``render`` fills them in.
 
-    Built from ``pieces``, the aiosnap metadata JSON split where each tensor's checksum
-    goes (``"crc32c":"<hex>"`` belongs between pieces i and i+1), and ``entries``, the
-    safetensors entries without their braces. The checksums are fixed-width hex, so
-    the header is laid out once, with zeros, and rendering only overwrites them at
-    known offsets. Two compact objects (bytes and an offset array) cross to the
-    offload process cheaply, and a large one is never freed all at once.
+    Built from ``pieces`` of the aiosnap metadata JSON with a *hole* for checksums
+    between each two (``holes[i]`` checksums of 8 hex digits between pieces i and i+1:
+    an entry's whole checksum, or its block checksums), ``blocks`` (per entry, whether
+    it has block checksums) and ``entries``, the safetensors entries without their
+    braces. The checksums are fixed-width hex, so the header is laid out once, with
+    zeros, and rendering only overwrites them at known offsets. A few compact objects
+    (bytes and arrays) cross to the offload process cheaply, and a large one is never
+    freed all at once.
     """
 
-    def __init__(self, pieces: list[str], entries: str) -> None:
+    def __init__(self, pieces: list[str], holes: list[int], blocks: list[int], entries: str) -> None:
         # The metadata is stored as a JSON string inside the header: pieces are escaped.
-        slot_head, slot = '\\"crc32c\\":\\"', f'\\"crc32c\\":\\"{CRC_ZERO}\\"'
         escaped = [json_string(p)[1:-1] for p in pieces]
         start = f'{{"__metadata__":{{"{META_KEY}":"'
-        text = "".join(
-            [
-                start,
-                slot.join(escaped),
-                f'","{CRC_KEY}":"{CRC_ZERO}"}}',
-                "," if entries else "",
-                entries,
-                "}",
-            ]
-        ).encode()
+        parts = [start]
+        for piece, hole in zip(escaped, [*holes, 0], strict=True):
+            parts += [piece, CRC_ZERO * hole]
+        parts += [f'","{CRC_KEY}":"{CRC_ZERO}"}}', "," if entries else "", entries, "}"]
+        text = "".join(parts).encode()
         self.size = -(-(8 + len(text)) // ALIGN) * ALIGN
         self._bytes = struct.pack("<Q", self.size - 8) + text + b" " * (self.size - 8 - len(text))
-        pos, slots = 8 + len(start) + len(slot_head), array.array("q")
-        for piece in escaped[:-1]:
+        pos, at = 8 + len(start), array.array("q")
+        for piece, hole in zip(escaped, holes, strict=False):
             pos += len(piece)
-            slots.append(pos)
-            pos += len(slot)
-        self._slots = slots
+            at.extend(range(pos, pos + 8 * hole, 8))
+            pos += 8 * hole
+        self._holes = at  # where each checksum goes
+        self.blocks = array.array("q", blocks)
         self._crc_at = self._bytes.index(f'"{CRC_KEY}":"{CRC_ZERO}"'.encode()) + len(CRC_KEY) + 4
 
     def render(self, crcs: Sequence[int]) -> bytes:
-        """The first ``size`` bytes of the file, with these tensor checksums."""
+        """The first ``size`` bytes of the file, with these checksums (in hole order)."""
         raw = bytearray(self._bytes)
-        for at, crc in zip(self._slots, crcs, strict=True):
+        for at, crc in zip(self._holes, crcs, strict=True):
             raw[at : at + 8] = b"%08x" % crc
         raw[self._crc_at : self._crc_at + 8] = b"%08x" % crc32c(raw)
         return bytes(raw)
@@ -87,6 +142,32 @@ def seal(image: memoryview, template: HeaderTemplate, spans: Sequence[int]) -> l
     in turn) and write the header in front of them. Runs in the commit, after the caller
     has moved on."""
     start = template.size
-    crcs = [crc32c(image[start + spans[i] : start + spans[i + 1]]) for i in range(0, len(spans), 2)]
+    crcs: list[int] = []
+    for i in range(0, len(spans), 2):
+        crcs += entry_crcs(image[start + spans[i] : start + spans[i + 1]], template.blocks[i // 2])
     image[:start] = template.render(crcs)
     return crcs
+
+
+class EntryCrc:
+    """The checksums of an entry that arrives a piece at a time (a save in pieces)."""
+
+    def __init__(self, blocks: int) -> None:
+        self.blocks, self._parts, self._pos = blocks, [0], 0
+
+    def update(self, data: memoryview) -> None:
+        while len(data):
+            room = BLOCK - self._pos % BLOCK if self.blocks else len(data)
+            if self.blocks and self._pos and self._pos % BLOCK == 0:
+                self._parts.append(0)
+            piece, data = data[:room], data[room:]
+            self._parts[-1] = crc32c(piece, self._parts[-1])
+            self._pos += len(piece)
+
+    def values(self) -> list[int]:
+        if not self.blocks or not self._pos:
+            return self._parts
+        whole = self._parts[0]
+        for i, part in enumerate(self._parts[1:], 1):
+            whole = crc32c_combine(whole, part, min(BLOCK, self._pos - i * BLOCK))
+        return [*self._parts, whole]

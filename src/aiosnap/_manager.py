@@ -18,24 +18,25 @@ import logging
 import re
 import signal
 import string
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Self, final
+from typing import Any, Self, final
 
 import anyio
 import anyio.abc
-import torch.distributed as dist
 
 from . import _offload
 from ._backends import resolve
 from ._catalog import Catalog
-from ._coord import Turn
-from ._errors import CheckpointNotFoundError, CorruptCheckpointError, WriterClosedError
-from ._group import StepDirs, rank_file
+from ._channel import Channel, LocalChannel
+from ._errors import CheckpointError, WriterClosedError
+from ._group import has_step_dirs
 from ._handle import Failures, SaveFailure, SaveHandle, raise_first
-from ._load import load, load_into
-from ._ranks import Ranks
+from ._layouts import Files, Layout, StepDirectories
+from ._member import Member
+from ._messages import OpenReport
 from ._records import CheckpointRecord
 from ._retention import RetentionPolicy
 from ._storage import Lease, Storage
@@ -75,30 +76,47 @@ def _name_pattern(name: str) -> re.Pattern[str]:
     return re.compile("".join(parts))
 
 
+def _in_a_group(group: object) -> bool:
+    """Whether this process checkpoints with a group (torch.distributed is only looked at
+    if its user imported it)."""
+    if group is False:
+        return False
+    if group is not None:
+        return True
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
 @final
 class CheckpointManager(anyio.abc.AsyncResource):
     """Owns a checkpoint directory: saves through a writer, keeps an index, rotates, restores.
 
-    ``name`` is a format string with ``{step}`` and optionally ``{epoch}`` and ``{rank}``.
+    ``directory`` is a local path or a URL (``s3://bucket/run``). ``name`` is a format
+    string with ``{step}`` and optionally ``{epoch}`` and ``{rank}``.
     ``save_every=N`` saves when ``step % N == 0`` (step 0 included), at most once per
     step; or pass a Trigger (``aiosnap.triggers``); None saves at every call. ``keep``
     is a RetentionPolicy (``aiosnap.retention``); None keeps everything. The writer, a
     QueueWriter by default, must be passed unopened: the manager opens and closes it.
     One manager per directory: a second one gets DirectoryLockedError, through a lock
-    the OS drops when its holder dies.
+    the OS drops when its holder dies. ``read_only=True`` takes no lock and writes
+    nothing -- no save, no index, no sweeping, no corrupt marks -- so evaluation and
+    tooling can list, inspect and restore while training holds the directory.
 
     **Process groups.** When torch.distributed is initialised (or ``group=`` is given;
     ``group=False`` opts out), every rank of the group opens a manager on the same
-    directory (a shared filesystem) and calls the same methods in the same order.
-    Each step is then a directory (``name``, which must not use ``{rank}``) with one
-    file per rank, written in parallel, and a manifest that rank 0 writes last, once
-    every rank's file is durable. Rank 0 decides everything that must agree (which
-    step is latest, what a restore takes, retention, the index) and tells the others
-    over a gloo group the manager creates; every wait has a deadline of ``timeout``
-    seconds of silence, so a failed, dead or hung rank makes every live rank raise
-    RankFailedError naming it, instead of hanging. Tree paths matching a
-    ``replicated`` glob (``["model.*"]``) must hold the same values on every rank: rank
-    0 alone stores them and every rank reads them back, at any world size.
+    directory (a shared filesystem or an object store) and calls the same methods in
+    the same order. Each step is then a directory (``name``, which must not use
+    ``{rank}``) with one file per rank, written in parallel, and a manifest that rank 0
+    writes last, once every rank's file is durable. Rank 0 decides everything that must
+    agree (which step is latest, what a restore takes, retention, the index) and tells
+    the others over a gloo group the manager creates; every wait has a deadline of
+    ``timeout`` seconds of silence, so a failed, dead or hung rank makes every live rank
+    raise RankFailedError naming it, instead of hanging. DTensors (FSDP2, tensor
+    parallelism) are saved as each rank's shard, one copy of each, and restore into any
+    mesh and placements at any world size. Tree paths matching a ``replicated`` glob
+    (``["model.*"]``) must hold the same values on every rank: rank 0 alone stores them.
+    A process on its own that opens a directory of step directories reads and writes
+    them as a group of one.
     """
 
     def __init__(
@@ -112,48 +130,39 @@ class CheckpointManager(anyio.abc.AsyncResource):
         storage: Storage | None = None,
         rank: int = 0,
         allow_pickle: bool = False,
-        group: dist.ProcessGroup | Literal[False] | None = None,
+        group: Any = None,
         replicated: Sequence[str] = (),
         timeout: float = 300.0,
+        read_only: bool = False,
     ) -> None:
         self._storage, self.directory = resolve(directory, storage)
+        self.read_only = read_only
         self._writer: Writer = writer if writer is not None else QueueWriter(storage=self._storage)
         self._name = name
         self._pattern = _name_pattern(name)
         self._keep = keep
         self._trigger: Trigger | None = EveryNSteps(save_every) if isinstance(save_every, int) else save_every
         self._allow_pickle = allow_pickle
-        self._ranks: Ranks | None = None
-        if group is not False and (group is not None or (dist.is_available() and dist.is_initialized())):
+        self._group: Any = None
+        self._timeout = timeout
+        self._replicated = list(replicated)
+        if _in_a_group(group):
             if "{rank}" in name:
                 raise ValueError(f"name {name!r}: in a group each step is a directory; drop {{rank}}")
-            self._ranks = Ranks(
-                group,
-                storage=self._storage,
-                directory=directory,
-                replicated=replicated,
-                timeout=timeout,
-                allow_pickle=allow_pickle,
-            )
-            rank = self._ranks.rank
+            from . import _coord
+
+            self._group = None if group is None else group
+            rank, size = _coord.rank_and_size(self._group)
         elif replicated:
             raise ValueError("replicated= needs a process group")
+        else:
+            size = 1
         self.rank = rank
         #: The number of ranks that checkpoint together; None outside a group.
-        self.world_size: int | None = self._ranks.size if self._ranks is not None else None
+        self.world_size: int | None = size if _in_a_group(group) else None
+        self._size = size
+        self._member: Member | None = None
         self._catalog: Catalog | None = None
-        if self._ranks is None or rank == 0:
-            dirs = StepDirs(self._storage, directory, self._pattern) if self._ranks else None
-            self._catalog = Catalog(
-                self._storage,
-                directory,
-                self._pattern,
-                keep,
-                scan=dirs.scan if dirs else self._scan_files,
-                remove=dirs.remove if dirs else self._remove_file,
-            )
-            if self._ranks is not None:
-                self._ranks.catalog, self._ranks.dirs = self._catalog, dirs
         self._last: Moment | None = None
         self._pending: set[SaveHandle] = set()
         self._failures = Failures()
@@ -170,12 +179,30 @@ class CheckpointManager(anyio.abc.AsyncResource):
             raise WriterClosedError("a CheckpointManager can be opened only once")
         self._state = "opening"
         try:
-            if self._ranks is not None:
-                config = {"name": self._name, "replicated": self._ranks.replicated, "size": self._ranks.size}
-                await self._ranks.open(config, self._prepare)
-            else:
-                await self._prepare()
-            await self._writer.__aenter__()
+            layout = await self._layout()
+            if self.rank == 0:
+                self._catalog = Catalog(
+                    self._storage,
+                    self.directory,
+                    self._pattern,
+                    self._keep,
+                    scan=layout.scan,
+                    remove=layout.remove,
+                    writable=not self.read_only,
+                )
+            self._member = Member(
+                self._channels,
+                rank=self.rank,
+                size=self._size,
+                layout=layout,
+                catalog=self._catalog,
+                replicated=self._replicated,
+                where=self.directory,
+            )
+            config = OpenReport(self._name, self._replicated, self._size)
+            await self._member.open(config, self._prepare)
+            if not self.read_only:
+                await self._writer.__aenter__()
         except BaseException:
             await self._release()
             raise
@@ -184,21 +211,48 @@ class CheckpointManager(anyio.abc.AsyncResource):
         self._state = "open"
         return self
 
+    async def _layout(self) -> Layout:
+        """A directory per step in a group, or where a group left its checkpoints; else a
+        file per step."""
+        steps_are_dirs = self._group is not None or self.world_size is not None
+        if not steps_are_dirs:
+            steps_are_dirs = await _offload.run_io(
+                has_step_dirs, self._storage, self.directory, self._pattern
+            )
+        if steps_are_dirs:
+            if "{rank}" in self._name:
+                raise ValueError(
+                    f"name {self._name!r}: {self.directory} holds a directory per step; drop {{rank}}"
+                )
+            return StepDirectories(
+                self._storage, self.directory, self._pattern, self._allow_pickle, writable=not self.read_only
+            )
+        return Files(self._storage, self.directory, self._pattern, self.rank, self._allow_pickle)
+
+    async def _channels(self) -> tuple[Channel, Channel]:
+        if self.world_size is None:
+            return LocalChannel(), LocalChannel()
+        from . import _coord
+
+        return await _coord.channels(self._group, self._timeout)
+
     async def _prepare(self) -> None:
-        """Lock the directory, sweep what crashed saves left, load the index."""
+        """Lock the directory, sweep what crashed saves left, load the index (rank 0); a
+        reader only loads the index."""
         assert self._catalog is not None
-        self._lock = await _offload.run_io(self._storage.lease, self.directory, LEASE_TTL)
-        swept = await _offload.run_io(self._storage.sweep_incomplete, self.directory)
-        if swept:
-            logger.info("removed %d temp file(s) of crashed saves in %s", len(swept), self.directory)
+        if not self.read_only:
+            self._lock = await _offload.run_io(self._storage.lease, self.directory, LEASE_TTL)
+            swept = await _offload.run_io(self._storage.sweep_incomplete, self.directory)
+            if swept:
+                logger.info("removed %d temp file(s) of crashed saves in %s", len(swept), self.directory)
         await self._catalog.load()
 
     async def _release(self) -> None:
         self._state = "closed"
         if self._catalog is not None:
             self._catalog.close()
-        if self._ranks is not None:
-            await self._ranks.close()
+        if self._member is not None:
+            await _offload.run_coord(self._member.close)
         if self._lock is not None:
             self._lock.release()
 
@@ -213,7 +267,8 @@ class CheckpointManager(anyio.abc.AsyncResource):
         writer_error: Exception | None = None
         try:
             try:
-                await self._writer.aclose()  # raises (so reports) the writer's failures
+                if not self.read_only:
+                    await self._writer.aclose()  # raises (so reports) the writer's failures
             except Exception as exc:
                 writer_error = exc
             finally:
@@ -231,14 +286,16 @@ class CheckpointManager(anyio.abc.AsyncResource):
     async def flush(self) -> None:
         """Wait until every accepted save is committed, indexed and rotated; raise the
         first failure not reported yet (noting any others)."""
-        await self._writer.flush()
+        if not self.read_only:
+            await self._writer.flush()
         await self._wait_pending()
         self._raise_pending()
 
     def take_failures(self) -> list[SaveFailure]:
         """The failed saves (of the writer, the index, the group) not reported yet, oldest
         first; from now on they count as reported: no later call raises them."""
-        return self._writer.take_failures() + self._failures.take()
+        writer = [] if self.read_only else self._writer.take_failures()
+        return writer + self._failures.take()
 
     async def _wait_pending(self) -> None:
         for handle in list(self._pending):
@@ -277,10 +334,13 @@ class CheckpointManager(anyio.abc.AsyncResource):
 
         Returns once the state is captured. The handle resolves when the checkpoint is
         committed, indexed, and the retention it triggers is done; a save the triggers
-        did not call for resolves at once, skipped.
+        did not call for resolves at once, skipped. An earlier save's failure not yet
+        reported is raised here, after this save was accepted.
         """
         if self._state != "open":
             raise WriterClosedError("the manager is not open: use `async with manager:`")
+        if self.read_only:
+            raise CheckpointError(f"{self.directory}: this manager is read-only (read_only=True)")
         filename = self.filename(step, epoch)
         record = CheckpointRecord(
             step, filename, epoch, metrics=dict(metrics or {}), metadata=dict(metadata or {})
@@ -290,111 +350,66 @@ class CheckpointManager(anyio.abc.AsyncResource):
             handle = SaveHandle(self._storage.join(self.directory, filename))
             handle._skip()
             return handle
-        if self._ranks is not None:
-            outer = await self._save_in_group(record, state)
-        else:
-            inner = await self._accept(filename, self.directory, state)
-            self._last = Moment(step, epoch, time.monotonic())
-            outer = SaveHandle(inner.path)
-            self._pending.add(outer)
-            assert self._tg is not None
-            self._tg.start_soon(self._after_commit, inner, outer, record)
+        member, tg = self._member, self._tg
+        assert member is not None
+        assert tg is not None
+        # The turn is taken now, in program order, as every member does for this call;
+        # the vote that fills it runs in the background.
+        turn = member.votes.turn(f"save step {step}")
+        out_dir, file = member.layout.place(record, self.rank)
+        target = state if self.rank == 0 or not self._replicated else ExternalLeaves(state, member.matches)
+        outer = SaveHandle(self._storage.join(out_dir, file))
+        self._pending.add(outer)
+        try:
+            inner: SaveHandle | BaseException = await self._accept(file, out_dir, target)
+        except BaseException as exc:
+            # The other members vote on this step all the same: this one votes that it failed.
+            failure = (
+                exc if isinstance(exc, Exception) else WriterClosedError("this rank's save was cancelled")
+            )
+            tg.start_soon(self._vote, turn, failure, record, outer)
+            raise
+        self._last = Moment(step, epoch, time.monotonic())
+        tg.start_soon(self._vote, turn, inner, record, outer)
         # Earlier failures are raised only now: this call's own save is accepted, and goes on.
         self._raise_pending(accepted=outer.path)
         return outer
 
     async def _due(self, step: int, epoch: int | None) -> bool:
         due = self.should_save(step, epoch=epoch)
-        if self._ranks is not None and self._trigger is not None and not deterministic(self._trigger):
-            due = await self._ranks.agree_on_trigger(due)
+        if self._size > 1 and self._trigger is not None and not deterministic(self._trigger):
+            assert self._member is not None
+            due = await self._member.agree_on_trigger(due)
         return due
 
-    async def _save_in_group(self, record: CheckpointRecord, state: object) -> SaveHandle:
-        ranks, tg = self._ranks, self._tg
-        assert ranks is not None
-        assert tg is not None
-        # The turn is taken now, in program order, as every rank does for this call; the
-        # vote that fills it runs in the background.
-        turn = ranks.votes.turn(f"save step {record.step}")
-        step_dir = self._storage.join(self.directory, record.file)
-        target = state if ranks.rank == 0 or not ranks.replicated else ExternalLeaves(state, ranks.matches)
-        outer = SaveHandle(self._storage.join(step_dir, rank_file(ranks.rank)))
-        self._pending.add(outer)
-        try:
-            inner: SaveHandle | BaseException = await self._accept(rank_file(ranks.rank), step_dir, target)
-        except BaseException as exc:
-            failure = (
-                exc if isinstance(exc, Exception) else WriterClosedError("this rank's save was cancelled")
-            )
-            tg.start_soon(self._vote, turn, failure, record, outer)
-            raise
-        self._last = Moment(record.step, record.epoch, time.monotonic())
-        tg.start_soon(self._vote, turn, inner, record, outer)
-        return outer
-
     async def _vote(
-        self, turn: Turn, inner: SaveHandle | BaseException, record: CheckpointRecord, outer: SaveHandle
+        self, turn: Any, inner: SaveHandle | BaseException, record: CheckpointRecord, outer: SaveHandle
     ) -> None:
-        assert self._ranks is not None
+        assert self._member is not None
         path = outer.path
         try:
-            await self._ranks.vote(turn, inner, record, outer, lambda exc: self._failures.add(path, exc))
+            await self._member.vote(turn, inner, record, outer, lambda exc: self._failures.add(path, exc))
         finally:
             self._pending.discard(outer)
+            if not outer.done():
+                outer._fail(WriterClosedError("the manager closed before the save finished"))
 
     def filename(self, step: int, epoch: int | None = None) -> str:
         if epoch is None and "{epoch}" in self._name:
             raise ValueError(f"name {self._name!r} uses {{epoch}}: pass epoch=")
         return self._name.format(step=step, epoch=epoch, rank=self.rank)
 
-    async def _after_commit(self, inner: SaveHandle, outer: SaveHandle, record: CheckpointRecord) -> None:
-        try:
-            stats = await inner._outcome()
-            if isinstance(stats, SaveFailure):
-                outer._fail(stats)  # one failure, shared: reported once, by either
-                return
-            if stats.skipped:
-                outer._finish(stats)
-                return
-            try:
-                assert self._catalog is not None
-                await self._catalog.add(record, stats)
-            except Exception as exc:
-                logger.error("indexing or rotation after step %d failed: %r", record.step, exc)
-                outer._fail(self._failures.add(outer.path, exc))
-            else:
-                outer._finish(stats)
-        finally:
-            self._pending.discard(outer)
-            if not outer.done():
-                outer._fail(WriterClosedError("the manager closed before the save finished"))
-
-    # -- the single-process layout: a file per step ---------------------------------------
-    async def _scan_files(self) -> dict[int, str]:
-        entries = await _offload.run_io(self._storage.list, self.directory)
-        on_disk: dict[int, str] = {}
-        for name in (e.name for e in entries if not e.is_dir):
-            m = self._pattern.fullmatch(name)
-            if m is None or int(m.groupdict().get("rank") or self.rank) != self.rank:
-                continue
-            on_disk[int(m.group("step"))] = name
-        return on_disk
-
-    async def _remove_file(self, name: str) -> None:
-        await _offload.run_io(self._storage.delete, self._storage.join(self.directory, name))
-
     # -- reading -------------------------------------------------------------------------
     async def steps(self) -> list[int]:
         """Steps of the committed checkpoints that have not failed verification, oldest
         first. A save still being written, or one that failed, is not listed: a step
         appears once its checkpoint is durable and indexed (its handle has resolved)."""
-        if self._ranks is not None:
-            return list(await self._ranks.ask("steps", lambda: self._steps()))
-        return self._steps()
+        assert self._member is not None
+        return list(await self._member.ask("steps", lambda: self._rank0().steps()))
 
-    def _steps(self) -> list[int]:
+    def _rank0(self) -> Catalog:
         assert self._catalog is not None
-        return self._catalog.steps()
+        return self._catalog
 
     async def latest_step(self) -> int | None:
         steps = await self.steps()
@@ -402,54 +417,33 @@ class CheckpointManager(anyio.abc.AsyncResource):
 
     async def history(self) -> list[CheckpointRecord]:
         """Every commit this directory has seen (up to HISTORY_LIMIT), oldest first."""
-        if self._ranks is not None:
-            raw = await self._ranks.ask("history", lambda: [r.to_json() for r in self._history()])
-            return [CheckpointRecord.from_json(r) for r in raw]
-        return self._history()
-
-    def _history(self) -> list[CheckpointRecord]:
-        assert self._catalog is not None
-        return list(self._catalog.history)
+        assert self._member is not None
+        raw = await self._member.ask("history", lambda: [r.to_json() for r in self._rank0().history])
+        return [CheckpointRecord.from_json(r) for r in raw]
 
     async def restore(
-        self, step: int | None = None, *, target: Any = None, keys: Sequence[str] | None = None
+        self,
+        step: int | None = None,
+        *,
+        target: Any = None,
+        keys: Sequence[str] | None = None,
+        strict: bool = True,
     ) -> Restored:
         """Load the latest (or the given) step, verifying it as it is read.
 
-        If the latest checkpoint fails verification it is logged, marked, and the
-        newest valid older one is tried; CheckpointNotFoundError only when none is valid.
-        With ``target``, the state is loaded into it in place (only once it verified).
-        In a group, every rank gets the same step, and its own part of it.
+        If the latest checkpoint fails verification it is logged, marked (by a manager
+        that writes), and the newest valid older one is tried; CheckpointNotFoundError
+        only when none is valid. With ``target``, the state is loaded into it in place;
+        ``keys`` restricts what is loaded (with or without a target); with
+        ``strict=False`` the target's entries are loaded and the checkpoint's others
+        ignored. In a group, every rank gets the same step, and its own part of it: the
+        DTensors of its target filled from the shards of any world size; state that
+        differed between the ranks that saved it only at the same world size
+        (StateMismatchError, on every rank, names it otherwise).
         """
-        if target is not None and keys is not None:
-            raise ValueError("restore takes target or keys, not both")
-        if self._ranks is not None:
-            found, path, state = await self._ranks.restore(step, target, keys)
-            return Restored(found.step, found.epoch, path, state)
-        assert self._catalog is not None
-        candidates = [step] if step is not None else sorted(self._catalog.steps(), reverse=True)
-        for candidate in candidates:
-            record = self._catalog.records.get(candidate)
-            if record is None:  # only an explicit step can be unknown
-                raise CheckpointNotFoundError(self._storage.join(self.directory, f"<step {candidate}>"))
-            path = self._storage.join(self.directory, record.file)
-            try:
-                state = await self._load(path, target, keys)
-            except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
-                logger.warning(
-                    "checkpoint %s failed verification (%s); falling back to an older one", path, exc
-                )
-                await self._catalog.mark_corrupt(candidate, str(exc))
-                if step is not None:
-                    raise
-                continue
-            return Restored(candidate, record.epoch, path, state)
-        raise CheckpointNotFoundError(self.directory, f"no valid checkpoint in {self.directory!r}")
-
-    async def _load(self, path: str, target: Any, keys: Sequence[str] | None) -> Any:
-        if target is not None:
-            return await load_into(path, target, allow_pickle=self._allow_pickle, storage=self._storage)
-        return await load(path, keys=keys, allow_pickle=self._allow_pickle, storage=self._storage)
+        assert self._member is not None
+        found, path, state = await self._member.restore(step, target, keys, strict)
+        return Restored(found.step, found.epoch, path, state)
 
     # -- saving when things go wrong -----------------------------------------------------
     def save_on_signal(

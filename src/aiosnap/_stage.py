@@ -29,7 +29,7 @@ from . import _dtypes, _format, _offload
 from ._device import DeviceCopier, as_copyable, host_view
 from ._errors import WriterClosedError
 from ._format import TensorInfo
-from ._header import ALIGN, HeaderTemplate, crc32c
+from ._header import ALIGN, EntryCrc, HeaderTemplate
 from ._storage import Upload
 from ._tree import Leaf, Snapshot, capture
 
@@ -253,10 +253,11 @@ def plan(snapshot: Snapshot) -> Plan:
     infos, pos = [], 0
     for leaf in leaves:
         dtype, shape, nbytes = _describe(leaf)
-        infos.append(TensorInfo(leaf.name, leaf.kind, dtype, shape, pos, pos + nbytes, 0))
+        infos.append(TensorInfo(leaf.name, leaf.kind, dtype, shape, pos, pos + nbytes, 0, leaf.shard))
         pos += nbytes
     external = [
-        TensorInfo(leaf.name, leaf.kind, *_describe(leaf)[:2], 0, 0, None) for leaf in snapshot.external
+        TensorInfo(leaf.name, leaf.kind, *_describe(leaf)[:2], 0, 0, None, leaf.shard)
+        for leaf in snapshot.external
     ]
     return Plan(leaves, infos, _format.header_template(infos, snapshot.tree, external), snapshot.tree)
 
@@ -327,9 +328,10 @@ def write_in_pieces(layout: Plan, upload: Upload, piece: int, stop: Callable[[],
     the checksums. ``stop()`` is asked before each piece."""
     buffer = Arena(max(ALIGN, piece // ALIGN * ALIGN), shared=False)
     try:
-        crcs, filled, file_pos = [], 0, layout.data_start
-        for leaf, info in zip(layout.leaves, layout.tensors, strict=True):
-            crc, flat = 0, _flat_bytes(leaf)
+        crcs: list[int] = []
+        filled, file_pos = 0, layout.data_start
+        for i, (leaf, info) in enumerate(zip(layout.leaves, layout.tensors, strict=True)):
+            crc, flat = EntryCrc(layout.template.blocks[i]), _flat_bytes(leaf)
             for lo in range(0, info.nbytes, buffer.capacity):
                 if stop():
                     raise WriterClosedError("the caller was cancelled during a save in pieces")
@@ -338,9 +340,9 @@ def write_in_pieces(layout: Plan, upload: Upload, piece: int, stop: Callable[[],
                     upload.write_at(file_pos, buffer.view(0, filled))
                     file_pos, filled = file_pos + filled, 0
                 buffer.array[filled : filled + len(chunk)] = chunk
-                crc = crc32c(buffer.view(filled, filled + len(chunk)), crc)
+                crc.update(buffer.view(filled, filled + len(chunk)))
                 filled += len(chunk)
-            crcs.append(crc)
+            crcs += crc.values()
         upload.write_at(file_pos, buffer.view(0, filled))
         upload.write_at(0, memoryview(layout.template.render(crcs)))
     finally:

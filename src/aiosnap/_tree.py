@@ -16,6 +16,7 @@ Node encoding (JSON):
     dict                      -> {"$": "dict", "items": [[key-node, node], ...]}
     bytes                     -> {"$": "bytes", "v": base64}
     torch.Tensor              -> {"$": "tensor", "n": name}
+    DTensor                   -> {"$": "dtensor", "n": name}  (this rank's shard; see _shards)
     numpy.ndarray / scalar    -> {"$": "ndarray" | "npscalar", "n": name}
     anything else (opt-in)    -> {"$": "pickle", "n": name}
 """
@@ -34,13 +35,14 @@ import torch
 from ._dtypes import is_storable_torch, numpy_file_dtype
 from ._errors import UnsupportedTypeError
 from ._header import json_string
+from ._shards import is_dtensor, shard_of
 
 Node = Any  # a JSON value, as described in the module docstring
 _KEY_TYPES = (str, int, float, bool, type(None))
 #: At most this many containers nest, at capture and at load: every walk of a tree is
 #: then bounded, whatever a file says.
 MAX_DEPTH = 100
-LEAF_TAGS = frozenset(("tensor", "ndarray", "npscalar", "pickle"))
+LEAF_TAGS = frozenset(("tensor", "dtensor", "ndarray", "npscalar", "pickle"))
 _FLOAT_WORDS = ("nan", "inf", "-inf")
 _PLAIN_TENSORS = tuple(
     cls for cls in (torch.Tensor, torch.nn.Parameter, getattr(torch.nn, "Buffer", None)) if cls
@@ -54,6 +56,8 @@ class Leaf:
     name: str
     kind: str  # "tensor" | "ndarray" | "npscalar" | "pickle"
     value: Any
+    #: A shard of a DTensor: the whole's shape and this box's offsets in it.
+    shard: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
 
 @dataclass(slots=True)
@@ -126,6 +130,8 @@ class _Capture:
             text = float.__repr__(obj)
             return text if math.isfinite(obj) else f'{{"$":"float","v":"{text}"}}'
         if isinstance(obj, torch.Tensor):
+            if is_dtensor(obj):
+                return self.dtensor(obj, path)
             return self.tensor(obj, path)
         if isinstance(obj, np.ndarray):
             if type(obj) not in (np.ndarray, np.memmap):
@@ -180,6 +186,28 @@ class _Capture:
             t.stride(),
         )
         return f'{{"$":"tensor","n":{json_string(self.leaf(key, t, path, "tensor"))}}}'
+
+    def dtensor(self, t: Any, path: tuple[object, ...]) -> str:
+        """This rank's shard of a DTensor: stored if this rank is its replica group's
+        writer, else only described (external), as another rank's file stores it."""
+        key = ("dtensor", id(t))
+        if key not in self.aliases:
+            where = format_path(path)
+            shard = shard_of(t, where)
+            problem = _tensor_problem(shard.local) if shard is not None else ""
+            if problem:
+                raise UnsupportedTypeError(f"the DTensor at {where}: {problem}")
+            if shard is None:  # this rank is not in its mesh: it holds nothing of it
+                whole = tuple(int(n) for n in t.shape)
+                local, meta = t.to_local(), (whole, (0,) * len(whole))
+            else:
+                local, meta = shard.local, (shard.shape, shard.box.offsets)
+            name = self.unique_name(where)
+            stored = shard is not None and shard.writer
+            kept = self.snapshot.leaves if stored else self.snapshot.external
+            kept.append(Leaf(name, "tensor", local, meta))
+            self.aliases[key] = name
+        return f'{{"$":"dtensor","n":{json_string(self.aliases[key])}}}'
 
     def array(self, a: np.ndarray[Any, Any] | np.generic, path: tuple[object, ...], kind: str) -> str:
         if numpy_file_dtype(a.dtype) is None:
@@ -331,21 +359,30 @@ def _str(
     return value
 
 
-def walk_leaves(node: Node, path: tuple[object, ...] = ()) -> Iterator[tuple[tuple[object, ...], str, str]]:
-    """Yield (path, kind, name) of every leaf reference; keys are decoded as in rebuild."""
+def walk_nodes(node: Node, path: tuple[object, ...] = ()) -> Iterator[tuple[tuple[object, ...], Node]]:
+    """Yield (path, node) of every leaf of a checked tree: the references to stored
+    values and the plain values; keys are decoded as in rebuild."""
     if isinstance(node, list):
         for i, v in enumerate(node):
-            yield from walk_leaves(v, (*path, i))
-    elif isinstance(node, dict):
-        tag = node.get("$")
-        if tag == "dict":
-            for key_node, value in dict_items(node, path):
-                yield from walk_leaves(value, (*path, decode_key(key_node, path)))
-        elif tag == "tuple":
-            for i, v in enumerate(sequence_values(node, path)):
-                yield from walk_leaves(v, (*path, i))
-        elif tag in LEAF_TAGS:
-            yield path, tag, _str(node, "n", path)
+            yield from walk_nodes(v, (*path, i))
+        return
+    tag = node.get("$") if isinstance(node, dict) else None
+    if tag == "dict":
+        for key_node, value in dict_items(node, path):
+            yield from walk_nodes(value, (*path, decode_key(key_node, path)))
+    elif tag == "tuple":
+        for i, v in enumerate(sequence_values(node, path)):
+            yield from walk_nodes(v, (*path, i))
+    else:
+        yield path, node
+
+
+def walk_leaves(node: Node, path: tuple[object, ...] = ()) -> Iterator[tuple[tuple[object, ...], str, str]]:
+    """Yield (path, kind, name) of every reference to a stored value."""
+    for where, leaf in walk_nodes(node, path):
+        tag = leaf.get("$") if isinstance(leaf, dict) else None
+        if tag in LEAF_TAGS:
+            yield where, tag, _str(leaf, "n", where)
 
 
 def _no_leaf(kind: str, name: str, path: tuple[object, ...]) -> object:

@@ -1,0 +1,112 @@
+"""What ranks tell each other: small frozen dataclasses, sent as JSON.
+
+Messages cross between processes, so decoding checks every field against its
+annotation; a message that does not fit is refused (ValueError), never half used.
+Nothing here is pickled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar, get_args, get_origin
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class OpenReport:
+    """A rank's configuration at open: every rank must agree with rank 0's."""
+
+    name: str
+    replicated: list[str]
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class ShardBox:
+    """One box of a DTensor entry a rank stored: the tree path, the entry's name in the
+    rank's file, the dtype, the whole's shape and the box."""
+
+    path: str
+    name: str
+    dtype: str
+    shape: list[int]
+    offsets: list[int]
+    lengths: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class FileReport:
+    """A rank's part of a save, once its file is durable (or why there is none)."""
+
+    skipped: bool = False
+    checksum: str = ""  # the crc32c of the file's header: a summary of every byte
+    bytes: int = 0
+    #: Count and digest of the replicated entries it describes (they must agree).
+    replicated: list[str] = field(default_factory=list)
+    shards: list[ShardBox] = field(default_factory=list)
+    #: Tree path -> digest of every leaf that is not a shard: rank 0 learns which of
+    #: them differ between ranks (per-rank state), and which are the same everywhere.
+    leaves: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    """How a rank's part of a restore went."""
+
+    outcome: Literal["ok", "corrupt", "mismatch"]
+    reason: str = ""
+
+
+def encode(message: Any) -> Any:
+    """A message as JSON-ready values."""
+    return dataclasses.asdict(message)
+
+
+def decode(cls: type[T], data: Any) -> T:
+    """``data`` as a ``cls``, every field checked; ValueError if it does not fit."""
+    return typing.cast(T, _value(cls, data, cls.__name__))
+
+
+def _value(kind: Any, data: Any, where: str) -> Any:
+    origin = get_origin(kind)
+    if dataclasses.is_dataclass(kind):
+        if not isinstance(data, dict):
+            raise ValueError(f"{where}: not an object")
+        hints = typing.get_type_hints(kind)
+        names = {f.name for f in dataclasses.fields(kind)}
+        if not set(data) <= names:
+            raise ValueError(f"{where}: unknown fields {sorted(set(data) - names)}")
+        make: Any = kind
+        return make(**{n: _value(hints[n], data[n], f"{where}.{n}") for n in names if n in data})
+    if origin is list:
+        (item,) = get_args(kind)
+        if not isinstance(data, list):
+            raise ValueError(f"{where}: not a list")
+        return [_value(item, v, f"{where}[{i}]") for i, v in enumerate(data)]
+    if origin is dict:
+        _, item = get_args(kind)
+        if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
+            raise ValueError(f"{where}: not a map of strings")
+        return {k: _value(item, v, f"{where}.{k}") for k, v in data.items()}
+    if origin is Literal:
+        if data not in get_args(kind):
+            raise ValueError(f"{where}: {data!r} is not one of {get_args(kind)}")
+        return data
+    if origin in (types.UnionType, typing.Union):
+        for option in get_args(kind):
+            try:
+                return _value(option, data, where)
+            except ValueError:
+                continue
+        raise ValueError(f"{where}: {data!r} fits none of {kind}")
+    if kind is type(None):
+        if data is not None:
+            raise ValueError(f"{where}: not null")
+        return None
+    if kind in (int, str, bool) and type(data) is kind:
+        return data
+    raise ValueError(f"{where}: {data!r:.60} is not a {getattr(kind, '__name__', kind)}")

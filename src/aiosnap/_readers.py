@@ -1,0 +1,300 @@
+"""Reading the values a tree refers to, verified, into the memory they end up in.
+
+Plain entries are read in file order, neighbours with one scattered read, straight
+into the tensors and arrays that are returned (or the target's own, for
+``load_into``). External entries come from the file of replicated entries. A DTensor
+of a group checkpoint is read from the boxes the manifest indexes: only the byte runs
+that overlap the box wanted (the target's local shard, or the whole), each checked
+against the checksums of the blocks it lies in.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import _dtypes, _offload
+from ._device import as_copyable
+from ._errors import CorruptCheckpointError, PickleNotAllowedError, StateMismatchError
+from ._format import Header, TensorInfo
+from ._group import SavedTensor
+from ._header import BLOCK, crc32c
+from ._shards import Box, Run, is_dtensor, runs, shard_of
+from ._storage import Reader
+from ._targets import Destinations
+from ._tree import format_path, walk_leaves
+
+#: Neighbouring entries are read together, up to this many bytes and buffers per read.
+READ_GROUP = 64 << 20
+READ_IOVECS = 512
+#: Bytes of shard read through a scratch buffer at a time (partial reads, devices).
+SCRATCH = 64 << 20
+
+MapLocation = str | torch.device | None
+#: Opens rank file ``i`` of the step (cached by the caller), checked against the manifest.
+OpenRank = Callable[[int], tuple[Reader, Header]]
+
+
+@dataclass(frozen=True, slots=True)
+class Shards:
+    """A group checkpoint's DTensors, for a reader: where their boxes lie."""
+
+    index: dict[str, SavedTensor]
+    open: OpenRank
+
+
+class EntryReader:
+    """Reads the leaves a tree refers to: from the file, external ones from the file of
+    replicated entries, DTensors from their boxes; checking that each is the entry the
+    tree describes."""
+
+    def __init__(
+        self,
+        f: Reader,
+        header: Header,
+        map_location: MapLocation,
+        allow_pickle: bool,
+        shards: Shards | None = None,
+    ) -> None:
+        self.sources: list[tuple[Reader, Header]] = [(f, header)]
+        self.map_location, self.allow_pickle, self.shards = map_location, allow_pickle, shards
+        self.made: dict[str, object] = {}
+
+    def add_replicas(self, f: Reader, header: Header) -> None:
+        own = self.sources[0][1]
+        for name, want in own.external.items():
+            have = header.tensors.get(name)
+            if have is not None and want.shard is None and _spec(have) != _spec(want):
+                raise CorruptCheckpointError(
+                    f.path,
+                    f"replicated entry {name!r} is {have.dtype} {have.shape}, not {want.dtype} {want.shape}",
+                )
+        self.sources.append((f, header))
+
+    def source(self, name: str) -> int:
+        if name in self.sources[0][1].tensors:
+            return 0
+        if len(self.sources) > 1 and name in self.sources[0][1].external:
+            if name not in self.sources[1][1].tensors:
+                raise CorruptCheckpointError(self.sources[1][0].path, f"no replicated entry {name!r}")
+            return 1
+        if name in self.sources[0][1].external:
+            raise CorruptCheckpointError(
+                self.sources[0][0].path,
+                f"entry {name!r} is stored in another rank's file: load the step directory",
+            )
+        raise ValueError(f"the tree refers to a missing tensor {name!r}")
+
+    def lookup(self, name: str) -> TensorInfo | None:
+        try:
+            return self.sources[self.source(name)][1].tensors[name]
+        except (ValueError, CorruptCheckpointError):
+            return None
+
+    def resolve(self, kind: str, name: str, path: tuple[object, ...]) -> object:
+        return self.made[name]  # prefetch() read every leaf the tree refers to
+
+    def prefetch(self, tree: Any, dests: Destinations) -> None:
+        """Check every leaf the tree refers to, then read them all in file order.
+
+        Neighbouring entries are read with one scattered read each, straight into the
+        memory of the tensors and arrays that will be returned; checksums follow.
+        """
+        wanted: dict[str, TensorInfo] = {}
+        sharded: dict[str, tuple[str, SavedTensor]] = {}
+        by_source: list[list[TensorInfo]] = [[] for _ in self.sources]
+        for path, kind, name in walk_leaves(tree):
+            if name in wanted or name in sharded:
+                continue
+            where = format_path(path)
+            if kind == "dtensor" and self.shards is not None and where in self.shards.index:
+                sharded[name] = (where, self.shards.index[where])
+                continue
+            src = self.source(name)
+            info = self.sources[src][1].tensors[name]
+            if info.kind != ("tensor" if kind == "dtensor" else kind) or (kind == "dtensor") != bool(
+                info.shard
+            ):
+                raise ValueError(f"{where} is a {kind} but {name!r} is not")
+            if kind == "pickle" and not self.allow_pickle:
+                raise PickleNotAllowedError(
+                    f"{self.sources[src][0].path}: {where} is pickled; loading it runs code "
+                    "from the file, so it needs allow_pickle=True"
+                )
+            wanted[name] = info
+            by_source[src].append(info)
+        with _offload.gc_paused():  # thousands of small tensors, all kept
+            made = {name: dests.direct.get(name) or _allocate(info) for name, info in wanted.items()}
+        for (f, header), infos in zip(self.sources, by_source, strict=True):
+            self.read_all(f, header, sorted(infos, key=lambda i: i.start), made)
+        self.made = {name: self.finish(wanted[name], obj) for name, (obj, _) in made.items()}
+        for name, (where, saved) in sharded.items():
+            self.made[name] = self.read_dtensor(saved, dests.shards.get(name), where)
+
+    def read_all(
+        self, f: Reader, header: Header, infos: list[TensorInfo], made: dict[str, tuple[Any, Any]]
+    ) -> None:
+        group: list[TensorInfo] = []
+        for info in infos:
+            if group and (
+                info.start != group[-1].end
+                or len(group) >= READ_IOVECS
+                or info.end - group[0].start > READ_GROUP
+            ):
+                _read_group(f, header, group, made)
+                group = []
+            group.append(info)
+        if group:
+            _read_group(f, header, group, made)
+
+    def finish(self, info: TensorInfo, obj: Any) -> object:
+        if info.kind == "tensor":
+            return obj if self.map_location is None else obj.to(self.map_location)
+        if info.kind == "pickle":
+            return pickle.loads(obj.tobytes())  # the caller opted in
+        return obj[()] if info.kind == "npscalar" else obj
+
+    # -- DTensors ---------------------------------------------------------------------------
+    def read_dtensor(self, saved: SavedTensor, target: Any, where: str) -> Any:
+        """Fill ``target`` (a DTensor: its local shard; a tensor: the whole) from the
+        saved boxes, or assemble the whole tensor when there is no target."""
+        dtype, shape = _dtypes.TORCH_DTYPES[saved.dtype], tuple(saved.shape)
+        if target is not None and (tuple(target.shape) != shape or target.dtype != dtype):
+            raise StateMismatchError(
+                f"{where}: checkpoint has {dtype} {shape}, target {target.dtype} {tuple(target.shape)}"
+            )
+        if is_dtensor(target):
+            mine = shard_of(target, where)
+            if mine is not None:
+                self._fill(saved, mine.local, mine.box, where)
+            return target
+        whole = target if target is not None else torch.empty(shape, dtype=dtype)
+        self._fill(saved, whole, Box((0,) * len(shape), shape), where)
+        if target is None and self.map_location is not None:
+            return whole.to(self.map_location)
+        return whole
+
+    def _fill(self, saved: SavedTensor, local: torch.Tensor, box: Box, where: str) -> None:
+        assert self.shards is not None
+        itemsize = local.element_size()
+        for sb in saved.boxes:
+            pieces = [r for run in runs(sb.box, box, itemsize) for r in split(run, SCRATCH, itemsize)]
+            if not pieces:
+                continue
+            f, header = self.shards.open(sb.file)
+            info = header.tensors.get(sb.name)
+            if (
+                info is None
+                or info.shard != (tuple(saved.shape), tuple(sb.offsets))
+                or (list(info.shape) != sb.lengths or info.dtype != saved.dtype)
+            ):
+                raise CorruptCheckpointError(f.path, f"does not hold the box of {where} its manifest says")
+            _BoxReader(f, header.data_start, info, local).read(pieces)
+
+
+class _BoxReader:
+    """Reads runs of one saved box into a local tensor, verifying what it reads."""
+
+    def __init__(self, f: Reader, data_start: int, info: TensorInfo, local: torch.Tensor) -> None:
+        self.f, self.info, self.local = f, info, local
+        self.base = data_start + info.start
+
+    def read(self, pieces: list[Run]) -> None:
+        if self.info.blocks is None:  # small: read it whole, once, and check it whole
+            buf = np.empty(self.info.nbytes, dtype=np.uint8)
+            self.f.readinto(self.base, buf.data)
+            if crc32c(buf.data) != self.info.crc:
+                raise CorruptCheckpointError(self.f.path, f"checksum mismatch in tensor {self.info.name!r}")
+            for run in pieces:
+                self._copy(run, buf[run.src : run.src + run.nbytes])
+            return
+        for run in pieces:
+            lo, hi = (
+                run.src // BLOCK * BLOCK,
+                min(self.info.nbytes, -(-(run.src + run.nbytes) // BLOCK) * BLOCK),
+            )
+            dest = self._view(run)
+            if (lo, hi) == (run.src, run.src + run.nbytes) and _is_host_contiguous(dest):
+                raw = _bytes_of(dest).data  # the run is whole blocks: read in place
+                self.f.readinto(self.base + lo, raw)
+                self._check(lo, raw)
+            else:
+                buf = np.empty(hi - lo, dtype=np.uint8)
+                self.f.readinto(self.base + lo, buf.data)
+                self._check(lo, buf.data)
+                self._copy(run, buf[run.src - lo : run.src - lo + run.nbytes])
+
+    def _check(self, lo: int, raw: memoryview) -> None:
+        assert self.info.blocks is not None
+        first = lo // BLOCK
+        got = [crc32c(raw[i : i + BLOCK]) for i in range(0, len(raw), BLOCK)]
+        if got != list(self.info.blocks[first : first + len(got)]):
+            raise CorruptCheckpointError(self.f.path, f"checksum mismatch in tensor {self.info.name!r}")
+
+    def _view(self, run: Run) -> torch.Tensor:
+        k = len(run.dst) - len(run.shape)
+        index = tuple(run.dst[:k]) + tuple(
+            slice(d, d + n) for d, n in zip(run.dst[k:], run.shape, strict=True)
+        )
+        return self.local[index] if index else self.local
+
+    def _copy(self, run: Run, raw: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
+        dest = self._view(run)
+        src = as_copyable(torch.from_numpy(raw).view(self.local.dtype)).view(run.shape)
+        with torch.no_grad():
+            as_copyable(dest).copy_(src)
+
+
+def _is_host_contiguous(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+
+
+def _bytes_of(t: torch.Tensor) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    raw: np.ndarray[Any, np.dtype[np.uint8]] = as_copyable(t.detach()).reshape(-1).view(torch.uint8).numpy()
+    return raw
+
+
+def split(run: Run, limit: int, itemsize: int) -> Iterator[Run]:
+    """``run`` in pieces of at most ``limit`` bytes (but never less than one element),
+    cut along its leading dimensions, so each piece still lands in one box."""
+    if run.nbytes <= limit or not run.shape:
+        yield run
+        return
+    k = len(run.dst) - len(run.shape)
+    rows, row_bytes = run.shape[0], run.nbytes // run.shape[0]
+    if row_bytes <= limit:
+        step = max(1, limit // row_bytes)
+        for i in range(0, rows, step):
+            n = min(step, rows - i)
+            dst = (*run.dst[:k], run.dst[k] + i, *run.dst[k + 1 :])
+            yield Run(run.src + i * row_bytes, n * row_bytes, dst, (n, *run.shape[1:]))
+        return
+    for i in range(rows):  # a row alone is too long: one row at a time, cut further
+        dst = (*run.dst[:k], run.dst[k] + i, *run.dst[k + 1 :])
+        yield from split(Run(run.src + i * row_bytes, row_bytes, dst, run.shape[1:]), limit, itemsize)
+
+
+def _spec(info: TensorInfo) -> tuple[str, str, tuple[int, ...]]:
+    return info.kind, info.dtype, info.shape
+
+
+def _read_group(f: Reader, header: Header, group: list[TensorInfo], made: dict[str, tuple[Any, Any]]) -> None:
+    views = [memoryview(made[info.name][1]) for info in group]
+    f.read_batch([(header.data_start + group[0].start, views)])
+    for info, view in zip(group, views, strict=True):
+        if info.crc is not None and crc32c(view) != info.crc:
+            raise CorruptCheckpointError(f.path, f"checksum mismatch in tensor {info.name!r}")
+
+
+def _allocate(info: TensorInfo) -> tuple[Any, np.ndarray[Any, np.dtype[np.uint8]]]:
+    """The object an entry becomes, and its bytes as a flat uint8 array to read into."""
+    if info.kind == "tensor":
+        tensor = torch.empty(info.shape, dtype=_dtypes.TORCH_DTYPES[info.dtype])
+        return tensor, tensor.reshape(-1).view(torch.uint8).numpy()
+    array = np.empty(info.shape, dtype=np.dtype(info.dtype))
+    return array, array.reshape(-1).view(np.uint8)

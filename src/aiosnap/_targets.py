@@ -1,0 +1,204 @@
+"""``load_into``: where what is read lands in the caller's objects.
+
+Before anything is read, the target and the saved tree are walked together to find
+the tensors and arrays that can be read straight into their own memory, and the
+DTensors whose local shards are filled from the saved boxes that overlap them.
+Stateful objects are walked through their ``state_dict()``: the tensors it returns
+share memory with the live parameters and optimizer state, so they are filled in
+place, and ``load_state_dict`` then gets them back with everything else. After the
+read, what is left is assigned in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import _dtypes
+from ._errors import StateMismatchError
+from ._format import TensorInfo
+from ._shards import is_dtensor
+from ._tree import decode_key, dict_items, format_path, is_stateful, sequence_values
+
+
+@dataclass(slots=True)
+class Destinations:
+    """What a load fills in place."""
+
+    #: Entry name -> (the target tensor or array, its bytes as a flat uint8 array).
+    direct: dict[str, tuple[Any, np.ndarray[Any, np.dtype[np.uint8]]]] = field(default_factory=dict)
+    #: Entry name of a DTensor node -> the target tensor (a DTensor, or a whole tensor).
+    shards: dict[str, Any] = field(default_factory=dict)
+    #: Dotted tree paths of the leaves the target has a place for.
+    held: set[str] = field(default_factory=set)
+    #: The state dicts of Stateful targets, taken once (id of the object -> its state).
+    states: dict[int, Any] = field(default_factory=dict)
+
+
+def find(target: Any, node: Any, lookup: Any, out: Destinations, path: tuple[object, ...] = ()) -> None:
+    """Walk ``target`` and the saved ``node`` together, filling ``out``. ``lookup(name)``
+    is the TensorInfo of an entry (or None)."""
+    tag = node.get("$") if isinstance(node, dict) else None
+    if is_stateful(target) and not isinstance(target, torch.Tensor):
+        find(state_of(target, out), node, lookup, out, path)
+        return
+    if tag == "dict" and isinstance(target, dict):
+        for key_node, value in dict_items(node):
+            key = decode_key(key_node)
+            if key in target:
+                find(target[key], value, lookup, out, (*path, key))
+        return
+    if isinstance(target, (list, tuple)) and (isinstance(node, list) or tag == "tuple"):
+        values = sequence_values(node)
+        if len(values) == len(target):
+            for i, (sub_target, sub_node) in enumerate(zip(target, values, strict=True)):
+                find(sub_target, sub_node, lookup, out, (*path, i))
+        return
+    if tag in ("dict", "tuple") or isinstance(node, list):
+        return  # a container where the target has none: assign reports it
+    out.held.add(format_path(path))
+    if tag == "dtensor" and isinstance(target, torch.Tensor):
+        out.shards.setdefault(node.get("n"), target)
+    elif tag in ("tensor", "ndarray"):
+        info = lookup(node.get("n"))
+        if info is not None and info.kind == tag and info.name not in out.direct:
+            flat = direct_view(target, info)
+            if flat is not None:
+                out.direct[info.name] = (target, flat)
+
+
+def state_of(target: Any, out: Destinations) -> Any:
+    """A Stateful target's state dict, taken once per load. An optimizer over DTensors
+    with no state yet gets it first (a zero-lr step, as DCP does), so that its state has
+    the placements to restore into."""
+    key = id(target)
+    if key not in out.states:
+        if isinstance(target, torch.optim.Optimizer) and not target.state and _over_dtensors(target):
+            from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+            _init_optim_state(target)
+        out.states[key] = target.state_dict()
+    return out.states[key]
+
+
+def _over_dtensors(optimizer: torch.optim.Optimizer) -> bool:
+    return any(is_dtensor(p) for group in optimizer.param_groups for p in group["params"])
+
+
+def direct_view(target: Any, info: TensorInfo) -> np.ndarray[Any, np.dtype[np.uint8]] | None:
+    """The target's bytes, if an entry can be read straight into them."""
+    if isinstance(target, torch.Tensor):
+        if (
+            is_dtensor(target)
+            or target.device.type != "cpu"
+            or not target.is_contiguous()
+            or target.is_conj()
+            or target.is_neg()
+            or _dtypes.torch_name(target.dtype) != info.dtype
+            or tuple(target.shape) != info.shape
+        ):
+            return None
+        flat: np.ndarray[Any, np.dtype[np.uint8]] = target.detach().reshape(-1).view(torch.uint8).numpy()
+        return flat
+    if isinstance(target, np.ndarray):
+        if (
+            not target.flags.c_contiguous
+            or not target.flags.writeable
+            or target.dtype.str != info.dtype
+            or target.shape != info.shape
+        ):
+            return None
+        return target.reshape(-1).view(np.uint8)
+    return None
+
+
+def assign(target: Any, value: Any, path: tuple[object, ...], strict: bool, out: Destinations) -> Any:
+    """Update ``target`` in place from ``value``; return what the parent should hold."""
+    where = format_path(path)
+    if isinstance(target, torch.Tensor):
+        if value is not target:  # else it was read in place
+            _check_like(value, torch.Tensor, target.shape, target.dtype, where)
+            with torch.no_grad():
+                target.copy_(value)
+        return target
+    if isinstance(target, np.ndarray):
+        if value is not target:
+            _check_like(value, np.ndarray, target.shape, target.dtype, where)
+            np.copyto(target, value)
+        return target
+    if is_stateful(target):
+        _load_state(target, value, where, strict)
+        return target
+    if isinstance(target, dict):
+        _assign_dict(target, value, path, strict, out)
+        return target
+    if isinstance(target, (list, tuple)) and not _holds_live(target):
+        # A sequence of plain values is a value: the checkpoint's replaces it.
+        if isinstance(target, list) and isinstance(value, (list, tuple)):
+            target[:] = value
+            return target
+        return value
+    if isinstance(target, (list, tuple)):
+        _assign_seq(target, value, path, strict, out)
+        return target
+    return value
+
+
+def _holds_live(obj: Any) -> bool:
+    """Whether obj holds something that must be updated in place."""
+    if isinstance(obj, (torch.Tensor, np.ndarray)) or is_stateful(obj):
+        return True
+    if isinstance(obj, dict):
+        return any(_holds_live(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_holds_live(v) for v in obj)
+    return False
+
+
+def _check_like(value: Any, kind: type[Any], shape: Any, dtype: Any, where: str) -> None:
+    if not isinstance(value, kind):
+        raise StateMismatchError(f"{where}: checkpoint holds {type(value).__name__}, not {kind.__name__}")
+    if tuple(value.shape) != tuple(shape) or value.dtype != dtype:
+        raise StateMismatchError(
+            f"{where}: checkpoint has {value.dtype} {tuple(value.shape)}, target {dtype} {tuple(shape)}"
+        )
+
+
+def _assign_dict(
+    target: dict[Any, Any], value: Any, path: tuple[object, ...], strict: bool, out: Destinations
+) -> None:
+    if not isinstance(value, dict):
+        raise StateMismatchError(f"{format_path(path)}: checkpoint holds {type(value).__name__}, not dict")
+    missing = [k for k in target if k not in value]
+    unexpected = [k for k in value if k not in target]
+    if strict and (missing or unexpected):
+        raise StateMismatchError(f"{format_path(path)}: missing keys {missing}, unexpected keys {unexpected}")
+    for key in target:
+        if key in value:
+            target[key] = assign(target[key], value[key], (*path, key), strict, out)
+
+
+def _assign_seq(
+    target: list[Any] | tuple[Any, ...], value: Any, path: tuple[object, ...], strict: bool, out: Destinations
+) -> None:
+    if not isinstance(value, (list, tuple)) or len(value) != len(target):
+        raise StateMismatchError(f"{format_path(path)}: checkpoint holds a different sequence")
+    for i, (old, new) in enumerate(zip(target, value, strict=True)):
+        result = assign(old, new, (*path, i), strict, out)
+        if isinstance(target, list):
+            target[i] = result
+        elif result is not old and result != old:
+            raise StateMismatchError(f"{format_path((*path, i))}: a tuple cannot be updated in place")
+
+
+def _load_state(target: Any, value: Any, where: str, strict: bool) -> None:
+    kwargs = {"strict": strict} if isinstance(target, torch.nn.Module) else {}
+    try:
+        result = target.load_state_dict(value, **kwargs)
+    except (RuntimeError, KeyError, ValueError, TypeError) as exc:
+        raise StateMismatchError(f"{where}: load_state_dict failed: {exc}") from exc
+    if strict and (getattr(result, "missing_keys", None) or getattr(result, "unexpected_keys", None)):
+        raise StateMismatchError(f"{where}: {result}")

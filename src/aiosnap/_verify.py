@@ -1,0 +1,100 @@
+"""``verify``: recompute every checksum of a checkpoint, without keeping its data."""
+
+from __future__ import annotations
+
+import zipfile
+from dataclasses import dataclass
+from typing import Any, final
+
+import numpy as np
+
+from ._errors import CorruptCheckpointError, NotACheckpointError
+from ._format import Header, TensorInfo, how_to_read, read_header, sniff
+from ._group import MANIFEST_NAME, read_manifest
+from ._header import crc32c
+from ._storage import Reader, ReaderFile, Storage, exists
+from ._tree import walk_leaves
+
+#: verify() reads in pieces of this size, so it needs no memory for the tensors.
+_VERIFY_PIECE = 64 << 20
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class VerifyReport:
+    """What ``verify`` checked."""
+
+    path: str
+    tensors: int
+    bytes: int
+    checksummed: bool  # False for a plain safetensors file: structure only
+
+
+def verify_blocking(storage: Storage, path: str) -> VerifyReport:
+    """Verify a file, or a step directory with every rank's file against its manifest."""
+    if not exists(storage, storage.join(path, MANIFEST_NAME)):
+        return _verify_file(storage, path)
+    manifest = read_manifest(storage, path)
+    tensors = total = 0
+    for name, checksum in zip(manifest.files, manifest.checksums, strict=True):
+        report = _verify_file(storage, storage.join(path, name), checksum)
+        tensors, total = tensors + report.tensors, total + report.bytes
+    return VerifyReport(path, tensors, total, True)
+
+
+def _verify_file(storage: Storage, path: str, checksum: str | None = None) -> VerifyReport:
+    f = storage.open_read(path)
+    try:
+        foreign = sniff(f)
+        if foreign == "torch.save":
+            return _verify_zip(f)
+        if foreign is not None:
+            raise NotACheckpointError(path, how_to_read(path, foreign).removeprefix(f"{path}: "))
+        header = read_header(f)
+        if checksum is not None and header.checksum != checksum:
+            raise CorruptCheckpointError(
+                path, f"header checksum {header.checksum} is not the committed {checksum}"
+            )
+        buf = np.empty(
+            min(_VERIFY_PIECE, max(t.nbytes for t in header.tensors.values()) if header.tensors else 0),
+            dtype=np.uint8,
+        )
+        for info in header.tensors.values():
+            _verify_one(f, header, info, buf)
+        if header.tree is not None:
+            try:
+                for _, kind, name in walk_leaves(header.tree):
+                    entry = header.tensors.get(name) or header.external.get(name)
+                    if entry is None or entry.kind != kind:
+                        raise ValueError(f"the tree refers to a missing {kind} {name!r}")
+            except ValueError as exc:
+                raise CorruptCheckpointError(path, f"bad tree: {exc}") from None
+        total = sum(t.nbytes for t in header.tensors.values())
+        return VerifyReport(path, len(header.tensors), total, header.tree is not None)
+    finally:
+        f.close()
+
+
+def _verify_zip(f: Reader) -> VerifyReport:
+    """A torch.save file: its zip records a crc32 per member; check them all."""
+    try:
+        with zipfile.ZipFile(ReaderFile(f)) as archive:
+            bad = archive.testzip()
+            members = archive.namelist()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
+        raise CorruptCheckpointError(f.path, f"damaged torch.save file: {exc}") from None
+    if bad is not None:
+        raise CorruptCheckpointError(f.path, f"checksum mismatch in member {bad!r} of the torch.save file")
+    data = [m for m in members if "/data/" in m and not m.endswith("/")]
+    return VerifyReport(f.path, len(data), f.size, True)
+
+
+def _verify_one(f: Reader, header: Header, info: TensorInfo, buf: np.ndarray[Any, Any]) -> None:
+    crc, pos = 0, info.start
+    while pos < info.end:
+        piece = memoryview(buf[: min(len(buf), info.end - pos)])  # type: ignore[arg-type]
+        f.readinto(header.data_start + pos, piece)
+        crc = crc32c(piece, crc)
+        pos += len(piece)
+    if info.crc is not None and crc != info.crc:
+        raise CorruptCheckpointError(f.path, f"checksum mismatch in tensor {info.name!r}")
