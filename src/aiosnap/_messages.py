@@ -77,9 +77,13 @@ def _value(kind: Any, data: Any, where: str) -> Any:
         if not isinstance(data, dict):
             raise ValueError(f"{where}: not an object")
         hints = typing.get_type_hints(kind)
-        names = {f.name for f in dataclasses.fields(kind)}
+        fields = dataclasses.fields(kind)
+        names = {f.name for f in fields}
         if not set(data) <= names:
             raise ValueError(f"{where}: unknown fields {sorted(set(data) - names)}")
+        required = {f.name for f in fields if f.default is f.default_factory is dataclasses.MISSING}
+        if not required <= set(data):
+            raise ValueError(f"{where}: missing fields {sorted(required - set(data))}")
         make: Any = kind
         return make(**{n: _value(hints[n], data[n], f"{where}.{n}") for n in names if n in data})
     if origin is list:

@@ -213,21 +213,38 @@ class _BoxReader:
             for run in pieces:
                 self._copy(run, buf[run.src : run.src + run.nbytes])
             return
-        for run in pieces:
-            lo, hi = (
-                run.src // BLOCK * BLOCK,
-                min(self.info.nbytes, -(-(run.src + run.nbytes) // BLOCK) * BLOCK),
-            )
+        pieces = sorted(pieces, key=lambda r: r.src)
+        i = 0
+        while i < len(pieces):
+            run = pieces[i]
+            lo, hi = self._span(run)
             dest = self._view(run)
             if (lo, hi) == (run.src, run.src + run.nbytes) and _is_host_contiguous(dest):
                 raw = _bytes_of(dest).data  # the run is whole blocks: read in place
                 self.f.readinto(self.base + lo, raw)
                 self._check(lo, raw)
-            else:
-                buf = np.empty(hi - lo, dtype=np.uint8)
-                self.f.readinto(self.base + lo, buf.data)
-                self._check(lo, buf.data)
-                self._copy(run, buf[run.src - lo : run.src - lo + run.nbytes])
+                i += 1
+                continue
+            # Runs whose blocks meet share one read (a column shard is a run per row:
+            # each block is read once, not once per row), within the scratch bound.
+            j = i + 1
+            while j < len(pieces):
+                lo_j, hi_j = self._span(pieces[j])
+                if lo_j > hi or hi_j - lo > SCRATCH:
+                    break
+                hi = max(hi, hi_j)
+                j += 1
+            buf = np.empty(hi - lo, dtype=np.uint8)
+            self.f.readinto(self.base + lo, buf.data)
+            self._check(lo, buf.data)
+            for piece in pieces[i:j]:
+                self._copy(piece, buf[piece.src - lo : piece.src - lo + piece.nbytes])
+            i = j
+
+    def _span(self, run: Run) -> tuple[int, int]:
+        """The blocks a run lies in, as a byte range of the entry."""
+        end = -(-(run.src + run.nbytes) // BLOCK) * BLOCK
+        return run.src // BLOCK * BLOCK, min(self.info.nbytes, end)
 
     def _check(self, lo: int, raw: memoryview) -> None:
         assert self.info.blocks is not None

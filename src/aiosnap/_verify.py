@@ -65,7 +65,8 @@ def _verify_file(storage: Storage, path: str, checksum: str | None = None) -> Ve
             try:
                 for _, kind, name in walk_leaves(header.tree):
                     entry = header.tensors.get(name) or header.external.get(name)
-                    if entry is None or entry.kind != kind:
+                    stored = "tensor" if kind == "dtensor" else kind  # a DTensor's shard is a tensor
+                    if entry is None or entry.kind != stored or (kind == "dtensor") != bool(entry.shard):
                         raise ValueError(f"the tree refers to a missing {kind} {name!r}")
             except ValueError as exc:
                 raise CorruptCheckpointError(path, f"bad tree: {exc}") from None
