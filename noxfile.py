@@ -54,3 +54,4 @@ def bench(session: nox.Session) -> None:
         quick = ["--size", "64MiB", "--reps", "1"] if "--quick" in session.posargs else []
         publish = ["--publish"] if "--publish" in session.posargs else []
         session.run("python", "benchmarks/bench_ranks.py", *quick, *publish)
+        session.run("python", "benchmarks/bench_sharded.py", *quick, *publish)

@@ -38,6 +38,15 @@ def test_multi_rank_benchmark_runs_small(tmp_path: Path) -> None:
     assert all(row["total"] > 0 for row in data["summary"].values())
 
 
+def test_sharded_benchmark_runs_small(tmp_path: Path) -> None:
+    out = run_bench("bench_sharded.py", tmp_path, "--size", "32MiB", "--reps", "1")
+    data = json.loads((out / "sharded.json").read_text())
+    assert (data["save_ranks"], data["load_ranks"]) == (4, 2)
+    assert {"peer: dcp.save", "aiosnap CheckpointManager"} <= set(data["save"])
+    assert {"peer: dcp.load", "aiosnap CheckpointManager.restore(target=)"} <= set(data["load"])
+    assert all(row["total"] > 0 for phase in ("save", "load") for row in data[phase].values())
+
+
 def test_loop_stall_probe_runs_small(tmp_path: Path) -> None:
     dumps = tmp_path / "dumps.txt"
     command = [sys.executable, str(ROOT / "benchmarks" / "loop_stalls.py"), "--tensors", "300", "--reps", "1"]
