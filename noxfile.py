@@ -25,8 +25,8 @@ def tests(session: nox.Session) -> None:
     """Test suite, then ruff and mypy --strict on src/."""
     _install(session, "[test]")
     session.run("pytest", "-m", "not slow", *session.posargs)
-    session.run("ruff", "check", "src", "tests", "benchmarks", "noxfile.py")
-    session.run("ruff", "format", "--check", "src", "tests", "benchmarks", "noxfile.py")
+    session.run("ruff", "check", "src", "tests", "benchmarks", "examples", "noxfile.py")
+    session.run("ruff", "format", "--check", "src", "tests", "benchmarks", "examples", "noxfile.py")
     session.run("mypy")
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,8 @@ from aiosnap._header import BLOCK
 from aiosnap._posix import Posix
 
 from .test_distributed import ok, run_ranks
+
+ROOT = Path(__file__).resolve().parent.parent
 
 #: name -> (global shape, dtype, placements at 4 ranks on a 1-D mesh, or on the 2x2 mesh).
 LAYOUTS: dict[str, tuple[tuple[int, ...], torch.dtype, str]] = {
@@ -316,3 +320,22 @@ def test_an_fsdp2_model_and_its_adamw_state_saved_at_4_ranks_train_on_at_2_as_wi
         assert r["step"] == 3 and r["lr"] == 1e-2
         assert r["ours"] == r["dcp"], r  # bit for bit: the same state, the same training
     assert resumed[0]["ours"][0] != saved[0]["losses"][-1]  # it trained on: new batches, new losses
+
+
+def _torchrun(ranks: int, *args: str) -> str:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+    done = subprocess.run(
+        [*command, str(ROOT / "examples" / "fsdp2.py"), *args], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_the_torchrun_example_of_the_docs_resumes_at_another_world_size(tmp_path: Path) -> None:
+    resumed = tmp_path / "resumed"
+    _torchrun(4, "--dir", str(resumed), "--steps", "2")
+    out = _torchrun(2, "--dir", str(resumed), "--steps", "4")
+    assert "resumed at step 2 on 2 ranks" in out
+    reference = _torchrun(4, "--dir", str(tmp_path / "reference"), "--steps", "4")
+    later = [line for line in out.splitlines() if line.startswith(("step 3:", "step 4:"))]
+    assert len(later) == 2 and all(line in reference for line in later)
