@@ -14,6 +14,7 @@ import errno
 import json
 import multiprocessing
 import os
+import shutil
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ import aiosnap
 from aiosnap._catalog import INDEX_NAME
 
 from .faults import HookedPosix, Injector
+from .test_distributed import run_ranks
 
 CODES = {"EIO": errno.EIO, "ENOSPC": errno.ENOSPC, "EINTR": errno.EINTR}
 Flow = Callable[[Path, aiosnap.Storage], Awaitable[None]]
@@ -171,3 +173,145 @@ async def test_a_crash_at_every_call_leaves_the_old_or_the_new_checkpoint(tmp_pa
         except AssertionError as exc:
             exc.add_note(f"{name}: crashed before call {n} of {counted.calls}")
             raise
+
+
+# -- a group commit: 2 ranks on gloo --------------------------------------------------------------
+def group_state(step: int) -> dict[str, Any]:
+    """The same on both ranks (so one process restores it whole), a DTensor included."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    return {
+        **state(step),
+        "d": distribute_tensor(torch.full((8, 128), float(step)), mesh, [Shard(0)], src_data_rank=None),
+    }
+
+
+async def _group_flow(rank: int, directory: str, storage: aiosnap.Storage | None) -> None:
+    async with aiosnap.CheckpointManager(
+        directory,
+        storage=storage,
+        writer=aiosnap.QueueWriter(storage=storage),
+        keep=aiosnap.KeepLast(1),
+        timeout=30,
+    ) as mgr:
+        await (await mgr.save(2, group_state(2))).wait()
+
+
+async def _group_seed(directory: str) -> None:
+    async with aiosnap.CheckpointManager(directory, timeout=30) as mgr:
+        await (await mgr.save(1, group_state(1))).wait()
+
+
+async def _group_faults(rank: int, world: int, root: str, victim: int, code: int, persistent: bool) -> Any:
+    """Every call of the victim's group commit fails in turn; the other rank goes along.
+    Runs until the victim makes fewer calls than the next n."""
+    import torch.distributed as dist
+
+    outcomes = []
+    n = 1
+    while True:
+        directory = os.path.join(root, f"n{n}")
+        await _group_seed(directory)
+        injector = Injector(n if rank == victim else 0, code, persistent=persistent)
+        try:
+            await _group_flow(rank, directory, aiosnap.LocalStorage(posix=HookedPosix(injector)))
+            outcomes.append(None)
+        except Exception as exc:
+            outcomes.append(f"{type(exc).__name__}: {exc}")
+        fired: list[Any] = [None] * world
+        dist.all_gather_object(fired, bool(injector.failed))
+        if not fired[victim]:
+            return {"calls": n - 1, "outcomes": outcomes[:-1]}
+        n += 1
+
+
+async def _check_group_dir(directory: Path) -> None:
+    """A process on its own reopens the directory and restores the old step or the new."""
+    async with aiosnap.CheckpointManager(str(directory)) as mgr:
+        leftovers = [p for p in directory.rglob(f"{aiosnap.TEMP_PREFIX}*")]
+        assert leftovers == []
+        restored = await mgr.restore()
+        assert restored.step in (1, 2)
+        assert_state(restored.state, restored.step)
+        assert bool((restored.state["d"] == float(restored.step)).all())
+        assert await mgr.steps() == [restored.step] or await mgr.steps() == [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("code", "persistent"), [("EIO", True), ("ENOSPC", False)], ids=["EIO-persistent", "ENOSPC-once"]
+)
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_fault_at_every_call_of_a_group_commit_keeps_a_whole_checkpoint(
+    tmp_path: Path, victim: int, code: str, persistent: bool
+) -> None:
+    results = run_ranks(2, _group_faults, str(tmp_path), victim, CODES[code], persistent, limit=600)
+    assert sorted(results) == [0, 1], results
+    calls = results[victim]["calls"]
+    assert calls > 5, results
+    for n in range(1, calls + 1):
+        for rank in (0, 1):
+            outcome = results[rank]["outcomes"][n - 1]
+            assert outcome is None or aiosnap.TEMP_PREFIX not in outcome, outcome
+        try:
+            asyncio.run(_check_group_dir(tmp_path / f"n{n}"))
+        except AssertionError as exc:
+            exc.add_note(f"rank {victim}: {code} {'from' if persistent else 'at'} call {n} of {calls}")
+            raise
+
+
+async def _seed_only(rank: int, world: int, directory: str) -> Any:
+    await _group_seed(directory)
+    return {}
+
+
+async def _group_crash(rank: int, world: int, directory: str, victim: int, n: int) -> Any:
+    """The group commit of step 2, the victim dying before its ``n``-th call (n=0: never;
+    it counts them)."""
+
+    def hook(op: str, path: str) -> None:
+        calls.append(op)
+        if len(calls) == n:
+            os._exit(137)
+
+    calls: list[str] = []
+    posix = HookedPosix(hook) if rank == victim else None
+    try:
+        await _group_flow(rank, directory, aiosnap.LocalStorage(posix=posix))
+    except aiosnap.RankFailedError:
+        return {"survived": True}
+    return {"calls": len(calls)}
+
+
+def _crash_group_commit(tmp_path: Path, victim: int, every: int) -> None:
+    seeded = tmp_path / "seed"
+    assert sorted(run_ranks(2, _seed_only, str(seeded))) == [0, 1]
+    shutil.copytree(seeded, tmp_path / "count")
+    total = run_ranks(2, _group_crash, str(tmp_path / "count"), victim, 0)[victim]["calls"]
+    assert total > 5
+    for n in range(1, total + 1, every):
+        directory = tmp_path / f"n{n}"
+        shutil.copytree(seeded, directory)
+        run_ranks(2, _group_crash, str(directory), victim, n, limit=120)
+        try:
+            asyncio.run(_check_group_dir(directory))
+        except AssertionError as exc:
+            exc.add_note(f"rank {victim} crashed before call {n} of {total}")
+            raise
+
+
+@pytest.mark.parametrize(("victim", "every"), [(0, 3), (1, 1)])
+def test_a_crash_at_calls_of_a_group_commit_leaves_the_old_or_the_new_step(
+    tmp_path: Path, victim: int, every: int
+) -> None:
+    """Every call of rank 1's part, every third of rank 0's (all of them: nox -s stress)."""
+    _crash_group_commit(tmp_path, victim, every)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_crash_at_every_call_of_a_group_commit_leaves_the_old_or_the_new_step(
+    tmp_path: Path, victim: int
+) -> None:
+    _crash_group_commit(tmp_path, victim, 1)
