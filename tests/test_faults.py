@@ -227,6 +227,22 @@ async def _group_faults(rank: int, world: int, root: str, victim: int, code: int
         n += 1
 
 
+def _faults_in_a_group_commit(tmp_path: Path, victim: int, code: str, persistent: bool) -> None:
+    results = run_ranks(2, _group_faults, str(tmp_path), victim, CODES[code], persistent, limit=600)
+    assert sorted(results) == [0, 1], results
+    calls = results[victim]["calls"]
+    assert calls > 5, results
+    for n in range(1, calls + 1):
+        for rank in (0, 1):
+            outcome = results[rank]["outcomes"][n - 1]
+            assert outcome is None or aiosnap.TEMP_PREFIX not in outcome, outcome
+        try:
+            asyncio.run(_check_group_dir(tmp_path / f"n{n}"))
+        except AssertionError as exc:
+            exc.add_note(f"rank {victim}: {code} {'from' if persistent else 'at'} call {n} of {calls}")
+            raise
+
+
 async def _check_group_dir(directory: Path) -> None:
     """A process on its own reopens the directory and restores the old step or the new."""
     async with aiosnap.CheckpointManager(str(directory)) as mgr:
@@ -246,19 +262,17 @@ async def _check_group_dir(directory: Path) -> None:
 def test_a_fault_at_every_call_of_a_group_commit_keeps_a_whole_checkpoint(
     tmp_path: Path, victim: int, code: str, persistent: bool
 ) -> None:
-    results = run_ranks(2, _group_faults, str(tmp_path), victim, CODES[code], persistent, limit=600)
-    assert sorted(results) == [0, 1], results
-    calls = results[victim]["calls"]
-    assert calls > 5, results
-    for n in range(1, calls + 1):
-        for rank in (0, 1):
-            outcome = results[rank]["outcomes"][n - 1]
-            assert outcome is None or aiosnap.TEMP_PREFIX not in outcome, outcome
-        try:
-            asyncio.run(_check_group_dir(tmp_path / f"n{n}"))
-        except AssertionError as exc:
-            exc.add_note(f"rank {victim}: {code} {'from' if persistent else 'at'} call {n} of {calls}")
-            raise
+    _faults_in_a_group_commit(tmp_path, victim, code, persistent)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("persistent", [False, True], ids=["once", "persistent"])
+@pytest.mark.parametrize("code", sorted(CODES))
+@pytest.mark.parametrize("victim", [0, 1])
+def test_every_fault_at_every_call_of_a_group_commit(
+    tmp_path: Path, victim: int, code: str, persistent: bool
+) -> None:
+    _faults_in_a_group_commit(tmp_path, victim, code, persistent)
 
 
 async def _seed_only(rank: int, world: int, directory: str) -> Any:
