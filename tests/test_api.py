@@ -32,6 +32,7 @@ def test_every_error_is_a_checkpoint_error_and_its_nearest_builtin() -> None:
         aiosnap.CheckpointKeyError: KeyError,
         aiosnap.PickleNotAllowedError: ValueError,
         aiosnap.RankFailedError: RuntimeError,
+        aiosnap.RemoteStorageError: OSError,
         aiosnap.StateMismatchError: ValueError,
         aiosnap.UnsupportedTypeError: TypeError,
         aiosnap.WorkerCrashedError: RuntimeError,

@@ -43,6 +43,7 @@ from ._errors import LoaderClosedError as LoaderClosedError
 from ._errors import NotACheckpointError as NotACheckpointError
 from ._errors import PickleNotAllowedError as PickleNotAllowedError
 from ._errors import RankFailedError as RankFailedError
+from ._errors import RemoteStorageError as RemoteStorageError
 from ._errors import StateMismatchError as StateMismatchError
 from ._errors import UnsupportedTypeError as UnsupportedTypeError
 from ._errors import WorkerCrashedError as WorkerCrashedError
@@ -128,6 +129,7 @@ __all__ = [
     "QueueWriter",
     "RNGState",
     "RankFailedError",
+    "RemoteStorageError",
     "Restored",
     "RetentionPolicy",
     "RunContext",

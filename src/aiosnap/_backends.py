@@ -14,6 +14,9 @@ from typing import Any
 from ._local import LocalStorage
 from ._storage import Storage
 
+#: Schemes served by obstore (``backend="fsspec"`` sends them to fsspec instead).
+OBJECT_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "azure", "abfs", "abfss")
+
 _cache: dict[tuple[str, str], Storage] = {}
 _cache_lock = threading.Lock()
 
@@ -25,13 +28,32 @@ def scheme_of(path: str) -> str | None:
 
 def from_url(url: str, **options: Any) -> Storage:
     """The storage for ``url``, configured from ``options`` and the environment
-    (``AWS_*``, ``GOOGLE_*``, ``AZURE_*``), as obstore and fsspec read them."""
+    (``AWS_*``, ``GOOGLE_*``, ``AZURE_*``), as obstore and fsspec read them.
+
+    ``s3://``, ``gs://`` and ``az://`` (and their aliases) go to obstore: ``options``
+    are obstore's (``endpoint``, ``region``, ``access_key_id``, ``client_options``...),
+    plus ``deadline``, the seconds transient errors are retried. Any other scheme fsspec
+    knows goes to fsspec, with ``options`` for its filesystem; ``backend="fsspec"``
+    sends an object store there too (GCS through gcsfs, say)."""
     scheme = scheme_of(url)
     if scheme is None or scheme == "file":
         if options:
             raise ValueError(f"local storage takes no options (got {sorted(options)})")
         return LocalStorage()
-    raise ValueError(f"{url!r}: unknown storage scheme {scheme!r}; aiosnap knows local paths and file://")
+    backend = options.pop("backend", None)
+    if scheme in OBJECT_SCHEMES and backend in (None, "obstore"):
+        from ._objstore import ObjectStorage
+
+        return ObjectStorage.from_url(url, **options)
+    from ._fsspec import FsspecStorage, known_protocol
+
+    if known_protocol(scheme) and backend in (None, "fsspec"):
+        return FsspecStorage.from_url(url, **options)
+    raise ValueError(
+        f"{url!r}: unknown storage scheme {scheme!r}; aiosnap knows local paths, file://, "
+        f"{', '.join(s + '://' for s in OBJECT_SCHEMES)} (obstore) and the protocols of fsspec, "
+        "if it is installed (pip install 'aiosnap[fsspec]')"
+    )
 
 
 def resolve(path: str, storage: Storage | None = None) -> tuple[Storage, str]:

@@ -11,6 +11,7 @@
     ├── CheckpointKeyError        (also KeyError)
     ├── PickleNotAllowedError     (also ValueError)
     ├── RankFailedError           (also RuntimeError)
+    ├── RemoteStorageError        (also OSError)
     ├── StateMismatchError        (also ValueError)
     ├── UnsupportedTypeError      (also TypeError)
     ├── WorkerCrashedError        (also RuntimeError)
@@ -91,6 +92,11 @@ class RankFailedError(CheckpointError, RuntimeError):
     def __init__(self, message: str, failed: dict[int, str]) -> None:
         super().__init__(message)
         self.failed = failed
+
+
+class RemoteStorageError(CheckpointError, OSError):
+    """An object store failed, or could not be reached within the retry deadline; the
+    message names the URL and what went wrong (credentials, the endpoint, a status)."""
 
 
 class StateMismatchError(CheckpointError, ValueError):

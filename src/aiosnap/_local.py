@@ -197,6 +197,8 @@ class LocalStorage:
 class _LocalUpload:
     """A temp file in the target directory, renamed over the target at commit."""
 
+    random_access = True
+
     def __init__(self, storage: LocalStorage, path: str, size: int | None) -> None:
         self.path, self.size = path, size
         self._posix, self._direct_ok = storage.posix, storage.direct

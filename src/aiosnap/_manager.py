@@ -31,7 +31,7 @@ from . import _offload
 from ._backends import resolve
 from ._catalog import Catalog
 from ._channel import Channel, LocalChannel
-from ._errors import CheckpointError, WriterClosedError
+from ._errors import CheckpointError, LeaseLostError, WriterClosedError
 from ._group import has_step_dirs
 from ._handle import Failures, SaveFailure, SaveHandle, raise_first
 from ._layouts import Files, Layout, StepDirectories
@@ -168,6 +168,8 @@ class CheckpointManager(anyio.abc.AsyncResource):
         self._failures = Failures()
         self._tg: anyio.abc.TaskGroup | None = None
         self._lock: Lease | None = None
+        self._renewal = anyio.CancelScope()
+        self._lease_lost: LeaseLostError | None = None
         self._signals: list[int] = []
         self._state = "new"
         #: Set once a signal given to ``save_on_signal`` has arrived and its save is done.
@@ -208,8 +210,24 @@ class CheckpointManager(anyio.abc.AsyncResource):
             raise
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
+        if self._lock is not None:
+            self._tg.start_soon(self._renew, self._lock)
         self._state = "open"
         return self
+
+    async def _renew(self, lease: Lease) -> None:
+        """Keep the lease of the directory (an object store's expires unless renewed)."""
+        with self._renewal:
+            while True:
+                await anyio.sleep(LEASE_TTL / 3)
+                try:
+                    await _offload.run_io(lease.renew)
+                except LeaseLostError as exc:
+                    logger.error("%s", exc)
+                    self._lease_lost = exc
+                    return
+                except Exception as exc:  # a transient failure: the next renewal may pass
+                    logger.warning("renewing the lease of %s failed (%r)", self.directory, exc)
 
     async def _layout(self) -> Layout:
         """A directory per step in a group, or where a group left its checkpoints; else a
@@ -273,6 +291,7 @@ class CheckpointManager(anyio.abc.AsyncResource):
                 writer_error = exc
             finally:
                 await self._wait_pending()
+                self._renewal.cancel()
                 assert self._tg is not None
                 await self._tg.__aexit__(None, None, None)
         finally:
@@ -341,6 +360,8 @@ class CheckpointManager(anyio.abc.AsyncResource):
             raise WriterClosedError("the manager is not open: use `async with manager:`")
         if self.read_only:
             raise CheckpointError(f"{self.directory}: this manager is read-only (read_only=True)")
+        if self._lease_lost is not None:
+            raise self._lease_lost
         filename = self.filename(step, epoch)
         record = CheckpointRecord(
             step, filename, epoch, metrics=dict(metrics or {}), metadata=dict(metadata or {})

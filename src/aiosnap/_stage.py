@@ -324,29 +324,47 @@ def stage_or_plan(
 
 def write_in_pieces(layout: Plan, upload: Upload, piece: int, stop: Callable[[], bool]) -> None:
     """Stage and write an image larger than the memory budget through one ``piece``-byte
-    buffer into ``upload``: the data, each leaf's bytes in order, then the header with
-    the checksums. ``stop()`` is asked before each piece."""
+    buffer into ``upload``. Where pieces may come in any order, the data goes first and
+    the header, with the checksums, last; an upload written front to back (an object
+    store) first reads every leaf for its checksums, then writes the header and the data
+    in order. ``stop()`` is asked before each piece."""
     buffer = Arena(max(ALIGN, piece // ALIGN * ALIGN), shared=False)
     try:
-        crcs: list[int] = []
-        filled, file_pos = 0, layout.data_start
-        for i, (leaf, info) in enumerate(zip(layout.leaves, layout.tensors, strict=True)):
-            crc, flat = EntryCrc(layout.template.blocks[i]), _flat_bytes(leaf)
-            for lo in range(0, info.nbytes, buffer.capacity):
-                if stop():
-                    raise WriterClosedError("the caller was cancelled during a save in pieces")
-                chunk = flat[lo : lo + buffer.capacity]
-                if filled + len(chunk) > buffer.capacity:
-                    upload.write_at(file_pos, buffer.view(0, filled))
-                    file_pos, filled = file_pos + filled, 0
-                buffer.array[filled : filled + len(chunk)] = chunk
-                crc.update(buffer.view(filled, filled + len(chunk)))
-                filled += len(chunk)
-            crcs += crc.values()
-        upload.write_at(file_pos, buffer.view(0, filled))
-        upload.write_at(0, memoryview(layout.template.render(crcs)))
+        if upload.random_access:
+            crcs = _pieces(layout, buffer, stop, upload.write_at)
+            upload.write_at(0, memoryview(layout.template.render(crcs)))
+        else:
+            crcs = _pieces(layout, buffer, stop, None)
+            upload.write_at(0, memoryview(layout.template.render(crcs)))
+            _pieces(layout, buffer, stop, upload.write_at)
     finally:
         buffer.close()
+
+
+def _pieces(
+    layout: Plan, buffer: Arena, stop: Callable[[], bool], write: Callable[[int, memoryview], None] | None
+) -> list[int]:
+    """Stage every leaf through ``buffer``, writing each full buffer at its place in the
+    data section (if ``write``); the checksums of the entries, in header order."""
+    crcs: list[int] = []
+    filled, file_pos = 0, layout.data_start
+    for i, (leaf, info) in enumerate(zip(layout.leaves, layout.tensors, strict=True)):
+        crc, flat = EntryCrc(layout.template.blocks[i]), _flat_bytes(leaf)
+        for lo in range(0, info.nbytes, buffer.capacity):
+            if stop():
+                raise WriterClosedError("the caller was cancelled during a save in pieces")
+            chunk = flat[lo : lo + buffer.capacity]
+            if filled + len(chunk) > buffer.capacity:
+                if write is not None:
+                    write(file_pos, buffer.view(0, filled))
+                file_pos, filled = file_pos + filled, 0
+            buffer.array[filled : filled + len(chunk)] = chunk
+            crc.update(buffer.view(filled, filled + len(chunk)))
+            filled += len(chunk)
+        crcs += crc.values()
+    if write is not None:
+        write(file_pos, buffer.view(0, filled))
+    return crcs
 
 
 def _flat_bytes(leaf: Leaf) -> np.ndarray[Any, np.dtype[np.uint8]]:

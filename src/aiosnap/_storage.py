@@ -55,6 +55,9 @@ class Upload(Protocol):
     #: A local file that holds the object's bytes until the commit, if the backend has
     #: one (LocalStorage's temp file): a ``savefun`` writes straight into it.
     local_path: str | None
+    #: Whether pieces may come in any order (a local file); else front to back (an
+    #: object store's streamed upload).
+    random_access: bool
 
     def write_at(self, offset: int, data: memoryview) -> None:
         """Write ``data`` at ``offset``; pieces may come in any order. Bytes at or past the

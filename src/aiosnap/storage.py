@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from ._backends import from_url as from_url
 from ._backends import resolve as resolve
+from ._fsspec import FsspecStorage as FsspecStorage
 from ._local import LocalStorage as LocalStorage
+from ._objstore import ObjectStorage as ObjectStorage
 from ._posix import Posix as Posix
 from ._storage import LEASE_NAME as LEASE_NAME
 from ._storage import TEMP_PREFIX as TEMP_PREFIX
@@ -28,9 +30,11 @@ from ._storage import Version as Version
 __all__ = [
     "CommitTimes",
     "Entry",
+    "FsspecStorage",
     "LEASE_NAME",
     "Lease",
     "LocalStorage",
+    "ObjectStorage",
     "Posix",
     "Reader",
     "Storage",

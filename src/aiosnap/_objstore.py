@@ -1,0 +1,491 @@
+"""Object stores (S3, GCS, Azure) through obstore, behind the Storage interface.
+
+Paths are URLs (``s3://bucket/run/snapshot_iter_5``): the storage keeps one obstore
+store per bucket, configured by the URL, the options given to ``from_url`` and the
+standard environment (``AWS_*``, ``GOOGLE_*``, ``AZURE_*``), as obstore reads it.
+Only obstore's synchronous calls are made, from aiosnap's worker threads.
+
+- An upload streams the object front to back as a multipart upload (parts go up in
+  parallel) that becomes visible only when it completes; a small object is one PUT.
+- The index is replaced with a conditional PUT (If-None-Match, If-Match with the ETag
+  read), so two writers never silently lose an update.
+- A lease is a lock object created only if absent, renewed with its own version, and
+  taken over only once its holder stopped renewing it for ``ttl``.
+- A killed upload leaves only parts, never a visible object; ``sweep_incomplete``
+  aborts them with the provider's own client (obstore has no call for it).
+
+Failures are translated once, here: a missing object is CheckpointNotFoundError, a
+lost race ConflictError, and anything else after obstore's retries (5xx, resets and
+timeouts are retried until ``deadline`` seconds have passed) RemoteStorageError,
+naming the URL.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import posixpath
+import socket
+import time
+from collections.abc import Iterator, Sequence
+from datetime import timedelta
+from typing import Any
+
+from ._errors import (
+    CheckpointNotFoundError,
+    ConflictError,
+    CorruptCheckpointError,
+    DirectoryLockedError,
+    LeaseLostError,
+    RemoteStorageError,
+)
+from ._storage import LEASE_NAME, CommitTimes, Entry, Version
+
+#: Objects up to this size are one PUT; larger ones a multipart upload of parts this big.
+PART = 16 << 20
+#: Parts (and ranged GETs) in flight at once.
+CONCURRENCY = 8
+#: Seconds an operation is retried before it fails (transient errors only).
+DEADLINE = 120.0
+
+
+def _obstore() -> Any:
+    try:
+        import obstore
+    except ImportError:
+        raise ImportError(
+            "object stores need obstore: pip install 'aiosnap[s3]' (or [gcs], [azure], [remote])"
+        ) from None
+    return obstore
+
+
+class ObjectStorage:
+    """An object store (see the module docstring). Build it with ``from_url``."""
+
+    random_access = False
+
+    def __init__(self, scheme: str, bucket: str, *, deadline: float = DEADLINE, **options: Any) -> None:
+        self.scheme, self.bucket = scheme, bucket
+        self.deadline, self.options = deadline, options
+        self._store: Any = None
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> ObjectStorage:
+        scheme, rest = url.split("://", 1)
+        bucket = rest.split("/", 1)[0]
+        if not bucket:
+            raise ValueError(f"{url!r}: no bucket")
+        return cls(scheme.lower(), bucket, **options)
+
+    def __repr__(self) -> str:
+        return f"ObjectStorage({self.scheme}://{self.bucket})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {
+            "scheme": self.scheme,
+            "bucket": self.bucket,
+            "deadline": self.deadline,
+            "options": self.options,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["scheme"], state["bucket"], deadline=state["deadline"], **state["options"])  # type: ignore[misc]
+
+    @property
+    def store(self) -> Any:
+        if self._store is None:
+            obs = _obstore()
+            options = dict(self.options)
+            # obstore's own request timeouts (30 s, 5 s to connect) stand; client_options
+            # given here would replace the ones it reads from the environment.
+            options.setdefault(
+                "retry_config",
+                {
+                    "max_retries": 20,
+                    "retry_timeout": timedelta(seconds=self.deadline),
+                    "backoff": {
+                        "init_backoff": timedelta(milliseconds=100),
+                        "max_backoff": timedelta(seconds=5),
+                        "base": 2,
+                    },
+                },
+            )
+            try:
+                self._store = obs.store.from_url(f"{self.scheme}://{self.bucket}", **options)
+            except Exception as exc:
+                raise RemoteStorageError(f"{self.scheme}://{self.bucket}: {exc}") from exc
+        return self._store
+
+    # -- paths -----------------------------------------------------------------------------
+    def _root(self) -> str:
+        return f"{self.scheme}://{self.bucket}"
+
+    def key(self, path: str) -> str:
+        """The object key of ``path`` (a URL of this bucket)."""
+        root = self._root()
+        if path != root and not path.startswith(root + "/"):
+            raise ValueError(f"{path!r} is not in {root}")
+        return path[len(root) :].strip("/")
+
+    def join(self, *parts: str) -> str:
+        head, *rest = parts
+        return posixpath.join(head.rstrip("/"), *rest) if rest else head
+
+    def split(self, path: str) -> tuple[str, str]:
+        head, _, name = path.rstrip("/").rpartition("/")
+        return head, name
+
+    # -- writing -----------------------------------------------------------------------------
+    def create(self, path: str, size: int | None) -> _ObjectUpload:
+        return _ObjectUpload(self, path, size)
+
+    def replace_if(self, path: str, data: bytes, expect: Version | None) -> Version:
+        obs = _obstore()
+        mode: Any = "create" if expect is None else _mode(expect)
+        try:
+            result = self._call(obs.put, path, self.store, self.key(path), data, mode=mode)
+        except RemoteStorageError:
+            # A conditional PUT is not retried when its outcome is unknown (a timeout):
+            # read what is there; if it is ours, it went through.
+            try:
+                now, version = self.read_versioned(path)
+            except CheckpointNotFoundError:
+                raise ConflictError(path, f"{path}: the conditional write's outcome is unknown") from None
+            if now == data:
+                return version
+            raise
+        return _version(result)
+
+    # -- reading -----------------------------------------------------------------------------
+    def open_read(self, path: str) -> _ObjectReader:
+        return _ObjectReader(self, path)
+
+    def read_versioned(self, path: str) -> tuple[bytes, Version]:
+        obs = _obstore()
+        got = self._call(obs.get, path, self.store, self.key(path))
+        data = bytes(got.bytes())
+        return data, _version(got.meta)
+
+    def stat(self, path: str) -> Entry | None:
+        obs = _obstore()
+        name = self.split(path)[1]
+        try:
+            meta = self._call(obs.head, path, self.store, self.key(path))
+            return Entry(name, False, int(meta["size"]))
+        except CheckpointNotFoundError:
+            pass
+        listed = self._call(obs.list_with_delimiter, path, self.store, self.key(path))
+        return Entry(name, True) if listed["objects"] or listed["common_prefixes"] else None
+
+    # -- removing ----------------------------------------------------------------------------
+    def delete(self, path: str) -> None:
+        obs = _obstore()
+        try:
+            self._call(obs.delete, path, self.store, self.key(path))
+        except CheckpointNotFoundError:
+            pass
+
+    def delete_tree(self, path: str) -> None:
+        obs = _obstore()
+        keys = [meta["path"] for meta in self._walk(path)]
+        for i in range(0, len(keys), 1000):
+            try:
+                self._call(obs.delete, path, self.store, keys[i : i + 1000])
+            except CheckpointNotFoundError:
+                pass  # some were gone already (Azure says so); the others went
+
+    def _walk(self, path: str) -> Iterator[dict[str, Any]]:
+        obs = _obstore()
+        prefix = self.key(path)
+        # A listing fails while it is read: collect it inside the call that translates errors.
+        yield from self._call(lambda: obs.list(self.store, prefix or None).collect(), path)
+
+    def sweep_incomplete(self, path: str) -> list[str]:
+        """Abort the multipart uploads killed saves left under ``path`` (S3), or delete
+        the blobs with only uncommitted blocks (Azure); GCS keeps nothing visible."""
+        prefix = self.key(path)
+        prefix = prefix + "/" if prefix else ""
+        if self.scheme in ("s3", "s3a"):
+            return [f"{self._root()}/{key}" for key in _sweep_s3(self.bucket, prefix, self.options)]
+        if self.scheme in ("az", "azure", "abfs", "abfss", "adl"):
+            return [f"{self._root()}/{key}" for key in _sweep_azure(self.bucket, prefix, self.options)]
+        return []
+
+    def lease(self, path: str, ttl: float) -> _ObjectLease:
+        return _ObjectLease(self, self.join(path, LEASE_NAME), ttl)
+
+    # Last: below it, ``list`` would name this method in annotations.
+    def list(self, path: str) -> list[Entry]:
+        obs = _obstore()
+        prefix = self.key(path)
+        listed = self._call(obs.list_with_delimiter, path, self.store, prefix or None)
+        found = [Entry(p.rstrip("/").rsplit("/", 1)[-1], True) for p in listed["common_prefixes"]]
+        found += [Entry(m["path"].rsplit("/", 1)[-1], False, int(m["size"])) for m in listed["objects"]]
+        return sorted(found, key=lambda e: e.name)
+
+    # -- errors ------------------------------------------------------------------------------
+    def _call(self, fn: Any, path: str, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args)``, its failures translated: the one place obstore's errors come in."""
+        obs = _obstore()
+        try:
+            return fn(*args, **kwargs)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(path) from None
+        except (obs.exceptions.AlreadyExistsError, obs.exceptions.PreconditionError) as exc:
+            raise ConflictError(path) from exc
+        except (obs.exceptions.BaseError, OSError) as exc:
+            raise RemoteStorageError(_describe(path, exc)) from exc
+
+
+def _describe(path: str, exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else type(exc).__name__
+    lowered = str(exc).lower()
+    if "credential" in lowered or "token" in lowered or "unauthenticated" in lowered or "169.254" in lowered:
+        hint = (
+            "no usable credentials: set them in the environment (AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY; GOOGLE_SERVICE_ACCOUNT; AZURE_STORAGE_ACCOUNT_NAME and "
+            "AZURE_STORAGE_ACCOUNT_KEY) or pass them to aiosnap.storage.from_url"
+        )
+        return f"{path}: {hint} ({first})"
+    return f"{path}: {type(exc).__name__}: {first}"
+
+
+def _mode(expect: Version) -> dict[str, str]:
+    e_tag, version = json.loads(expect)
+    return {k: v for k, v in (("e_tag", e_tag), ("version", version)) if v is not None}
+
+
+def _version(meta: Any) -> Version:
+    return json.dumps([meta.get("e_tag"), meta.get("version")])
+
+
+class _ObjectUpload:
+    """An object written front to back: a PUT at commit if small, else a multipart upload
+    that completes at commit (parts upload in parallel meanwhile)."""
+
+    random_access = False
+    local_path: str | None = None
+
+    def __init__(self, storage: ObjectStorage, path: str, size: int | None) -> None:
+        self.path, self.size = path, size
+        self._storage, self._key = storage, storage.key(path)
+        self._pos, self._write_s = 0, 0.0
+        self._small: bytearray | None = bytearray() if size is not None and size <= PART else None
+        self._writer: Any = None
+        self._done = False
+
+    def write_at(self, offset: int, data: memoryview) -> None:
+        if offset != self._pos:
+            raise ValueError(
+                f"{self.path}: an object is written front to back (at {self._pos}, not {offset})"
+            )
+        if self.size is not None:
+            data = data[: max(0, self.size - offset)]
+        t0 = time.perf_counter()
+        if self._small is not None:
+            self._small += data
+        else:
+            if self._writer is None:
+                obs = _obstore()
+                self._writer = self._storage._call(
+                    obs.open_writer,
+                    self.path,
+                    self._storage.store,
+                    self._key,
+                    buffer_size=PART,
+                    max_concurrency=CONCURRENCY,
+                )
+            self._storage._call(self._writer.write, self.path, data)
+        self._pos += len(data)
+        self._write_s += time.perf_counter() - t0
+
+    def commit(self) -> CommitTimes:
+        t0 = time.perf_counter()
+        try:
+            if self._small is not None:
+                obs = _obstore()
+                self._storage._call(obs.put, self.path, self._storage.store, self._key, bytes(self._small))
+            elif self._writer is not None:
+                self._storage._call(self._writer.close, self.path)
+            else:
+                obs = _obstore()
+                self._storage._call(obs.put, self.path, self._storage.store, self._key, b"")
+        except BaseException:
+            self.abort()
+            raise
+        self._done = True
+        return CommitTimes(self._write_s, time.perf_counter() - t0, self._pos)
+
+    def abort(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        writer, self._writer, self._small = self._writer, None, None
+        if writer is not None:
+            try:
+                # Leaving the writer's context with an error aborts the multipart upload.
+                writer.__exit__(RuntimeError, RuntimeError("aborted"), None)
+            except Exception:  # the sweep at the next open takes what is left
+                pass
+
+
+class _ObjectReader:
+    """An object read by ranges; large reads go as parallel ranged GETs."""
+
+    def __init__(self, storage: ObjectStorage, path: str) -> None:
+        obs = _obstore()
+        self.path, self._storage, self._key = path, storage, storage.key(path)
+        meta = storage._call(obs.head, path, storage.store, self._key)
+        self.size = int(meta["size"])
+
+    def readinto(self, offset: int, buf: memoryview) -> None:
+        self.read_batch([(offset, [buf])])
+
+    def read_batch(self, requests: Sequence[tuple[int, Sequence[memoryview]]]) -> None:
+        pieces = []  # (offset, destination), each at most PART bytes
+        for offset, bufs in requests:
+            for buf in bufs:
+                flat = buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
+                for start in range(0, len(flat), PART):
+                    pieces.append((offset + start, flat[start : start + PART]))
+                offset += len(flat)
+        if offset_past := [p for p in pieces if p[0] + len(p[1]) > self.size]:
+            at = offset_past[0][0]
+            raise CorruptCheckpointError(
+                self.path, f"truncated: wanted bytes up to {at + len(offset_past[0][1])}"
+            )
+        if len(pieces) <= 1:
+            for piece in pieces:
+                self._fetch(piece)
+            return
+        # Ranged GETs in parallel: a pool scoped to this call, joined before it returns.
+        with concurrent.futures.ThreadPoolExecutor(min(CONCURRENCY, len(pieces))) as pool:
+            for future in [pool.submit(self._fetch, p) for p in pieces]:
+                future.result()
+
+    def _fetch(self, piece: tuple[int, memoryview]) -> None:
+        obs = _obstore()
+        offset, dest = piece
+        if not len(dest):
+            return
+        got = self._storage._call(
+            obs.get_range, self.path, self._storage.store, self._key, start=offset, end=offset + len(dest)
+        )
+        if len(got) != len(dest):
+            raise CorruptCheckpointError(self.path, f"truncated: wanted {len(dest)} bytes at offset {offset}")
+        dest[:] = memoryview(got)
+
+    def close(self) -> None:
+        pass
+
+
+class _ObjectLease:
+    """A lock object: ``{"owner", "expires"}``, created only if absent, renewed with its
+    own version, taken over only once expired. Expiry is judged by the clocks of those
+    who read it: ``ttl`` should be long against the clock skew between hosts."""
+
+    def __init__(self, storage: ObjectStorage, path: str, ttl: float) -> None:
+        self._storage, self.path, self.ttl = storage, path, ttl
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{os.urandom(4).hex()}"
+        self._version: Version | None = None
+        try:
+            self._version = storage.replace_if(path, self._content(), None)
+        except ConflictError:
+            self._take_over()
+
+    def _content(self, expires: float | None = None) -> bytes:
+        until = time.time() + self.ttl if expires is None else expires
+        return json.dumps({"owner": self.owner, "expires": until}).encode()
+
+    def _take_over(self) -> None:
+        try:
+            raw, version = self._storage.read_versioned(self.path)
+            held = json.loads(raw)
+            owner, expires = str(held["owner"]), float(held["expires"])
+        except CheckpointNotFoundError:  # released meanwhile: try again from the start
+            self._version = self._storage.replace_if(self.path, self._content(), None)
+            return
+        except (ValueError, KeyError, TypeError):
+            owner, expires, version = "?", 0.0, self._storage.read_versioned(self.path)[1]
+        if expires > time.time():
+            directory = self._storage.split(self.path)[0]
+            raise DirectoryLockedError(
+                f"{directory} is in use by another CheckpointManager ({owner}, renewed until "
+                f"{time.strftime('%H:%M:%S', time.localtime(expires))}); open it with read_only=True to "
+                "read while it trains"
+            )
+        try:
+            self._version = self._storage.replace_if(self.path, self._content(), version)
+        except ConflictError:
+            raise DirectoryLockedError(f"{self.path}: another manager took the stale lease first") from None
+
+    def renew(self) -> None:
+        if self._version is None:
+            return
+        try:
+            self._version = self._storage.replace_if(self.path, self._content(), self._version)
+        except ConflictError:
+            self._version = None
+            raise LeaseLostError(
+                f"{self.path}: the lease expired and another manager took it; this one must stop writing"
+            ) from None
+
+    def release(self) -> None:
+        version, self._version = self._version, None
+        if version is None:
+            return
+        try:  # an expired lease, written only if it is still ours (there is no conditional delete)
+            self._storage.replace_if(self.path, self._content(expires=0.0), version)
+        except (ConflictError, RemoteStorageError):
+            pass
+
+
+def _sweep_s3(bucket: str, prefix: str, options: dict[str, Any]) -> list[str]:
+    try:
+        import boto3
+    except ImportError:
+        return []  # nothing visible is left in any case; the bucket's lifecycle rule takes the parts
+    kwargs: dict[str, Any] = {}
+    for ours, theirs in (
+        ("endpoint", "endpoint_url"),
+        ("aws_endpoint", "endpoint_url"),
+        ("access_key_id", "aws_access_key_id"),
+        ("aws_access_key_id", "aws_access_key_id"),
+        ("secret_access_key", "aws_secret_access_key"),
+        ("aws_secret_access_key", "aws_secret_access_key"),
+        ("region", "region_name"),
+        ("aws_region", "region_name"),
+    ):
+        if ours in options:
+            kwargs[theirs] = options[ours]
+    client = boto3.client("s3", **kwargs)
+    aborted = []
+    for page in client.get_paginator("list_multipart_uploads").paginate(Bucket=bucket, Prefix=prefix):
+        for upload in page.get("Uploads", []):
+            client.abort_multipart_upload(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+            aborted.append(upload["Key"])
+    return aborted
+
+
+def _sweep_azure(container: str, prefix: str, options: dict[str, Any]) -> list[str]:
+    try:
+        from azure.storage.blob import BlobServiceClient
+    except ImportError:
+        return []  # Azure drops uncommitted blocks itself after a week
+    account = options.get("account_name") or os.environ.get("AZURE_STORAGE_ACCOUNT_NAME")
+    key = options.get("access_key") or os.environ.get("AZURE_STORAGE_ACCOUNT_KEY")
+    endpoint = options.get("endpoint") or f"https://{account}.blob.core.windows.net"
+    if not account or not key:
+        return []
+    client = BlobServiceClient(account_url=endpoint, credential={"account_name": account, "account_key": key})
+    swept = []
+    box = client.get_container_client(container)
+    for blob in box.list_blobs(name_starts_with=prefix, include=["uncommittedblobs"]):
+        blob_client = box.get_blob_client(blob.name)
+        committed, uncommitted = blob_client.get_block_list("all")
+        if uncommitted and not committed and not blob.size:
+            blob_client.delete_blob()
+            swept.append(blob.name)
+    return swept

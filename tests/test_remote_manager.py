@@ -1,0 +1,134 @@
+"""CheckpointManager on object storage: saves, retention, a conditional index, leases,
+groups, dead endpoints and missing credentials; moto (S3) on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import aiosnap
+from aiosnap._catalog import INDEX_NAME
+from aiosnap.storage import from_url
+
+from .servers import free_port
+from .test_distributed import ok, run_ranks
+
+
+def _objects(s3: Any, bucket: str) -> list[str]:
+    found = s3.client().list_objects_v2(Bucket=bucket).get("Contents", [])
+    return sorted(o["Key"] for o in found)
+
+
+async def test_a_manager_on_s3_saves_rotates_indexes_and_restores(s3: Any) -> None:
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/run"
+    storage = from_url(url, **s3.options)
+    async with aiosnap.CheckpointManager(url, storage=storage, keep=aiosnap.KeepLast(2)) as mgr:
+        for step in range(1, 5):
+            await (
+                await mgr.save(step, {"w": torch.full((1000,), float(step))}, metrics={"loss": 1 / step})
+            ).wait()
+        assert await mgr.steps() == [3, 4]
+        async with aiosnap.CheckpointManager(url, storage=storage, read_only=True) as reader:
+            assert await reader.steps() == [3, 4]  # while the writer holds the lease
+            assert float((await reader.restore()).state["w"][0]) == 4.0
+        with pytest.raises(aiosnap.DirectoryLockedError):
+            async with aiosnap.CheckpointManager(url, storage=storage):
+                pass
+    assert _objects(s3, bucket) == sorted(
+        ["run/.aiosnap.lock", f"run/{INDEX_NAME}", "run/snapshot_iter_3", "run/snapshot_iter_4"]
+    )
+    async with aiosnap.CheckpointManager(url, storage=storage) as mgr:  # the lease was released
+        assert [h.step for h in await mgr.history()] == [1, 2, 3, 4]
+        restored = await mgr.restore(target={"w": torch.zeros(1000)})
+        assert restored.step == 4 and restored.path == f"{url}/snapshot_iter_4"
+
+
+async def test_an_index_changed_behind_the_managers_back_is_not_overwritten(s3: Any) -> None:
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/run"
+    storage = from_url(url, **s3.options)
+    index = f"{url}/{INDEX_NAME}"
+    async with aiosnap.CheckpointManager(url, storage=storage) as mgr:
+        await (await mgr.save(1, {"x": np.ones(3)})).wait()
+        _, version = storage.read_versioned(index)
+        other = json.dumps({"written by": "another writer"}).encode()
+        storage.replace_if(index, other, version)  # a second writer, without the lease
+        handle = await mgr.save(2, {"x": np.ones(3)})
+        with pytest.raises(aiosnap.ConflictError):
+            await handle.wait()  # the checkpoint committed; the index update was refused
+    assert storage.read_versioned(index)[0] == other  # the other writer's update stands
+    async with aiosnap.CheckpointManager(url, storage=storage, read_only=True) as mgr:
+        assert await mgr.steps() == [1, 2]  # the index is a cache: rebuilt from the objects
+
+
+async def _group_on_s3(rank: int, world: int, url: str, env: dict[str, str]) -> Any:
+    os.environ.update(env)
+    state = {"model": {"w": torch.full((64,), 1.0)}, "mine": torch.full((8,), float(rank))}
+    async with aiosnap.CheckpointManager(url, replicated=["model"], timeout=60) as mgr:
+        for step in (1, 2):
+            await (await mgr.save(step, state)).wait()
+        restored = await mgr.restore()
+    return {"steps": [1, 2], "mine": float(restored.state["mine"][0])}
+
+
+def test_a_group_checkpoints_to_s3_with_the_manifest_last(s3: Any) -> None:
+    bucket = s3.bucket()
+    results = run_ranks(2, _group_on_s3, f"s3://{bucket}/run", s3.env)
+    ok(results, 2)
+    assert [results[r]["mine"] for r in range(2)] == [0.0, 1.0]
+    keys = _objects(s3, bucket)
+    for step in (1, 2):
+        assert {
+            f"run/snapshot_iter_{step}/{n}" for n in ("rank_00000", "rank_00001", "aiosnap-manifest.json")
+        } <= set(keys)
+
+
+async def test_a_dead_endpoint_fails_the_save_within_its_deadline_naming_the_url() -> None:
+    port = free_port()  # nothing listens there
+    storage = from_url(
+        "s3://ckpt",
+        endpoint=f"http://127.0.0.1:{port}",
+        access_key_id="k",
+        secret_access_key="s",
+        region="us-east-1",
+        client_options={"allow_http": True},
+        deadline=1.0,
+    )
+    with pytest.raises(aiosnap.RemoteStorageError, match="s3://ckpt/run/ckpt"):
+        await aiosnap.save("s3://ckpt/run/ckpt", {"w": torch.ones(3)}, storage=storage)
+    with pytest.raises(aiosnap.RemoteStorageError, match="s3://ckpt/run"):
+        async with aiosnap.CheckpointManager("s3://ckpt/run", storage=storage):
+            pass
+
+
+async def test_missing_credentials_give_a_clear_error_at_open(
+    s3: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    dead = f"http://127.0.0.1:{free_port()}"  # no instance metadata service here either
+    storage = from_url(
+        f"s3://{s3.bucket()}",
+        endpoint=s3.endpoint,
+        region="us-east-1",
+        metadata_endpoint=dead,
+        client_options={"allow_http": True},
+        deadline=1.0,
+    )
+    with pytest.raises(aiosnap.RemoteStorageError, match="credentials"):
+        async with aiosnap.CheckpointManager(f"s3://{storage.bucket}/run", storage=storage):  # type: ignore[attr-defined]
+            pass
+
+
+def test_unknown_schemes_and_options_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown storage scheme 'nosuch'"):
+        from_url("nosuch://bucket/run")
+    with pytest.raises(ValueError, match="takes no options"):
+        from_url(str(tmp_path), direct=False)
