@@ -6,6 +6,9 @@ wheel on the project's machines (uv would not find it).
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import nox
 
 nox.options.default_venv_backend = "venv"
@@ -20,10 +23,21 @@ def _install(session: nox.Session, extras: str = "") -> None:
     session.install(*CONSTRAINTS, "-e", f".{extras}")
 
 
+def _azurite(session: nox.Session) -> None:
+    """Azure's emulator for the tests, from npm, where node is (else those tests skip)."""
+    if shutil.which("npm") is None:
+        session.log("npm not found: the Azure tests will be skipped")
+        return
+    if not Path(".nox/node/node_modules/.bin/azurite-blob").exists():
+        install = ["npm", "install", "--prefix", ".nox/node", "--no-save", "--no-audit", "--no-fund"]
+        session.run(*install, "azurite@3.35.0", external=True)
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
     """Test suite, then ruff and mypy --strict on src/."""
     _install(session, "[test]")
+    _azurite(session)
     session.run("pytest", "-m", "not slow", *session.posargs)
     session.run("ruff", "check", "src", "tests", "benchmarks", "examples", "noxfile.py")
     session.run("ruff", "format", "--check", "src", "tests", "benchmarks", "examples", "noxfile.py")

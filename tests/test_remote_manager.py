@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,9 @@ async def test_a_manager_on_s3_saves_rotates_indexes_and_restores(s3: Any) -> No
     bucket = s3.bucket()
     url = f"s3://{bucket}/run"
     storage = from_url(url, **s3.options)
-    async with aiosnap.CheckpointManager(url, storage=storage, keep=aiosnap.KeepLast(2)) as mgr:
+    # lease_ttl=3: renewed each second, so a second manager sees it alive within one.
+    keep = aiosnap.KeepLast(2)
+    async with aiosnap.CheckpointManager(url, storage=storage, keep=keep, lease_ttl=3.0) as mgr:
         for step in range(1, 5):
             await (
                 await mgr.save(step, {"w": torch.full((1000,), float(step))}, metrics={"loss": 1 / step})
@@ -48,6 +51,21 @@ async def test_a_manager_on_s3_saves_rotates_indexes_and_restores(s3: Any) -> No
         assert [h.step for h in await mgr.history()] == [1, 2, 3, 4]
         restored = await mgr.restore(target={"w": torch.zeros(1000)})
         assert restored.step == 4 and restored.path == f"{url}/snapshot_iter_4"
+
+
+async def test_a_lease_left_by_a_manager_on_another_host_is_taken_once_stale(s3: Any) -> None:
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/run"
+    storage = from_url(url, **s3.options)
+    async with aiosnap.CheckpointManager(url, storage=storage) as mgr:
+        await (await mgr.save(1, {"w": torch.ones(10)})).wait()
+    # A holder elsewhere that died 1 s into its 3 s lease: nobody here can see it die.
+    expires = time.time() + 2.0
+    lease = json.dumps({"owner": "elsewhere|pid:[1]|42|ab", "expires": expires}).encode()
+    s3.client().put_object(Bucket=bucket, Key="run/.aiosnap.lock", Body=lease)
+    async with aiosnap.CheckpointManager(url, storage=storage) as mgr:
+        assert time.time() >= expires  # it waited for the lease to go stale
+        assert (await mgr.restore()).step == 1
 
 
 async def test_an_index_changed_behind_the_managers_back_is_not_overwritten(s3: Any) -> None:

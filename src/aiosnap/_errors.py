@@ -70,7 +70,13 @@ class CheckpointKeyError(CheckpointError, KeyError):
 
 
 class DirectoryLockedError(CheckpointError, RuntimeError):
-    """Another CheckpointManager holds the directory."""
+    """Another CheckpointManager holds the directory. ``retry_after``: the seconds until
+    its lease goes stale if its holder stops renewing it (None: a lock the kernel drops
+    when its holder dies)."""
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class LeaseLostError(CheckpointError, RuntimeError):

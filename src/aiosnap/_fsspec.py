@@ -12,10 +12,8 @@ the write are atomic only within one process.
 from __future__ import annotations
 
 import json
-import os
 import posixpath
 import secrets
-import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -25,11 +23,10 @@ from ._errors import (
     CheckpointNotFoundError,
     ConflictError,
     CorruptCheckpointError,
-    DirectoryLockedError,
-    LeaseLostError,
     RemoteStorageError,
 )
 from ._header import crc32c
+from ._lease import VersionedLease
 from ._storage import LEASE_NAME, TEMP_PREFIX, CommitTimes, Entry, Version
 
 _locks: dict[str, threading.Lock] = {}
@@ -191,8 +188,8 @@ class FsspecStorage:
             self.delete(self.join(path, name))
         return [self.join(path, name) for name in swept]
 
-    def lease(self, path: str, ttl: float) -> _FsspecLease:
-        return _FsspecLease(self, self.join(path, LEASE_NAME), ttl)
+    def lease(self, path: str, ttl: float) -> VersionedLease:
+        return VersionedLease(self, self.join(path, LEASE_NAME), ttl)
 
     def _entries(self, path: str) -> list[Entry]:
         try:
@@ -313,52 +310,3 @@ class _FsspecReader:
 
     def close(self) -> None:
         pass
-
-
-class _FsspecLease:
-    """A lock file: created only if absent (exclusive create), renewed, taken over once
-    stale. Across processes it is as strong as the filesystem's conditional writes."""
-
-    def __init__(self, storage: FsspecStorage, path: str, ttl: float) -> None:
-        self._storage, self.path, self.ttl = storage, path, ttl
-        self.owner = f"{socket.gethostname()}:{os.getpid()}:{os.urandom(4).hex()}"
-        self._version: Version | None = None
-        try:
-            self._version = storage.replace_if(path, self._content(), None)
-        except ConflictError:
-            raw, version = storage.read_versioned(path)
-            try:
-                held = json.loads(raw)
-                owner, expires = str(held["owner"]), float(held["expires"])
-            except (ValueError, KeyError, TypeError):
-                owner, expires = "?", 0.0
-            if expires > time.time():
-                raise DirectoryLockedError(
-                    f"{storage.split(path)[0]} is in use by another CheckpointManager ({owner}); open it "
-                    "with read_only=True to read while it trains"
-                ) from None
-            try:
-                self._version = storage.replace_if(path, self._content(), version)
-            except ConflictError:
-                raise DirectoryLockedError(f"{path}: another manager took the stale lease first") from None
-
-    def _content(self, expires: float | None = None) -> bytes:
-        until = time.time() + self.ttl if expires is None else expires
-        return json.dumps({"owner": self.owner, "expires": until}).encode()
-
-    def renew(self) -> None:
-        if self._version is None:
-            return
-        try:
-            self._version = self._storage.replace_if(self.path, self._content(), self._version)
-        except ConflictError:
-            self._version = None
-            raise LeaseLostError(f"{self.path}: another manager took the lease") from None
-
-    def release(self) -> None:
-        version, self._version = self._version, None
-        if version is not None:
-            try:
-                self._storage.replace_if(self.path, self._content(expires=0.0), version)
-            except (ConflictError, RemoteStorageError, CheckpointNotFoundError):
-                pass

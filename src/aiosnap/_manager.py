@@ -31,7 +31,7 @@ from . import _offload
 from ._backends import resolve
 from ._catalog import Catalog
 from ._channel import Channel, LocalChannel
-from ._errors import CheckpointError, LeaseLostError, WriterClosedError
+from ._errors import CheckpointError, DirectoryLockedError, LeaseLostError, WriterClosedError
 from ._group import has_step_dirs
 from ._handle import Failures, SaveFailure, SaveHandle, raise_first
 from ._layouts import Files, Layout, StepDirectories
@@ -47,8 +47,6 @@ from ._writers import QueueWriter, Writer
 logger = logging.getLogger(__name__)
 
 StateFn = Callable[[], "tuple[int, object] | Awaitable[tuple[int, object]]"]
-#: How long a lease on an object store outlives a holder that stopped renewing it.
-LEASE_TTL = 60.0
 
 
 @final
@@ -134,9 +132,11 @@ class CheckpointManager(anyio.abc.AsyncResource):
         replicated: Sequence[str] = (),
         timeout: float = 300.0,
         read_only: bool = False,
+        lease_ttl: float = 60.0,
     ) -> None:
         self._storage, self.directory = resolve(directory, storage)
         self.read_only = read_only
+        self._lease_ttl = lease_ttl
         self._writer: Writer = writer if writer is not None else QueueWriter(storage=self._storage)
         self._name = name
         self._pattern = _name_pattern(name)
@@ -219,7 +219,7 @@ class CheckpointManager(anyio.abc.AsyncResource):
         """Keep the lease of the directory (an object store's expires unless renewed)."""
         with self._renewal:
             while True:
-                await anyio.sleep(LEASE_TTL / 3)
+                await anyio.sleep(self._lease_ttl / 3)
                 try:
                     await _offload.run_io(lease.renew)
                 except LeaseLostError as exc:
@@ -259,11 +259,37 @@ class CheckpointManager(anyio.abc.AsyncResource):
         reader only loads the index."""
         assert self._catalog is not None
         if not self.read_only:
-            self._lock = await _offload.run_io(self._storage.lease, self.directory, LEASE_TTL)
+            self._lock = await self._take_lease()
             swept = await _offload.run_io(self._storage.sweep_incomplete, self.directory)
             if swept:
                 logger.info("removed %d temp file(s) of crashed saves in %s", len(swept), self.directory)
         await self._catalog.load()
+
+    async def _take_lease(self) -> Lease:
+        """The directory's lease. A holder that stopped renewing its lease (it died on
+        another host) holds it until it goes stale: opening waits for that, up to
+        ``lease_ttl``, and gives up at once if it sees the lease renewed (a live holder)."""
+        patience = time.monotonic() + self._lease_ttl + 1.0  # clocks differ a little
+        stale_at: float | None = None
+        while True:
+            try:
+                return await _offload.run_io(self._storage.lease, self.directory, self._lease_ttl)
+            except DirectoryLockedError as exc:
+                if exc.retry_after is None:
+                    raise
+                now = time.monotonic()
+                renewed = stale_at is not None and now + exc.retry_after > stale_at + 0.2
+                if renewed or now >= patience:
+                    raise
+                if stale_at is None:
+                    logger.warning(
+                        "%s is leased by a manager that may have died; waiting up to %.0f s for its "
+                        "lease to go stale",
+                        self.directory,
+                        exc.retry_after,
+                    )
+                stale_at = now + exc.retry_after
+                await anyio.sleep(min(max(exc.retry_after, 0.05), patience - now, 1.0))
 
     async def _release(self) -> None:
         self._state = "closed"
@@ -272,7 +298,9 @@ class CheckpointManager(anyio.abc.AsyncResource):
         if self._member is not None:
             await _offload.run_coord(self._member.close)
         if self._lock is not None:
-            self._lock.release()
+            lock, self._lock = self._lock, None
+            with anyio.CancelScope(shield=True):  # a network round trip on an object store
+                await _offload.run_io(lock.release)
 
     async def aclose(self) -> None:
         """Wait for pending commits and the rotation they trigger; release the directory."""

@@ -26,7 +26,7 @@ import concurrent.futures
 import json
 import os
 import posixpath
-import socket
+import random
 import time
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
@@ -36,10 +36,9 @@ from ._errors import (
     CheckpointNotFoundError,
     ConflictError,
     CorruptCheckpointError,
-    DirectoryLockedError,
-    LeaseLostError,
     RemoteStorageError,
 )
+from ._lease import VersionedLease
 from ._storage import LEASE_NAME, CommitTimes, Entry, Version
 
 #: Objects up to this size are one PUT; larger ones a multipart upload of parts this big.
@@ -145,9 +144,10 @@ class ObjectStorage:
         mode: Any = "create" if expect is None else _mode(expect)
         try:
             result = self._call(obs.put, path, self.store, self.key(path), data, mode=mode)
-        except RemoteStorageError:
-            # A conditional PUT is not retried when its outcome is unknown (a timeout):
-            # read what is there; if it is ours, it went through.
+        except (RemoteStorageError, ConflictError):
+            # The outcome of a conditional PUT whose answer was lost is unknown, and its
+            # retry may find it done ("already exists"): read what is there; if it is
+            # what this call wrote, it went through.
             try:
                 now, version = self.read_versioned(path)
             except CheckpointNotFoundError:
@@ -163,7 +163,7 @@ class ObjectStorage:
 
     def read_versioned(self, path: str) -> tuple[bytes, Version]:
         obs = _obstore()
-        got = self._call(obs.get, path, self.store, self.key(path))
+        got = self._idempotent(obs.get, path, self.store, self.key(path))
         data = bytes(got.bytes())
         return data, _version(got.meta)
 
@@ -171,18 +171,18 @@ class ObjectStorage:
         obs = _obstore()
         name = self.split(path)[1]
         try:
-            meta = self._call(obs.head, path, self.store, self.key(path))
+            meta = self._idempotent(obs.head, path, self.store, self.key(path))
             return Entry(name, False, int(meta["size"]))
         except CheckpointNotFoundError:
             pass
-        listed = self._call(obs.list_with_delimiter, path, self.store, self.key(path))
+        listed = self._idempotent(obs.list_with_delimiter, path, self.store, self.key(path))
         return Entry(name, True) if listed["objects"] or listed["common_prefixes"] else None
 
     # -- removing ----------------------------------------------------------------------------
     def delete(self, path: str) -> None:
         obs = _obstore()
         try:
-            self._call(obs.delete, path, self.store, self.key(path))
+            self._idempotent(obs.delete, path, self.store, self.key(path))
         except CheckpointNotFoundError:
             pass
 
@@ -191,7 +191,7 @@ class ObjectStorage:
         keys = [meta["path"] for meta in self._walk(path)]
         for i in range(0, len(keys), 1000):
             try:
-                self._call(obs.delete, path, self.store, keys[i : i + 1000])
+                self._idempotent(obs.delete, path, self.store, keys[i : i + 1000])
             except CheckpointNotFoundError:
                 pass  # some were gone already (Azure says so); the others went
 
@@ -199,7 +199,7 @@ class ObjectStorage:
         obs = _obstore()
         prefix = self.key(path)
         # A listing fails while it is read: collect it inside the call that translates errors.
-        yield from self._call(lambda: obs.list(self.store, prefix or None).collect(), path)
+        yield from self._idempotent(lambda: obs.list(self.store, prefix or None).collect(), path)
 
     def sweep_incomplete(self, path: str) -> list[str]:
         """Abort the multipart uploads killed saves left under ``path`` (S3), or delete
@@ -212,14 +212,14 @@ class ObjectStorage:
             return [f"{self._root()}/{key}" for key in _sweep_azure(self.bucket, prefix, self.options)]
         return []
 
-    def lease(self, path: str, ttl: float) -> _ObjectLease:
-        return _ObjectLease(self, self.join(path, LEASE_NAME), ttl)
+    def lease(self, path: str, ttl: float) -> VersionedLease:
+        return VersionedLease(self, self.join(path, LEASE_NAME), ttl)
 
     # Last: below it, ``list`` would name this method in annotations.
     def list(self, path: str) -> list[Entry]:
         obs = _obstore()
         prefix = self.key(path)
-        listed = self._call(obs.list_with_delimiter, path, self.store, prefix or None)
+        listed = self._idempotent(obs.list_with_delimiter, path, self.store, prefix or None)
         found = [Entry(p.rstrip("/").rsplit("/", 1)[-1], True) for p in listed["common_prefixes"]]
         found += [Entry(m["path"].rsplit("/", 1)[-1], False, int(m["size"])) for m in listed["objects"]]
         return sorted(found, key=lambda e: e.name)
@@ -236,6 +236,21 @@ class ObjectStorage:
             raise ConflictError(path) from exc
         except (obs.exceptions.BaseError, OSError) as exc:
             raise RemoteStorageError(_describe(path, exc)) from exc
+
+    def _idempotent(self, fn: Any, path: str, *args: Any, **kwargs: Any) -> Any:
+        """``_call`` of a call that may be repeated (a read, a listing, a delete): obstore
+        retries what fails before an answer, not a body cut off midway; this retries
+        that too, with backoff and jitter, until the deadline."""
+        deadline = time.monotonic() + self.deadline
+        delay = 0.1
+        while True:
+            try:
+                return self._call(fn, path, *args, **kwargs)
+            except RemoteStorageError:
+                if time.monotonic() + delay > deadline:
+                    raise
+                time.sleep(delay * (0.5 + random.random()))
+                delay = min(delay * 2, 5.0)
 
 
 def _describe(path: str, exc: BaseException) -> str:
@@ -306,12 +321,14 @@ class _ObjectUpload:
         try:
             if self._small is not None:
                 obs = _obstore()
-                self._storage._call(obs.put, self.path, self._storage.store, self._key, bytes(self._small))
+                self._storage._idempotent(
+                    obs.put, self.path, self._storage.store, self._key, bytes(self._small)
+                )
             elif self._writer is not None:
                 self._storage._call(self._writer.close, self.path)
             else:
                 obs = _obstore()
-                self._storage._call(obs.put, self.path, self._storage.store, self._key, b"")
+                self._storage._idempotent(obs.put, self.path, self._storage.store, self._key, b"")
         except BaseException:
             self.abort()
             raise
@@ -337,7 +354,7 @@ class _ObjectReader:
     def __init__(self, storage: ObjectStorage, path: str) -> None:
         obs = _obstore()
         self.path, self._storage, self._key = path, storage, storage.key(path)
-        meta = storage._call(obs.head, path, storage.store, self._key)
+        meta = storage._idempotent(obs.head, path, storage.store, self._key)
         self.size = int(meta["size"])
 
     def readinto(self, offset: int, buf: memoryview) -> None:
@@ -370,7 +387,7 @@ class _ObjectReader:
         offset, dest = piece
         if not len(dest):
             return
-        got = self._storage._call(
+        got = self._storage._idempotent(
             obs.get_range, self.path, self._storage.store, self._key, start=offset, end=offset + len(dest)
         )
         if len(got) != len(dest):
@@ -379,67 +396,6 @@ class _ObjectReader:
 
     def close(self) -> None:
         pass
-
-
-class _ObjectLease:
-    """A lock object: ``{"owner", "expires"}``, created only if absent, renewed with its
-    own version, taken over only once expired. Expiry is judged by the clocks of those
-    who read it: ``ttl`` should be long against the clock skew between hosts."""
-
-    def __init__(self, storage: ObjectStorage, path: str, ttl: float) -> None:
-        self._storage, self.path, self.ttl = storage, path, ttl
-        self.owner = f"{socket.gethostname()}:{os.getpid()}:{os.urandom(4).hex()}"
-        self._version: Version | None = None
-        try:
-            self._version = storage.replace_if(path, self._content(), None)
-        except ConflictError:
-            self._take_over()
-
-    def _content(self, expires: float | None = None) -> bytes:
-        until = time.time() + self.ttl if expires is None else expires
-        return json.dumps({"owner": self.owner, "expires": until}).encode()
-
-    def _take_over(self) -> None:
-        try:
-            raw, version = self._storage.read_versioned(self.path)
-            held = json.loads(raw)
-            owner, expires = str(held["owner"]), float(held["expires"])
-        except CheckpointNotFoundError:  # released meanwhile: try again from the start
-            self._version = self._storage.replace_if(self.path, self._content(), None)
-            return
-        except (ValueError, KeyError, TypeError):
-            owner, expires, version = "?", 0.0, self._storage.read_versioned(self.path)[1]
-        if expires > time.time():
-            directory = self._storage.split(self.path)[0]
-            raise DirectoryLockedError(
-                f"{directory} is in use by another CheckpointManager ({owner}, renewed until "
-                f"{time.strftime('%H:%M:%S', time.localtime(expires))}); open it with read_only=True to "
-                "read while it trains"
-            )
-        try:
-            self._version = self._storage.replace_if(self.path, self._content(), version)
-        except ConflictError:
-            raise DirectoryLockedError(f"{self.path}: another manager took the stale lease first") from None
-
-    def renew(self) -> None:
-        if self._version is None:
-            return
-        try:
-            self._version = self._storage.replace_if(self.path, self._content(), self._version)
-        except ConflictError:
-            self._version = None
-            raise LeaseLostError(
-                f"{self.path}: the lease expired and another manager took it; this one must stop writing"
-            ) from None
-
-    def release(self) -> None:
-        version, self._version = self._version, None
-        if version is None:
-            return
-        try:  # an expired lease, written only if it is still ours (there is no conditional delete)
-            self._storage.replace_if(self.path, self._content(expires=0.0), version)
-        except (ConflictError, RemoteStorageError):
-            pass
 
 
 def _sweep_s3(bucket: str, prefix: str, options: dict[str, Any]) -> list[str]:
