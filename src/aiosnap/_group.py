@@ -96,6 +96,8 @@ class Manifest:
             ):
                 raise ValueError("format or checksum mismatch")
             manifest = cls(**outer["body"])
+        except RecursionError:  # json's C parser and encoder stop at the interpreter's limit
+            raise CorruptCheckpointError(path, "bad manifest: nested too deeply") from None
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CorruptCheckpointError(path, f"bad manifest: {exc}") from None
         if not manifest.well_typed():
@@ -103,9 +105,24 @@ class Manifest:
         n = manifest.world_size
         if not (len(manifest.files) == len(manifest.checksums) == len(manifest.sizes) == n > 0):
             raise CorruptCheckpointError(path, "bad manifest: the lists do not match the world size")
-        if any("/" in f or f.startswith(".") for f in [*manifest.files, manifest.replicas]):
-            raise CorruptCheckpointError(path, "bad manifest: a file name leaves the step directory")
+        if not all(_plain_name(f) for f in [*manifest.files, manifest.replicas]):
+            raise CorruptCheckpointError(
+                path, "bad manifest: a file name leaves the step directory or is not one"
+            )
         return manifest
+
+
+def _plain_name(name: str) -> bool:
+    """Whether ``name`` names a file in the step directory that a file system can open: one
+    path component (not "." or ".." or hidden), no NUL, UTF-8 (no lone surrogates), and
+    at most NAME_MAX (255) bytes. Any other name would fail inside open(), with an error
+    that is not the manifest's."""
+    if not name or "/" in name or "\0" in name or name.startswith("."):
+        return False
+    try:
+        return len(name.encode("utf-8")) <= 255
+    except UnicodeEncodeError:
+        return False
 
 
 def read_manifest(storage: Storage, step_dir: str) -> Manifest:

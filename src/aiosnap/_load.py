@@ -315,7 +315,10 @@ class _Reader:
         wanted: dict[str, TensorInfo] = {}
         by_source: list[list[TensorInfo]] = [[] for _ in self.sources]
         for path, kind, name in walk_leaves(tree):
-            if name in wanted:
+            known = wanted.get(name)
+            # Every reference is checked, not only the first: a second one of another
+            # kind would get the first's object (a tensor where the tree says ndarray).
+            if known is not None and known.kind == kind:
                 continue
             src = self.source(name)
             info = self.sources[src][1].tensors[name]
@@ -439,10 +442,12 @@ def _verify_blocking(storage: Storage, path: str) -> VerifyReport:
             _verify_one(f, header, info, buf)
         if header.tree is not None:
             try:
-                for _, kind, name in walk_leaves(header.tree):
+                for where, kind, name in walk_leaves(header.tree):
                     entry = header.tensors.get(name) or header.external.get(name)
-                    if entry is None or entry.kind != kind:
+                    if entry is None:
                         raise ValueError(f"the tree refers to a missing {kind} {name!r}")
+                    if entry.kind != kind:  # as load says it
+                        raise ValueError(f"{format_path(where)} is a {kind} but {name!r} is a {entry.kind}")
             except ValueError as exc:
                 raise CorruptCheckpointError(path, f"bad tree: {exc}") from None
         total = sum(t.nbytes for t in header.tensors.values())
@@ -557,7 +562,11 @@ def _load_state(target: Any, value: Any, where: str, strict: bool) -> None:
     kwargs = {"strict": strict} if isinstance(target, torch.nn.Module) else {}
     try:
         result = target.load_state_dict(value, **kwargs)
-    except (RuntimeError, KeyError, ValueError, TypeError) as exc:
-        raise StateMismatchError(f"{where}: load_state_dict failed: {exc}") from exc
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        # What the object makes of a value that is not its state is up to it: torch's
+        # Module calls key.startswith(...) on every key (AttributeError for an int key).
+        raise StateMismatchError(f"{where}: load_state_dict failed: {type(exc).__name__}: {exc}") from exc
     if strict and (getattr(result, "missing_keys", None) or getattr(result, "unexpected_keys", None)):
         raise StateMismatchError(f"{where}: {result}")
