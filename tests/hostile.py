@@ -54,9 +54,6 @@ def dumps(value: Any) -> str:
     return "".join(p + r for p, r in zip(pieces, [*raws, ""], strict=True))
 
 
-_dumps = dumps
-
-
 @dataclass
 class Parts:
     header: dict[str, Any]  # the safetensors header, without __metadata__

@@ -12,9 +12,10 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import pytest
@@ -30,24 +31,27 @@ from .hostile import Raw, parse, render
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def fuzz(*runs: str) -> subprocess.Popen[str]:
-    """A child running the fuzzer over ``runs`` (KIND:START:COUNT)."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "tests.fuzz", *runs],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+Child = tuple[subprocess.Popen[str], IO[bytes]]
 
 
-def results(children: list[subprocess.Popen[str]]) -> list[dict[str, Any]]:
+def fuzz(*runs: str) -> Child:
+    """A child running the fuzzer over ``runs`` (KIND:START:COUNT), and the file its
+    stderr goes to (a pipe nobody reads yet could fill and stall it)."""
+    log = tempfile.TemporaryFile()  # noqa: SIM115 - closed by results()
+    cmd = [sys.executable, "-m", "tests.fuzz", *runs]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True), log
+
+
+def results(children: list[Child]) -> list[dict[str, Any]]:
     """The reports of the children, once all have finished; fails on any finding."""
     reports, problems = [], []
-    for child in children:
+    for child, log in children:
         # Not a deadline on the fuzzer's speed (that is the per-case ratio): a guard for a hang.
-        out, err = child.communicate(timeout=3600)
-        assert child.returncode == 0, f"the fuzzer died ({child.returncode}):\n{err[-3000:]}"
+        out, _ = child.communicate(timeout=3600)
+        log.seek(0)
+        errors = log.read().decode(errors="replace")
+        log.close()
+        assert child.returncode == 0, f"the fuzzer died ({child.returncode}):\n{errors[-3000:]}"
         report = json.loads(out.splitlines()[-1])
         reports.append(report)
         problems += [f"pickle ran: {u}" for u in report["unpickled"]]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, final
 
@@ -70,11 +71,15 @@ class CheckpointRecord:
 
 
 def _is_int(value: object) -> bool:
-    return type(value) is int  # not bool: True is no step
+    # Integral, not int: records also cross between ranks as objects, and a step or
+    # epoch the caller gave may be a NumPy integer. Never a bool: True is no step.
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _is_real(value: object) -> bool:
-    """A finite number (JSON reads 1e999 as inf, and ints can exceed any float)."""
-    if type(value) is int:
-        return abs(value) < 1 << 63
-    return type(value) is float and math.isfinite(value)
+    """A finite number (JSON reads 1e999 as inf, and an int can exceed any float)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return False
+    if isinstance(value, numbers.Integral):
+        return abs(int(value)) < 1 << 63
+    return math.isfinite(value)
