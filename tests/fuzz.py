@@ -1914,10 +1914,10 @@ def main(argv: list[str] | None = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     runner = Runner(workdir, args.ratio, args.verbose)
     reports: list[Report] = []
-    memory = 0
+    memory, limit_works = 0, False
 
     async def run() -> None:
-        nonlocal memory
+        nonlocal memory, limit_works
         await runner.setup()
         # What torch and the seeds made is kept for good: collections that walk it all
         # cost ~100 ms each, which would be charged to whichever case they fall in.
@@ -1927,6 +1927,11 @@ def main(argv: list[str] | None = None) -> int:
         # far below what a size the reader failed to check would make it allocate.
         memory = _vm("VmSize") + (args.headroom_mib << 20)
         resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+        try:  # the limit bites: an allocation past the headroom fails
+            bytearray((args.headroom_mib + 64) << 20)
+            limit_works = False
+        except MemoryError:
+            limit_works = True
         sys.addaudithook(runner.audit)
         for kind, start, count in args.runs:
             reports.append(await runner.run(kind, start, count))
@@ -1938,6 +1943,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": [r.summary(50) for r in reports],
         "unpickled": runner.unpickled[:50],
         "rlimit_as_mib": memory >> 20,
+        "rlimit_works": limit_works,
         "vm_peak_mib": _vm("VmPeak") >> 20,
     }
     print(json.dumps(result))

@@ -55,6 +55,7 @@ def results(children: list[Child]) -> list[dict[str, Any]]:
         report = json.loads(out.splitlines()[-1])
         reports.append(report)
         problems += [f"pickle ran: {u}" for u in report["unpickled"]]
+        problems += [] if report["rlimit_works"] else ["RLIMIT_AS did not stop an allocation past it"]
         for run in report["runs"]:
             problems += [f"{run['kind']}: {json.dumps(f)}" for f in run["distinct"]]
             problems += [f"{run['kind']}: slow case {json.dumps(s)}" for s in run["slow"]]
