@@ -59,6 +59,10 @@ class Catalog:
         self._lock = anyio.Lock()
         #: A reader's catalog (``read_only``) keeps everything in memory.
         self._writable = writable
+        #: Steps this catalog saw fail verification. Only they are removed for being
+        #: corrupt: a mark read from the index (a cache) hides a checkpoint from steps(),
+        #: but never deletes it.
+        self._failed: set[int] = set()
         #: The version of the index as this catalog last read or wrote it: the index is
         #: replaced only if it is still that one, so no other writer's update is lost.
         self._version: Version | None = None
@@ -123,13 +127,18 @@ class Catalog:
         doomed = victims(self._keep, valid, time.time())
         newest = max((r.step for r in valid), default=None)
         # Checkpoints that failed verification go once a newer valid one exists.
-        doomed += [r.step for r in self.records.values() if r.corrupt and newest and r.step < newest]
+        doomed += [
+            r.step
+            for r in self.records.values()
+            if r.corrupt is not None and r.step in self._failed and newest is not None and r.step < newest
+        ]
         return {step: self.records[step].file for step in doomed}
 
     async def mark_corrupt(self, step: int, reason: str) -> None:
         async with self._lock:
             record = self.records.get(step)
             if record is not None:
+                self._failed.add(step)
                 self.records[step] = record.replace(corrupt=reason)
                 if self._writable:
                     await self._write_index()
@@ -139,24 +148,53 @@ class Catalog:
         try:
             raw, self._version = await _offload.run_io(self._storage.read_versioned, path)
             data = json.loads(raw)
-            records = [CheckpointRecord.from_json(r) for r in data["checkpoints"]]
-            history = [CheckpointRecord.from_json(r) for r in data.get("history", [])]
+            if not isinstance(data, dict):
+                raise TypeError(f"the index is a {type(data).__name__}, not an object")
+            records, history = data["checkpoints"], data.get("history", [])
+            if not isinstance(records, list) or not isinstance(history, list):
+                raise TypeError("checkpoints or history is not a list")
         except CheckpointNotFoundError:
             self._version = None
             return {}, []
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
+            # RecursionError: json's C parser stops at the interpreter's nesting limit.
             logger.warning("index %s is unreadable (%r); rebuilding it from the directory", path, exc)
             return {}, []
-        return {r.step: r for r in records}, history
+        # The history is cut as it is written: a longer one is not the writer's.
+        return {r.step: r for r in _records(records, path)}, _records(history[-HISTORY_LIMIT:], path)
 
     async def _write_index(self) -> None:
         valid = self.steps()
-        data = {
-            "version": 1,
-            "latest": valid[-1] if valid else None,
-            "checkpoints": [r.to_json() for _, r in sorted(self.records.items())],
-            "history": [r.to_json() for r in self.history],
-        }
-        blob = json.dumps(data, indent=1, default=repr).encode()
+        checkpoints = [r for _, r in sorted(self.records.items())]
+        latest = valid[-1] if valid else None
+        blob = await _offload.run_cpu(_encode_index, latest, checkpoints, list(self.history))
         path = self._storage.join(self._directory, INDEX_NAME)
         self._version = await _offload.run_io(self._storage.replace_if, path, blob, self._version)
+
+
+def _records(entries: list[object], path: str) -> list[CheckpointRecord]:
+    """The well-formed records among index entries; the others are dropped (a checkpoint
+    whose record goes is taken as the directory shows it, as if the index never knew it)."""
+    records, bad = [], 0
+    for entry in entries:
+        try:
+            records.append(CheckpointRecord.from_json(entry))
+        except (ValueError, TypeError):
+            bad += 1
+    if bad:
+        logger.warning("index %s: %d malformed entries ignored", path, bad)
+    return records
+
+
+def _encode_index(
+    latest: int | None, checkpoints: list[CheckpointRecord], history: list[CheckpointRecord]
+) -> bytes:
+    """The index as JSON. Runs in a worker thread, with json's C encoder: ``indent=``
+    selects the pure-Python one, which held the event loop for 2 s with a full history."""
+    data = {
+        "version": 1,
+        "latest": latest,
+        "checkpoints": [r.to_json() for r in checkpoints],
+        "history": [r.to_json() for r in history],
+    }
+    return json.dumps(data, default=repr).encode()

@@ -17,7 +17,6 @@ file size before anything is allocated, and every failure is a CorruptCheckpoint
 from __future__ import annotations
 
 import dataclasses
-import math
 import struct
 import zipfile
 from dataclasses import dataclass, field
@@ -41,6 +40,11 @@ from ._storage import Reader, ReaderFile
 FORMAT_VERSION = 1
 #: A larger header is refused before it is read (a lying length must not allocate).
 MAX_HEADER = 1 << 30
+#: torch and NumPy hold sizes and strides in int64: a shape whose extent (the product of
+#: its dimensions, zeros counted as ones) times the element size exceeds this is refused.
+MAX_EXTENT = (1 << 63) - 1
+#: NumPy arrays have at most this many dimensions (numpy.empty refuses more).
+NUMPY_MAX_NDIM = 64
 KINDS = ("tensor", "ndarray", "npscalar", "pickle")
 
 
@@ -245,12 +249,14 @@ class _Parser:
         if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
             raise self.fail("__metadata__ is not a map of strings")
         self.check_header_crc(raw, meta)
-        header = self.aiosnap(8 + n, entries, self.json(meta[META_KEY].encode(), "metadata"))
+        header = self.aiosnap(8 + n, entries, self.json(meta[META_KEY], "metadata"))
         return dataclasses.replace(header, checksum=meta[CRC_KEY])
 
-    def json(self, data: bytes, what: str) -> Any:
+    def json(self, data: bytes | str, what: str) -> Any:
+        # The metadata is text already, and may hold lone surrogates (JSON escapes can
+        # write them): it is parsed as it is, never encoded again.
         try:
-            return _json.loads(data.decode("utf-8"))
+            return _json.loads(data if isinstance(data, str) else data.decode("utf-8"))
         except (UnicodeDecodeError, ValueError, RecursionError) as exc:
             raise self.fail(f"{what} is not valid JSON ({type(exc).__name__})") from None
 
@@ -262,13 +268,13 @@ class _Parser:
             if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
                 raise self.fail(f"tensor {name!r}: malformed entry")
             code, shape, offsets = e["dtype"], e["shape"], e["data_offsets"]
-            if code not in _dtypes.ST_ITEMSIZE:
-                raise self.fail(f"tensor {name!r}: unknown dtype {code!r}")
+            if not isinstance(code, str) or code not in _dtypes.ST_ITEMSIZE:
+                raise self.fail(f"tensor {name!r}: unknown dtype {code!r:.40}")
             if not _ints(shape) or not _ints(offsets) or len(offsets) != 2:
                 raise self.fail(f"tensor {name!r}: shape or offsets are not non-negative integers")
             start, end = offsets
-            if end - start != math.prod(shape) * _dtypes.ST_ITEMSIZE[code]:
-                raise self.fail(f"tensor {name!r}: offsets {offsets} do not match shape {shape}")
+            if end - start != nbytes(shape, _dtypes.ST_ITEMSIZE[code]):
+                raise self.fail(f"tensor {name!r}: offsets {offsets} do not match shape {_short(shape)}")
             found[name] = (code, shape, start, end)
         self.check_layout(found, data_len)
         return found
@@ -295,8 +301,8 @@ class _Parser:
 
     def check_header_crc(self, raw: bytearray, meta: dict[str, str]) -> None:
         stored = meta.get(CRC_KEY)
-        if stored is None or len(stored) != 8:
-            raise self.fail("header checksum is missing")
+        if stored is None or len(stored) != 8 or not _is_hex(stored):
+            raise self.fail("header checksum is missing or malformed")
         needle = f'"{CRC_KEY}":"{stored}"'.encode()
         at = raw.find(needle)
         if at < 0 or raw.find(needle, at + 1) >= 0:
@@ -336,8 +342,10 @@ class _Parser:
             kind = d.get("kind") if isinstance(d, dict) else None
             if kind not in KINDS[:3] or not isinstance(d.get("dtype"), str):  # a pickle is never external
                 raise self.fail(f"external entry {name!r}: malformed description")
-            shape = d.get("shape")
-            if itemsize(kind, d["dtype"]) is None or not _ints(shape):
+            shape, size = d.get("shape"), itemsize(kind, d["dtype"])
+            if size is None or not _ints(shape) or nbytes(shape, size) is None:
+                raise self.fail(f"external entry {name!r}: bad dtype or shape")
+            if kind != "tensor" and len(shape) > NUMPY_MAX_NDIM:
                 raise self.fail(f"external entry {name!r}: bad dtype or shape")
             shard = self.shard(name, d, shape, kind)
             external[name] = TensorInfo(name, kind, d["dtype"], tuple(shape), 0, 0, None, shard)
@@ -372,10 +380,14 @@ class _Parser:
         if size is None:
             raise self.fail(f"tensor {name!r}: unknown {kind} dtype {dtype!r}")
         if not _ints(shape):
-            raise self.fail(f"tensor {name!r}: shape {shape!r} is not a list of non-negative integers")
+            raise self.fail(f"tensor {name!r}: shape {_short(shape)} is not a list of non-negative integers")
         assert isinstance(shape, list)
-        if math.prod(shape) * size != end - start:
-            raise self.fail(f"tensor {name!r}: shape {shape!r} does not match its {end - start} bytes")
+        if kind != "tensor" and len(shape) > NUMPY_MAX_NDIM:
+            raise self.fail(
+                f"tensor {name!r}: shape of {len(shape)} dimensions, more than NumPy's {NUMPY_MAX_NDIM}"
+            )
+        if nbytes(shape, size) != end - start:
+            raise self.fail(f"tensor {name!r}: shape {_short(shape)} does not match its {end - start} bytes")
         if (kind == "npscalar" and shape) or (kind == "pickle" and len(shape) != 1):
             raise self.fail(f"tensor {name!r}: bad shape for a {kind}")
         if st_entry(kind, dtype, tuple(shape), end - start) != (code, st_shape):
@@ -390,6 +402,28 @@ class _Parser:
                 raise self.fail(f"tensor {name!r}: bad block checksums")
             blocks = tuple(int(blocks[i : i + 8], 16) for i in range(0, want, 8))
         return TensorInfo(name, kind, dtype, tuple(shape), start, end, int(crc, 16), shard, blocks)
+
+
+def nbytes(shape: list[int], itemsize: int) -> int | None:
+    """The bytes of a shape of non-negative ints, or None if torch or NumPy could not
+    hold it (see MAX_EXTENT). Multiplies only while under that bound: a shape of
+    thousand-digit numbers costs one multiplication, not a product of them all."""
+    extent, empty = itemsize, False
+    for d in shape:
+        if d == 0:
+            empty = True
+        else:
+            extent *= d
+            if extent > MAX_EXTENT:
+                return None
+    return 0 if empty else extent
+
+
+def _short(value: Any) -> str:
+    """A value from the file, for a message: a hostile one can be megabytes long, and
+    the repr of an int of thousands of digits alone takes milliseconds."""
+    text = repr(value[:4])[:-1] + ", ...]" if isinstance(value, list) and len(value) > 4 else repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _ints(value: Any) -> bool:

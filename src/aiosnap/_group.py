@@ -119,7 +119,9 @@ class Manifest:
             ):
                 raise ValueError("format or checksum mismatch")
             manifest = decode(cls, outer["body"])
-        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        except RecursionError:  # json's C parser and encoder stop at the interpreter's limit
+            raise CorruptCheckpointError(path, "bad manifest: nested too deeply") from None
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CorruptCheckpointError(path, f"bad manifest: {exc}") from None
         problem = manifest._problem()
         if problem:
@@ -132,8 +134,8 @@ class Manifest:
             return "a negative step or size"
         if not (len(self.files) == len(self.checksums) == len(self.sizes) == n > 0):
             return "the lists do not match the world size"
-        if any("/" in f or f.startswith(".") or not f for f in [*self.files, self.replicas]):
-            return "a file name leaves the step directory"
+        if not all(_plain_name(f) for f in [*self.files, self.replicas]):
+            return "a file name leaves the step directory or is not one"
         for path, saved in self.shards.items():
             if saved.dtype not in TORCH_DTYPES or any(s < 0 for s in saved.shape):
                 return f"DTensor {path!r}: bad dtype or shape"
@@ -142,6 +144,19 @@ class Manifest:
             if not tiles(saved.shape, [b.box for b in saved.boxes]):
                 return f"DTensor {path!r}: its boxes do not cover it exactly once"
         return ""
+
+
+def _plain_name(name: str) -> bool:
+    """Whether ``name`` names a file in the step directory that a file system can open: one
+    path component (not "." or ".." or hidden), no NUL, UTF-8 (no lone surrogates), and
+    at most NAME_MAX (255) bytes. Any other name would fail inside open(), with an error
+    that is not the manifest's."""
+    if not name or "/" in name or "\0" in name or name.startswith("."):
+        return False
+    try:
+        return len(name.encode("utf-8")) <= 255
+    except UnicodeEncodeError:
+        return False
 
 
 def read_manifest(storage: Storage, step_dir: str) -> Manifest:

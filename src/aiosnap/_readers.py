@@ -108,10 +108,16 @@ class EntryReader:
         wanted: dict[str, TensorInfo] = {}
         sharded: dict[str, tuple[str, SavedTensor]] = {}
         by_source: list[list[TensorInfo]] = [[] for _ in self.sources]
+        seen: dict[str, str] = {}  # name -> the kind the tree first called it
         for path, kind, name in walk_leaves(tree):
-            if name in wanted or name in sharded:
-                continue
             where = format_path(path)
+            # Every reference is checked, not only the first: a second one of another
+            # kind would get the first's object (a tensor where the tree says ndarray).
+            if name in seen:
+                if seen[name] != kind:
+                    raise ValueError(f"{where} is a {kind} but {name!r} is a {seen[name]}")
+                continue
+            seen[name] = kind
             if kind == "dtensor" and self.shards is not None and where in self.shards.index:
                 sharded[name] = (where, self.shards.index[where])
                 continue

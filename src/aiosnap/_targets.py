@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from . import _dtypes
-from ._errors import StateMismatchError
+from ._errors import CheckpointError, StateMismatchError
 from ._format import TensorInfo
 from ._shards import is_dtensor
 from ._tree import decode_key, dict_items, format_path, is_stateful, sequence_values
@@ -198,7 +198,11 @@ def _load_state(target: Any, value: Any, where: str, strict: bool) -> None:
     kwargs = {"strict": strict} if isinstance(target, torch.nn.Module) else {}
     try:
         result = target.load_state_dict(value, **kwargs)
-    except (RuntimeError, KeyError, ValueError, TypeError) as exc:
-        raise StateMismatchError(f"{where}: load_state_dict failed: {exc}") from exc
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        # What the object makes of a value that is not its state is up to it: torch's
+        # Module calls key.startswith(...) on every key (AttributeError for an int key).
+        raise StateMismatchError(f"{where}: load_state_dict failed: {type(exc).__name__}: {exc}") from exc
     if strict and (getattr(result, "missing_keys", None) or getattr(result, "unexpected_keys", None)):
         raise StateMismatchError(f"{where}: {result}")

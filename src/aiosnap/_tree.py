@@ -268,6 +268,8 @@ def check(tree: Node) -> None:
         if node is None or isinstance(node, (bool, int, float, str)):
             continue
         tag = node.get("$") if isinstance(node, dict) else None
+        if tag is not None and not isinstance(tag, str):  # a list or an object: unhashable, never a tag
+            raise ValueError(f"unknown node type at {format_path(path)}")
         if (isinstance(node, list) or tag in ("dict", "tuple")) and len(path) >= MAX_DEPTH:
             raise ValueError(f"the tree is nested more than {MAX_DEPTH} deep at {format_path(path[:8])}...")
         if isinstance(node, list):

@@ -13,7 +13,7 @@ from ._format import Header, TensorInfo, how_to_read, read_header, sniff
 from ._group import MANIFEST_NAME, read_manifest
 from ._header import crc32c
 from ._storage import Reader, ReaderFile, Storage, exists
-from ._tree import walk_leaves
+from ._tree import format_path, walk_leaves
 
 #: verify() reads in pieces of this size, so it needs no memory for the tensors.
 _VERIFY_PIECE = 64 << 20
@@ -63,11 +63,16 @@ def _verify_file(storage: Storage, path: str, checksum: str | None = None) -> Ve
             _verify_one(f, header, info, buf)
         if header.tree is not None:
             try:
-                for _, kind, name in walk_leaves(header.tree):
+                seen: dict[str, str] = {}
+                for where, kind, name in walk_leaves(header.tree):
                     entry = header.tensors.get(name) or header.external.get(name)
                     stored = "tensor" if kind == "dtensor" else kind  # a DTensor's shard is a tensor
-                    if entry is None or entry.kind != stored or (kind == "dtensor") != bool(entry.shard):
+                    if entry is None:
                         raise ValueError(f"the tree refers to a missing {kind} {name!r}")
+                    if seen.setdefault(name, kind) != kind:  # as load says it
+                        raise ValueError(f"{format_path(where)} is a {kind} but {name!r} is a {seen[name]}")
+                    if entry.kind != stored or (kind == "dtensor") != bool(entry.shard):
+                        raise ValueError(f"{format_path(where)} is a {kind} but {name!r} is not")
             except ValueError as exc:
                 raise CorruptCheckpointError(path, f"bad tree: {exc}") from None
         total = sum(t.nbytes for t in header.tensors.values())
