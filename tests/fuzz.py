@@ -1370,18 +1370,43 @@ class Runner:
         self.storage = aiosnap.LocalStorage()
         self.step_dir, self.manifest = "", b""
         self.index: dict[str, Any] = {}
+        self.steps: Any = None  # fuzz_sharded.StepFuzz, made if a run has sharded cases
+        self.step_unit_s = 0.0
+        self.seed_problems: list[tuple[str, str, BaseException | None]] = []
 
     def audit(self, event: str, args: tuple[Any, ...]) -> None:
         # Any unpickling at all resolves globals through find_class: none may happen.
         if event == "pickle.find_class":
             self.unpickled.append(f"{args[0]}.{args[1]}")
 
-    async def setup(self) -> None:
+    async def setup(self, kinds: set[str]) -> None:
         """Warm every code path (and thread) and measure the unit of time; make the group
-        step and the directory the manifest and index cases use."""
+        step and the directory the manifest and index cases use, and the sharded step."""
         self.baseline_s = await self.measure(7)
         self.step_dir, self.manifest = await group_step(self.workdir)
         self.index = await index_base(self.workdir / "index_base")
+        if "sharded" in kinds:
+            from .fuzz_sharded import StepFuzz
+
+            self.steps = await StepFuzz.open(self.workdir, self.marker)
+            self.step_unit_s = await self.measure_steps(7)
+
+    def unit(self, kind: str) -> float:
+        """The time limit's unit of a kind of case: reading its unmutated seed."""
+        return {"checkpoint": self.baseline_s, "sharded": self.step_unit_s}.get(kind, 0.0)
+
+    async def measure_steps(self, rounds: int) -> float:
+        """The median time of reading the unmutated sharded step, as the cases read it."""
+        times = []
+        for i in range(rounds):
+            case = self.steps.seed_case(random.Random(f"sharded seed:{i}"))
+            t0 = time.perf_counter()
+            results = await run_calls(case.calls)
+            times.append(time.perf_counter() - t0)
+            if i == 0:  # the seed must read back (but per-rank state as a group of one)
+                results += await run_calls(case.checks)
+                self.seed_problems = [r for r in results if r[1] not in ("ok", "StateMismatchError")]
+        return statistics.median(times)
 
     async def measure(self, rounds: int) -> float:
         """The median time of reading an unmutated seed: the unit of the time limit."""
@@ -1470,13 +1495,19 @@ class Runner:
         return Case(f"keep={policy!r} save={save}", done, [("manager", session, ())])
 
     async def run(self, kind: str, start: int, count: int) -> Report:
-        report = Report(kind, start, count, baseline_s=self.baseline_s)
+        report = Report(kind, start, count, baseline_s=self.unit(kind) or self.baseline_s)
         makers = {
             "checkpoint": self.checkpoint_case,
             "manifest": self.manifest_case,
             "index": self.index_case,
+            "sharded": lambda i: self.steps.case(i),
         }
         make, began = makers[kind], time.perf_counter()
+        if kind == "sharded":
+            for name, outcome, exc in self.seed_problems:
+                error = f"{type(exc).__name__}: {exc}"[:300] if exc else outcome
+                where = _where(exc) if exc else "?"
+                report.findings.append(Finding(kind, -1, "sharded seed", [], name, error, where))
         for i in range(start, start + count):
             try:
                 case = make(i)
@@ -1499,7 +1530,7 @@ class Runner:
                     )
                     if self.verbose:
                         traceback.print_exception(exc, file=sys.stderr)
-            if kind == "checkpoint" and elapsed > self.ratio * self.baseline_s:
+            if self.unit(kind) and elapsed > self.ratio * self.unit(kind):
                 elapsed = await self.recheck(report, i, case, elapsed)
             report.times.append(elapsed)
             if elapsed > report.slowest[0]:
@@ -1515,7 +1546,8 @@ class Runner:
             t0 = time.perf_counter()
             await run_calls(case.calls)
             elapsed = min(elapsed, time.perf_counter() - t0)
-        unit = max(self.baseline_s, await self.measure(1))
+        again = await (self.measure(1) if report.kind == "checkpoint" else self.measure_steps(1))
+        unit = max(self.unit(report.kind), again)
         ratio = elapsed / unit
         report.max_ratio = max(report.max_ratio, ratio)
         if ratio > self.ratio:
@@ -1883,7 +1915,7 @@ def _check_record(r: aiosnap.CheckpointRecord) -> None:
 
 def parse_run(text: str) -> tuple[str, int, int]:
     kind, start, count = text.split(":")
-    if kind not in ("checkpoint", "manifest", "index"):
+    if kind not in ("checkpoint", "manifest", "index", "sharded"):
         raise argparse.ArgumentTypeError(f"unknown kind {kind!r}")
     return kind, int(start), int(count)
 
@@ -1891,7 +1923,7 @@ def parse_run(text: str) -> tuple[str, int, int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     parser.add_argument(
-        "runs", nargs="+", type=parse_run, help="KIND:START:COUNT (checkpoint, manifest, index)"
+        "runs", nargs="+", type=parse_run, help="KIND:START:COUNT (checkpoint, manifest, index, sharded)"
     )
     parser.add_argument(
         "--ratio", type=float, default=300.0, help="time limit of a checkpoint case, in seed cases"
@@ -1908,7 +1940,7 @@ def main(argv: list[str] | None = None) -> int:
 
     async def run() -> None:
         nonlocal memory, limit_works
-        await runner.setup()
+        await runner.setup({kind for kind, _, _ in args.runs})
         # What torch and the seeds made is kept for good: collections that walk it all
         # cost ~100 ms each, which would be charged to whichever case they fall in.
         gc.freeze()
