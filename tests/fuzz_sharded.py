@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import string
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -126,8 +127,10 @@ def dtensor(value: torch.Tensor, mesh: Any, spec: str) -> Any:
 
 def rank_state(rank: int) -> dict[str, Any]:
     meshes = {"flat": _mesh((WORLD,), rank), "grid": _mesh((2, 2), rank)}
+    dt = {name: dtensor(whole(name), meshes[m], spec) for name, (_, _, m, spec) in LAYOUT.items()}
     return {
-        "dt": {name: dtensor(whole(name), meshes[m], spec) for name, (_, _, m, spec) in LAYOUT.items()},
+        "dt": dt,
+        "tied": dt["row"],  # one DTensor at two paths: indexed at both, read once
         "shared": torch.ones(3),  # replicated: stored by rank 0, external on the others
         "arr": np.arange(4),  # the same on every rank, stored by each
         "step": 7,
@@ -560,9 +563,7 @@ def sf_blocks(c: StepEdit) -> str:
     another type, deleted; blocks on a small shard or a plain entry."""
     file, e = c.file()
     described = e.doc.described() or {}
-    with_blocks = [
-        n for n, d in described.items() if isinstance(d, dict) and isinstance(d.get("blocks"), str)
-    ]
+    with_blocks = [n for n, d in described.items() if _hex_blocks(d)]
     if not with_blocks or c.rng.random() < 0.15:
         name = c.rng.choice(list(described) or ["none"])
         d = described.get(name)
@@ -590,6 +591,13 @@ def sf_blocks(c: StepEdit) -> str:
     else:
         d["blocks"] = blocks[8:] + blocks[:8]  # the right checksums, in the wrong order
     return f"{file}: {name!r} blocks = {d.get('blocks', '<deleted>')!r:.40}"
+
+
+def _hex_blocks(d: Any) -> bool:
+    """Whether a description has block checksums to edit (a mutation before may have
+    left "" or text that is not hex)."""
+    blocks = d.get("blocks") if isinstance(d, dict) else None
+    return isinstance(blocks, str) and len(blocks) >= 8 and all(ch in string.hexdigits for ch in blocks)
 
 
 def _recompute_blocks(doc: Doc) -> None:
@@ -852,7 +860,7 @@ class StepCalls:
         allowed = (aiosnap.CheckpointError,)
         manifest = _parsed(self.directory)
         n = manifest.world_size if manifest is not None else 1
-        keys = rng.choice([["dt"], ["dt"], ["dt.big"], ["dt.row", "dt.grid", "shared"], ["dt", "arr"], None])
+        keys = rng.choice([["dt"], ["dt"], ["dt.big"], ["dt.row", "tied", "shared"], ["dt", "arr"], None])
         rank = rng.randrange(n)
         world = rng.choice([1, 2, 3, 4, 8])
         restore_rank = rng.randrange(world)
@@ -945,10 +953,12 @@ class StepCalls:
                     continue
                 if tuple(got.shape) != expected:
                     raise AssertionError(f"{call}: {path} is {tuple(got.shape)}, its whole is {expected}")
-                if path in wholes and not _same(wholes[path][1], got):
+                if path in wholes and not _empty(wholes[path][1], got) and not _same(wholes[path][1], got):
                     raise AssertionError(f"{call} and {wholes[path][0]} read {path} differently")
                 wholes.setdefault(path, (call, got))
         for call, path, got in locals_:
+            if path in wholes and _empty(wholes[path][1], got):
+                continue
             if path in wholes and path.startswith("dt.") and path[3:] in TARGET:
                 combo = tuple(int(x) for x in call.split()[1].split("/"))
                 box = _target_box(path[3:], combo)  # type: ignore[arg-type]
@@ -993,6 +1003,13 @@ def _at(tree: Any, path: str) -> Any:
             return None
         node = node[part]
     return node
+
+
+def _empty(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two reads of a DTensor hold no bytes. An empty DTensor is indexed nowhere:
+    each rank's file describes it, and rank files may differ on its shape and dtype (a
+    read from one file and a restore based on another then differ in those alone)."""
+    return a.numel() == 0 and b.numel() == 0
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 import subprocess
 import sys
@@ -91,6 +92,74 @@ def test_tiles() -> None:
     assert not tiles((10, 6), [*rows[:2], Box((5, 0), (5, 6))])  # an overlap
     assert not tiles((10, 6), [*rows[:2], Box((6, 0), (5, 6))])  # outside
     assert tiles((), [Box((), ())])
+
+
+def test_tiles_finds_an_overlap_of_boxes_far_apart_in_order() -> None:
+    # Was: only the next 64 boxes in order of offsets were compared, so a tall box at
+    # (0, 0) and the box at (1, 0), 70 apart, overlapped unseen; with a hole at (1, 69)
+    # the volumes added up, and a restore returned the hole's memory as it found it.
+    boxes = [Box((0, 0), (2, 1)), *(Box((0, j), (1, 1)) for j in range(1, 70))]
+    boxes += [Box((1, j), (1, 1)) for j in range(69)]
+    assert not tiles((2, 70), boxes)
+    assert tiles((2, 70), [Box((0, 0), (2, 1)), *(Box((i, j), (1, 1)) for i in (0, 1) for j in range(1, 70))])
+
+
+def _wall(rows: int, bricks: int) -> tuple[tuple[int, int, int], list[Box]]:
+    """A brick wall: ``rows`` rows of ``bricks`` boxes each, every row's joints shifted
+    (no grid of a few cells holds them), each box spanning dimension 0."""
+    boxes = []
+    for r in range(rows):
+        edges = [0, *(r + j * rows for j in range(1, bricks)), bricks * rows]
+        boxes += [Box((0, r, a), (2, 1, b - a)) for a, b in itertools.pairwise(edges)]
+    return (2, rows, bricks * rows), boxes
+
+
+def test_tiles_of_irregular_boxes_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Was (in the unfinished fix of the above): every pair of 4,096 bricks that all
+    # meet along dimension 0 compared, 49 s. Now a grid of up to GRID_CELLS cells is
+    # checked cell by cell, at most MAX_IRREGULAR boxes off it pair by pair, more refused.
+    calls = 0
+    intersect = Box.intersect
+
+    def counted(self: Box, other: Box) -> Box | None:
+        nonlocal calls
+        calls += 1
+        return intersect(self, other)
+
+    monkeypatch.setattr(Box, "intersect", counted)
+    shape, boxes = _wall(64, 64)  # 4,096 bricks on a grid of 262,080 cells
+    assert tiles(shape, boxes)
+    assert not tiles(shape, [Box((0, 0, 1), boxes[0].lengths), *boxes[1:]])
+    assert not tiles(*_wall(512, 8))  # 4,096 bricks off any grid of 2^18 cells: refused
+    assert calls == 0
+    shape, boxes = _guillotine(256)  # off any grid of 2^18 cells: compared along the sweep
+    assert tiles(shape, boxes) and 0 < calls <= 256 * 255 // 2
+    assert not tiles(shape, [*boxes[:-1], Box(boxes[0].offsets, boxes[-1].lengths)])
+
+
+def _guillotine(n: int) -> tuple[tuple[int, ...], list[Box]]:
+    """``n`` boxes made by cutting a cube in two again and again at random places (each
+    spanning dimension 0): a tiling whose cuts lie on no small grid."""
+    rng, side = random.Random(0), 10**6
+    boxes = [Box((0, 0, 0, 0), (2, side, side, side))]
+    while len(boxes) < n:
+        b = boxes.pop(rng.randrange(len(boxes)))
+        d = rng.choice([d for d in (1, 2, 3) if b.lengths[d] > 1])
+        cut = rng.randrange(1, b.lengths[d])
+        lengths = list(b.lengths)
+        lengths[d] = cut
+        offsets = list(b.offsets)
+        offsets[d] += cut
+        rest = list(b.lengths)
+        rest[d] -= cut
+        boxes += [Box(b.offsets, tuple(lengths)), Box(tuple(offsets), tuple(rest))]
+    return (2, side, side, side), boxes
+
+
+def test_local_box_of_a_huge_dimension_lists_no_indices() -> None:
+    # Was: a list of every index of every dimension (list(range(2**62)): MemoryError;
+    # 2**31 rows, 17 GB).
+    assert local_box((2**62, 3), (4,), (1,), [Shard(0)], "w") == Box((2**60, 0), (2**60, 3))
 
 
 @pytest.mark.parametrize(

@@ -85,6 +85,15 @@ class Header:
     checksum: str | None = None
 
 
+def tree_of(header: Header) -> Any:
+    """The tree a file is read by: its own, or for a file without one (a plain safetensors
+    file), a dict of its entries as tensors, by name. Load and verify check the same one."""
+    if header.tree is not None:
+        return header.tree
+    items = sorted(header.tensors.values(), key=lambda t: t.start)
+    return {"$": "dict", "items": [[t.name, {"$": "tensor", "n": t.name}] for t in items]}
+
+
 def itemsize(kind: str, dtype: str) -> int | None:
     """Element size of a dtype read from a file; None if it is not a valid one."""
     if kind == "tensor":
@@ -365,6 +374,11 @@ class _Parser:
             raise self.fail(f"tensor {name!r}: malformed shard description")
         assert isinstance(whole, list)
         assert isinstance(offsets, list)
+        # A whole with no elements is indexed nowhere: a restore makes it from this
+        # description, so torch must be able to hold it (see MAX_EXTENT).
+        size = itemsize(kind, d["dtype"])
+        if size is None or nbytes(whole, size) is None:
+            raise self.fail(f"tensor {name!r}: shard of a whole {_short(whole)} torch cannot hold")
         if not len(whole) == len(offsets) == len(shape) or any(
             o + n > w for o, n, w in zip(offsets, shape, whole, strict=True)
         ):

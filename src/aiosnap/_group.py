@@ -27,7 +27,7 @@ from typing import Any, final
 from . import _offload
 from ._dtypes import TORCH_DTYPES
 from ._errors import CorruptCheckpointError
-from ._format import Header, read_header
+from ._format import Header, TensorInfo, nbytes, read_header
 from ._header import crc32c
 from ._messages import FileReport, ShardBox, decode, encode
 from ._shards import Box, tiles
@@ -80,6 +80,30 @@ class SavedTensor:
     dtype: str
     shape: list[int]
     boxes: list[SavedBox]
+
+
+def holds_box(info: TensorInfo | None, saved: SavedTensor, box: SavedBox) -> bool:
+    """Whether a file's entry is the box of a DTensor the manifest says it is: a shard of
+    the same dtype and whole shape, at the box's offsets, of its lengths. Only then does
+    the entry's size (which the file justifies) bound what the box reads and allocates."""
+    return (
+        info is not None
+        and info.kind == "tensor"
+        and info.shard == (tuple(saved.shape), tuple(box.offsets))
+        and list(info.shape) == box.lengths
+        and info.dtype == saved.dtype
+    )
+
+
+def indexed(index: dict[str, SavedTensor], where: str, info: TensorInfo | None) -> SavedTensor | None:
+    """The boxes of the DTensor at tree path ``where``, whose entry in the rank's file is
+    ``info``; None if the index lacks them. A step indexes every DTensor that has bytes;
+    one without any is read from its entry's description (the entry itself is only
+    this rank's box: taken for the whole, it would have the box's shape)."""
+    saved = index.get(where)
+    if saved is None and info is not None and info.shard is not None and 0 in info.shard[0]:
+        return SavedTensor(info.dtype, list(info.shard[0]), [])
+    return saved
 
 
 @final
@@ -136,9 +160,19 @@ class Manifest:
             return "the lists do not match the world size"
         if not all(_plain_name(f) for f in [*self.files, self.replicas]):
             return "a file name leaves the step directory or is not one"
+        if self.replicas not in self.files:  # no checksum would vouch for it
+            return "the file of the replicated entries is not one of the step's"
         for path, saved in self.shards.items():
-            if saved.dtype not in TORCH_DTYPES or any(s < 0 for s in saved.shape):
+            dtype = TORCH_DTYPES.get(saved.dtype)
+            # A shape torch cannot hold would fail inside torch.empty, with its own error.
+            if (
+                dtype is None
+                or any(s < 0 for s in saved.shape)
+                or nbytes(saved.shape, dtype.itemsize) is None
+            ):
                 return f"DTensor {path!r}: bad dtype or shape"
+            if any(not len(b.offsets) == len(b.lengths) == len(saved.shape) for b in saved.boxes):
+                return f"DTensor {path!r}: a box of another number of dimensions"
             if any(not 0 <= b.file < n for b in saved.boxes):
                 return f"DTensor {path!r}: a box in a file that is not in the step"
             if not tiles(saved.shape, [b.box for b in saved.boxes]):

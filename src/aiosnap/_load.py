@@ -27,7 +27,7 @@ from ._errors import (
     PickleNotAllowedError,
     StateMismatchError,
 )
-from ._format import Header, TensorInfo, how_to_read, read_header, sniff
+from ._format import Header, TensorInfo, how_to_read, read_header, sniff, tree_of
 from ._group import MANIFEST_NAME, Manifest, read_manifest
 from ._readers import EntryReader, MapLocation, Shards
 from ._storage import Reader, ReaderFile, Storage, exists
@@ -183,7 +183,7 @@ def load_step(
             strict,
             join(step.directory, m.replicas),
             checksums,
-            Shards(m.shards, open_rank),
+            Shards(m.shards, open_rank, join(step.directory, MANIFEST_NAME)),
             refuse,
         )
     finally:
@@ -210,14 +210,16 @@ def load_file(
     files: list[Reader] = [storage.open_read(path)]
     dests = Destinations()
     try:
-        foreign = sniff(files[0])
+        # A step's file must be the aiosnap file its manifest vouches for: never sniffed
+        # as another format (a torch.save file there would be unpickled).
+        foreign = sniff(files[0]) if checksums is None else None
         if foreign is not None:
             loaded = _load_foreign(files[0], foreign, keys, map_location, allow_pickle)
             if target is not None:
                 assign(target, loaded, (), strict, dests)
             return loaded
         header = _read_checked(files[0], checksums)
-        tree = _plain_tree(header) if header.tree is None else header.tree
+        tree = tree_of(header)
         try:
             if keys is not None:
                 tree = _prune(tree, list(keys), path)
@@ -302,17 +304,12 @@ def _read_checked(f: Reader, checksums: Mapping[str, str] | None) -> Header:
 
 
 def _refers_to(tree: Any, names: dict[str, TensorInfo], shards: Shards | None) -> bool:
-    """Whether the tree needs an external entry that is not a DTensor's box."""
-    index = shards.index if shards is not None else {}
+    """Whether the tree needs an external entry that is not a DTensor's box (in a step,
+    every DTensor is read from the boxes its manifest indexes)."""
     return any(
-        name in names and not (kind == "dtensor" and format_path(p) in index)
-        for p, kind, name in walk_leaves(tree)
+        name in names and not (kind == "dtensor" and shards is not None)
+        for _, kind, name in walk_leaves(tree)
     )
-
-
-def _plain_tree(header: Header) -> Any:
-    items = sorted(header.tensors.values(), key=lambda t: t.start)
-    return {"$": "dict", "items": [[t.name, {"$": "tensor", "n": t.name}] for t in items]}
 
 
 def _prune(tree: Any, keys: list[str], path: str) -> Any:

@@ -8,6 +8,7 @@ Nothing here is pickled.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from dataclasses import dataclass, field
@@ -76,12 +77,9 @@ def _value(kind: Any, data: Any, where: str) -> Any:
     if dataclasses.is_dataclass(kind):
         if not isinstance(data, dict):
             raise ValueError(f"{where}: not an object")
-        hints = typing.get_type_hints(kind)
-        fields = dataclasses.fields(kind)
-        names = {f.name for f in fields}
+        hints, names, required = _shape(typing.cast(type, kind))
         if not set(data) <= names:
             raise ValueError(f"{where}: unknown fields {sorted(set(data) - names)}")
-        required = {f.name for f in fields if f.default is f.default_factory is dataclasses.MISSING}
         if not required <= set(data):
             raise ValueError(f"{where}: missing fields {sorted(required - set(data))}")
         make: Any = kind
@@ -90,6 +88,8 @@ def _value(kind: Any, data: Any, where: str) -> Any:
         (item,) = get_args(kind)
         if not isinstance(data, list):
             raise ValueError(f"{where}: not a list")
+        if item in (int, str) and all(type(v) is item for v in data):  # offsets, lengths, names
+            return list(data)
         return [_value(item, v, f"{where}[{i}]") for i, v in enumerate(data)]
     if origin is dict:
         _, item = get_args(kind)
@@ -114,3 +114,13 @@ def _value(kind: Any, data: Any, where: str) -> Any:
     if kind in (int, str, bool) and type(data) is kind:
         return data
     raise ValueError(f"{where}: {data!r:.60} is not a {getattr(kind, '__name__', kind)}")
+
+
+@functools.cache
+def _shape(kind: type) -> tuple[dict[str, Any], set[str], set[str]]:
+    """A dataclass's field types, field names and required fields. Resolving the types
+    costs ~0.2 ms a call: once per box of a manifest, a manifest of 12,800 boxes took
+    3.4 s to parse."""
+    fields = dataclasses.fields(kind)
+    required = {f.name for f in fields if f.default is f.default_factory is dataclasses.MISSING}
+    return typing.get_type_hints(kind), {f.name for f in fields}, required

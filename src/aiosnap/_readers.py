@@ -22,7 +22,7 @@ from . import _dtypes, _offload
 from ._device import as_copyable
 from ._errors import CorruptCheckpointError, PickleNotAllowedError, StateMismatchError
 from ._format import Header, TensorInfo
-from ._group import SavedTensor
+from ._group import SavedTensor, holds_box, indexed
 from ._header import BLOCK, crc32c
 from ._shards import Box, Run, is_dtensor, runs, shard_of
 from ._storage import Reader
@@ -42,10 +42,20 @@ OpenRank = Callable[[int], tuple[Reader, Header]]
 
 @dataclass(frozen=True, slots=True)
 class Shards:
-    """A group checkpoint's DTensors, for a reader: where their boxes lie."""
+    """A group checkpoint's DTensors, for a reader: where their boxes lie (as the
+    manifest at ``path`` says)."""
 
     index: dict[str, SavedTensor]
     open: OpenRank
+    path: str = ""
+
+    def saved(self, where: str, info: TensorInfo | None) -> SavedTensor:
+        """The boxes of the DTensor at tree path ``where`` (see ``indexed``): a DTensor
+        with bytes that the manifest does not index means it is not this step's."""
+        saved = indexed(self.index, where, info)
+        if saved is None:
+            raise CorruptCheckpointError(self.path, f"no boxes of the DTensor at {where}")
+        return saved
 
 
 class EntryReader:
@@ -109,8 +119,16 @@ class EntryReader:
         sharded: dict[str, tuple[str, SavedTensor]] = {}
         by_source: list[list[TensorInfo]] = [[] for _ in self.sources]
         seen: dict[str, str] = {}  # name -> the kind the tree first called it
+        own = self.sources[0][1]
         for path, kind, name in walk_leaves(tree):
             where = format_path(path)
+            if kind == "dtensor" and self.shards is not None:
+                saved = self.shards.saved(where, own.tensors.get(name) or own.external.get(name))
+                # One DTensor at two paths (tied weights) is read once, for both: the
+                # index must say the same of both.
+                first = sharded.setdefault(name, (where, saved))
+                if first[1] != saved:
+                    raise ValueError(f"{where} and {first[0]} are one DTensor {name!r}, indexed as two")
             # Every reference is checked, not only the first: a second one of another
             # kind would get the first's object (a tensor where the tree says ndarray).
             if name in seen:
@@ -118,8 +136,7 @@ class EntryReader:
                     raise ValueError(f"{where} is a {kind} but {name!r} is a {seen[name]}")
                 continue
             seen[name] = kind
-            if kind == "dtensor" and self.shards is not None and where in self.shards.index:
-                sharded[name] = (where, self.shards.index[where])
+            if kind == "dtensor" and self.shards is not None:
                 continue
             src = self.source(name)
             info = self.sources[src][1].tensors[name]
@@ -177,30 +194,42 @@ class EntryReader:
         if is_dtensor(target):
             mine = shard_of(target, where)
             if mine is not None:
-                self._fill(saved, mine.local, mine.box, where)
+                self._fill(self._plan(saved, mine.box, where), mine.local)
             return target
+        # The boxes are found in their files before the whole is allocated: only entries
+        # the files hold, of the manifest's sizes, justify the memory.
+        plan = self._plan(saved, Box((0,) * len(shape), shape), where)
         whole = target if target is not None else torch.empty(shape, dtype=dtype)
-        self._fill(saved, whole, Box((0,) * len(shape), shape), where)
+        self._fill(plan, whole)
         if target is None and self.map_location is not None:
             return whole.to(self.map_location)
         return whole
 
-    def _fill(self, saved: SavedTensor, local: torch.Tensor, box: Box, where: str) -> None:
+    def _plan(
+        self, saved: SavedTensor, box: Box, where: str
+    ) -> list[tuple[Reader, int, TensorInfo, list[Run]]]:
+        """The reads that fill ``box`` of a DTensor: for each saved box it overlaps, its
+        file, its entry (checked to be that box) and the runs to read of it."""
         assert self.shards is not None
-        itemsize = local.element_size()
+        itemsize = _dtypes.TORCH_DTYPES[saved.dtype].itemsize
+        plan = []
         for sb in saved.boxes:
-            pieces = [r for run in runs(sb.box, box, itemsize) for r in split(run, SCRATCH, itemsize)]
-            if not pieces:
+            overlap = sb.box.intersect(box)
+            if overlap is None or not overlap.numel:
                 continue
+            # The entry first: the runs of a box no file holds could be any number.
             f, header = self.shards.open(sb.file)
             info = header.tensors.get(sb.name)
-            if (
-                info is None
-                or info.shard != (tuple(saved.shape), tuple(sb.offsets))
-                or (list(info.shape) != sb.lengths or info.dtype != saved.dtype)
-            ):
+            if not holds_box(info, saved, sb):
                 raise CorruptCheckpointError(f.path, f"does not hold the box of {where} its manifest says")
-            _BoxReader(f, header.data_start, info, local).read(pieces)
+            assert info is not None
+            pieces = [r for run in runs(sb.box, box, itemsize) for r in split(run, SCRATCH, itemsize)]
+            plan.append((f, header.data_start, info, pieces))
+        return plan
+
+    def _fill(self, plan: list[tuple[Reader, int, TensorInfo, list[Run]]], local: torch.Tensor) -> None:
+        for f, data_start, info, pieces in plan:
+            _BoxReader(f, data_start, info, local).read(pieces)
 
 
 class _BoxReader:

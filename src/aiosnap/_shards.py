@@ -15,6 +15,7 @@ DTensor is met, and then it is already imported by whoever made it.
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 from collections.abc import Iterator, Sequence
@@ -47,8 +48,10 @@ class Box:
         return Box(lo, tuple(h - low for low, h in zip(lo, hi, strict=True)))
 
     def within(self, shape: Sequence[int]) -> bool:
+        if not len(self.offsets) == len(self.lengths) == len(shape):
+            return False
         dims = zip(self.offsets, self.lengths, shape, strict=True)
-        return len(self.offsets) == len(shape) and all(o >= 0 and n >= 0 and o + n <= s for o, n, s in dims)
+        return all(o >= 0 and n >= 0 and o + n <= s for o, n, s in dims)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,11 +70,27 @@ def is_dtensor(obj: object) -> bool:
     return module is not None and isinstance(obj, module.DTensor)
 
 
-def _chunk(indices: list[int], k: int) -> list[list[int]]:
+#: Indices of a dimension, as runs of consecutive ones: a dimension of 2^31 rows is one
+#: range, not a list of 2^31 ints.
+Indices = list[range]
+
+
+def _chunk(indices: Indices, k: int) -> list[Indices]:
     """``torch.chunk``'s split: pieces of ceil(n/k), the last ones short or empty."""
-    n = len(indices)
+    n = sum(len(r) for r in indices)
     size = -(-n // k) if n else 0
-    return [indices[min(n, c * size) : min(n, c * size + size)] for c in range(k)]
+    return [_take(indices, min(n, c * size), min(n, c * size + size)) for c in range(k)]
+
+
+def _take(indices: Indices, start: int, stop: int) -> Indices:
+    """Indices ``start`` to ``stop`` (positions in ``indices``)."""
+    out, at = [], 0
+    for r in indices:
+        lo, hi = max(start - at, 0), min(stop - at, len(r))
+        if lo < hi:
+            out.append(r[lo:hi])
+        at += len(r)
+    return out
 
 
 def local_box(
@@ -85,7 +104,7 @@ def local_box(
     placements are Partial or lay the shard out in pieces that are not one box."""
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    indices = [list(range(n)) for n in shape]
+    indices: list[Indices] = [[range(n)] for n in shape]
     for mdim, p in enumerate(placements):
         if p.is_partial():
             raise UnsupportedTypeError(
@@ -95,20 +114,20 @@ def local_box(
         if isinstance(p, _StridedShard):
             k, c = mesh_shape[mdim], coord[mdim]
             pieces = _chunk(indices[p.dim], int(p.split_factor))
-            indices[p.dim] = [i for piece in pieces for i in _chunk(piece, k)[c]]
+            indices[p.dim] = [r for piece in pieces for r in _chunk(piece, k)[c]]
         elif p.is_shard():
             indices[p.dim] = _chunk(indices[p.dim], mesh_shape[mdim])[coord[mdim]]
         elif not p.is_replicate():
             raise UnsupportedTypeError(f"the DTensor at {where}: placement {p!r} is not supported")
     offsets, lengths = [], []
     for d, ix in enumerate(indices):
-        if ix and ix != list(range(ix[0], ix[0] + len(ix))):
+        if any(a.stop != b.start for a, b in itertools.pairwise(ix)):
             raise UnsupportedTypeError(
                 f"the DTensor at {where} ({placements}) holds rows of dimension {d} that are not "
                 "contiguous in the whole tensor; save it with another placement order"
             )
-        offsets.append(ix[0] if ix else 0)
-        lengths.append(len(ix))
+        offsets.append(ix[0].start if ix else 0)
+        lengths.append(sum(len(r) for r in ix))
     return Box(tuple(offsets), tuple(lengths))
 
 
@@ -167,35 +186,70 @@ def runs(saved: Box, target: Box, itemsize: int) -> Iterator[Run]:
     run_elems = overlap.lengths[k] * strides[k]
     shape = overlap.lengths[k:]
     outer = [range(n) for n in overlap.lengths[:k]]
-    for index in _product(outer):
+    for index in itertools.product(*outer):
         start = sum((s[d] + i) * strides[d] for d, i in enumerate(index)) + s[k] * strides[k]
         dst = tuple(t[d] + i for d, i in enumerate(index)) + tuple(t[k:])
         yield Run(start * itemsize, run_elems * itemsize, dst, shape)
 
 
-def _product(ranges: list[range]) -> Iterator[tuple[int, ...]]:
-    if not ranges:
-        yield ()
-        return
-    for i in ranges[0]:
-        for rest in _product(ranges[1:]):
-            yield (i, *rest)
+#: Boxes are checked for overlaps on the grid their edges cut, cell by cell, when it has
+#: at most this many cells (or 4 per box): the boxes of placements on a mesh are one
+#: cell each. Boxes on a larger grid are compared pair by pair, along a sweep, if there
+#: are at most MAX_IRREGULAR of them, and refused if there are more: no placement lays
+#: boxes out so, and a sweep over 4,096 bricks of a wall (every pair met) took 49 s.
+GRID_CELLS = 1 << 18
+MAX_IRREGULAR = 256
 
 
 def tiles(shape: Sequence[int], boxes: Sequence[Box]) -> bool:
     """Whether ``boxes`` cover a tensor of ``shape`` exactly once (each inside it, no two
-    overlapping, volumes adding up)."""
+    overlapping, volumes adding up). With volumes adding up, an overlap means a hole:
+    a reader would hand out memory no box filled."""
     if not all(b.within(shape) for b in boxes):
         return False
     if sum(b.numel for b in boxes) != math.prod(shape):
         return False
     nonempty = [b for b in boxes if b.numel]
-    # Overlap is checked pairwise only for a few boxes; with many, equal volumes and
-    # pairwise checks over sorted neighbours keep it linear in practice.
-    nonempty.sort(key=lambda b: b.offsets)
-    for i, a in enumerate(nonempty):
-        for b in nonempty[i + 1 : i + 1 + 64]:
-            inter = a.intersect(b)
-            if inter is not None and inter.numel:
-                return False
-    return True
+    if len(nonempty) < 2:
+        return True
+    cuts = [
+        sorted({x for b in nonempty for x in (b.offsets[d], b.offsets[d] + b.lengths[d])})
+        for d in range(len(shape))
+    ]
+    if math.prod(len(c) - 1 for c in cuts) <= max(GRID_CELLS, 4 * len(nonempty)):
+        return not _overlap_on_grid(nonempty, cuts)
+    widest = max(range(len(cuts)), key=lambda d: len(cuts[d]))
+    return len(nonempty) <= MAX_IRREGULAR and not _overlap_by_sweep(nonempty, widest)
+
+
+def _overlap_on_grid(boxes: list[Box], cuts: list[list[int]]) -> bool:
+    """Whether two boxes share a cell of the grid their edges cut (each box is a block of
+    cells). Each cell is visited once, but the one that finds an overlap."""
+    at = [{x: i for i, x in enumerate(c)} for c in cuts]
+    strides, size = [0] * len(cuts), 1
+    for d in range(len(cuts) - 1, -1, -1):
+        strides[d], size = size, size * (len(cuts[d]) - 1)
+    seen = bytearray(size)
+    for b in boxes:
+        spans = [
+            range(at[d][o] * strides[d], at[d][o + n] * strides[d], strides[d])
+            for d, (o, n) in enumerate(zip(b.offsets, b.lengths, strict=True))
+        ]
+        for cell in itertools.product(*spans):
+            flat = sum(cell)
+            if seen[flat]:
+                return True
+            seen[flat] = 1
+    return False
+
+
+def _overlap_by_sweep(boxes: list[Box], d: int) -> bool:
+    """Whether two boxes overlap: each is compared with those it meets along dimension
+    ``d`` (the one the boxes are cut most along, so that few meet)."""
+    active: list[Box] = []
+    for b in sorted(boxes, key=lambda b: b.offsets[d]):
+        active = [a for a in active if a.offsets[d] + a.lengths[d] > b.offsets[d]]
+        if any(a.intersect(b) is not None for a in active):
+            return True
+        active.append(b)
+    return False

@@ -283,8 +283,10 @@ def check(tree: Node) -> None:
             stack.extend((v, (*path, i)) for i, v in enumerate(sequence_values(node, path)))
         elif tag == "float":
             _str(node, "v", path, _FLOAT_WORDS)
-        elif tag == "bytes" or tag in LEAF_TAGS:
-            _str(node, "v" if tag == "bytes" else "n", path)
+        elif tag == "bytes":
+            _bytes(node, path)  # decoded here too: verify checks a tree with this alone
+        elif tag in LEAF_TAGS:
+            _str(node, "n", path)
         else:
             raise ValueError(f"unknown node type {tag!r:.40} at {format_path(path)}")
 
@@ -315,7 +317,7 @@ def _rebuild(
     if tag == "float":
         return float(_str(node, "v", path, _FLOAT_WORDS))
     if tag == "bytes":
-        return base64.b64decode(_str(node, "v", path), validate=True)
+        return _bytes(node, path)
     if tag in LEAF_TAGS:
         return resolve(tag, _str(node, "n", path), path)
     raise ValueError(f"unknown node type {tag!r:.40} at {format_path(path)}")
@@ -350,6 +352,13 @@ def sequence_values(node: Node, path: tuple[object, ...] = ()) -> list[Node]:
 def decode_key(key_node: Node, path: tuple[object, ...] = ()) -> object:
     """A dict key, from its node (a key can be a float node but never a leaf)."""
     return _rebuild(key_node, _no_leaf, path)
+
+
+def _bytes(node: dict[str, Any], path: tuple[object, ...]) -> bytes:
+    try:
+        return base64.b64decode(_str(node, "v", path), validate=True)
+    except ValueError:  # binascii.Error, or a character that is not ASCII
+        raise ValueError(f"bad bytes node at {format_path(path)}") from None
 
 
 def _str(

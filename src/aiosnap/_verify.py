@@ -9,9 +9,9 @@ from typing import Any, final
 import numpy as np
 
 from ._errors import CorruptCheckpointError, NotACheckpointError
-from ._format import Header, TensorInfo, how_to_read, read_header, sniff
-from ._group import MANIFEST_NAME, read_manifest
-from ._header import crc32c
+from ._format import Header, TensorInfo, how_to_read, read_header, sniff, tree_of
+from ._group import MANIFEST_NAME, Manifest, SavedTensor, holds_box, indexed, read_manifest
+from ._header import BLOCK, crc32c, crc32c_combine
 from ._storage import Reader, ReaderFile, Storage, exists
 from ._tree import format_path, walk_leaves
 
@@ -33,21 +33,78 @@ class VerifyReport:
 def verify_blocking(storage: Storage, path: str) -> VerifyReport:
     """Verify a file, or a step directory with every rank's file against its manifest."""
     if not exists(storage, storage.join(path, MANIFEST_NAME)):
-        return _verify_file(storage, path)
+        return _verify_file(storage, path)[0]
     manifest = read_manifest(storage, path)
     tensors = total = 0
+    headers: dict[str, Header] = {}
     for name, checksum in zip(manifest.files, manifest.checksums, strict=True):
-        report = _verify_file(storage, storage.join(path, name), checksum)
+        report, header = _verify_file(storage, storage.join(path, name), checksum)
         tensors, total = tensors + report.tensors, total + report.bytes
+        assert header is not None  # a file with a checksum to match is parsed, never sniffed
+        headers[name] = header
+    _verify_step(storage, path, manifest, headers)
     return VerifyReport(path, tensors, total, True)
 
 
-def _verify_file(storage: Storage, path: str, checksum: str | None = None) -> VerifyReport:
+def _verify_step(storage: Storage, path: str, manifest: Manifest, headers: dict[str, Header]) -> None:
+    """What a restore of the step relies on beyond each file: every box the manifest
+    indexes is the entry it names, every DTensor of every rank's tree is indexed (or
+    empty) and read the same at each of its paths, and every replicated entry a rank's
+    file describes is in the file of them. A step verify accepts, a restore reads."""
+    for where, saved in manifest.shards.items():
+        for box in saved.boxes:
+            name = manifest.files[box.file]
+            if not holds_box(headers[name].tensors.get(box.name), saved, box):
+                raise CorruptCheckpointError(
+                    storage.join(path, name), f"does not hold the box of {where} its manifest says"
+                )
+    for name, header in headers.items():
+        _verify_dtensors(storage, path, manifest, name, header)
+        _verify_replicated(storage.join(path, manifest.replicas), headers[manifest.replicas], name, header)
+
+
+def _verify_dtensors(storage: Storage, path: str, manifest: Manifest, name: str, header: Header) -> None:
+    first: dict[str, tuple[str, SavedTensor]] = {}
+    for parts, kind, entry in walk_leaves(tree_of(header)):
+        if kind != "dtensor":
+            continue
+        where = format_path(parts)
+        found = indexed(manifest.shards, where, header.tensors.get(entry) or header.external.get(entry))
+        if found is None:
+            raise CorruptCheckpointError(
+                storage.join(path, MANIFEST_NAME), f"no boxes of the DTensor at {where}"
+            )
+        other, saved = first.setdefault(entry, (where, found))
+        if saved != found:
+            raise CorruptCheckpointError(
+                storage.join(path, name),
+                f"bad tree: {where} and {other} are one DTensor {entry!r}, indexed as two",
+            )
+
+
+def _verify_replicated(replicas_path: str, replicas: Header, name: str, header: Header) -> None:
+    for entry, info in header.external.items():
+        have = replicas.tensors.get(entry)
+        if info.shard is None and (have is None or _spec(have) != _spec(info)):
+            raise CorruptCheckpointError(
+                replicas_path, f"does not hold the replicated entry {entry!r} of {name}"
+            )
+
+
+def _spec(info: TensorInfo) -> tuple[str, str, tuple[int, ...]]:
+    return info.kind, info.dtype, info.shape
+
+
+def _verify_file(
+    storage: Storage, path: str, checksum: str | None = None
+) -> tuple[VerifyReport, Header | None]:
+    """A file's report, and its header (None for a torch.save file). A file with the
+    ``checksum`` of a manifest is a step's: it must be an aiosnap file, never sniffed."""
     f = storage.open_read(path)
     try:
-        foreign = sniff(f)
+        foreign = sniff(f) if checksum is None else None
         if foreign == "torch.save":
-            return _verify_zip(f)
+            return _verify_zip(f), None
         if foreign is not None:
             raise NotACheckpointError(path, how_to_read(path, foreign).removeprefix(f"{path}: "))
         header = read_header(f)
@@ -61,22 +118,23 @@ def _verify_file(storage: Storage, path: str, checksum: str | None = None) -> Ve
         )
         for info in header.tensors.values():
             _verify_one(f, header, info, buf)
-        if header.tree is not None:
-            try:
-                seen: dict[str, str] = {}
-                for where, kind, name in walk_leaves(header.tree):
-                    entry = header.tensors.get(name) or header.external.get(name)
-                    stored = "tensor" if kind == "dtensor" else kind  # a DTensor's shard is a tensor
-                    if entry is None:
-                        raise ValueError(f"the tree refers to a missing {kind} {name!r}")
-                    if seen.setdefault(name, kind) != kind:  # as load says it
-                        raise ValueError(f"{format_path(where)} is a {kind} but {name!r} is a {seen[name]}")
-                    if entry.kind != stored or (kind == "dtensor") != bool(entry.shard):
-                        raise ValueError(f"{format_path(where)} is a {kind} but {name!r} is not")
-            except ValueError as exc:
-                raise CorruptCheckpointError(path, f"bad tree: {exc}") from None
+        try:
+            seen: dict[str, str] = {}
+            # A file without a tree is read as a dict of its entries: a shard or an array
+            # among them is refused by a load, so here too.
+            for where, kind, name in walk_leaves(tree_of(header)):
+                entry = header.tensors.get(name) or header.external.get(name)
+                stored = "tensor" if kind == "dtensor" else kind  # a DTensor's shard is a tensor
+                if entry is None:
+                    raise ValueError(f"the tree refers to a missing {kind} {name!r}")
+                if seen.setdefault(name, kind) != kind:  # as load says it
+                    raise ValueError(f"{format_path(where)} is a {kind} but {name!r} is a {seen[name]}")
+                if entry.kind != stored or (kind == "dtensor") != bool(entry.shard):
+                    raise ValueError(f"{format_path(where)} is a {kind} but {name!r} is not")
+        except ValueError as exc:
+            raise CorruptCheckpointError(path, f"bad tree: {exc}") from None
         total = sum(t.nbytes for t in header.tensors.values())
-        return VerifyReport(path, len(header.tensors), total, header.tree is not None)
+        return VerifyReport(path, len(header.tensors), total, header.tree is not None), header
     finally:
         f.close()
 
@@ -96,11 +154,22 @@ def _verify_zip(f: Reader) -> VerifyReport:
 
 
 def _verify_one(f: Reader, header: Header, info: TensorInfo, buf: np.ndarray[Any, Any]) -> None:
-    crc, pos = 0, info.start
+    """Check an entry's checksum, and its block checksums if it has them: a restore
+    that reads part of a shard verifies only its blocks (pieces start at block
+    boundaries: _VERIFY_PIECE is a multiple of BLOCK)."""
+    crc, pos, blocks = 0, info.start, []
     while pos < info.end:
         piece = memoryview(buf[: min(len(buf), info.end - pos)])  # type: ignore[arg-type]
         f.readinto(header.data_start + pos, piece)
-        crc = crc32c(piece, crc)
+        if info.blocks is None:
+            crc = crc32c(piece, crc)
+        else:
+            for i in range(0, len(piece), BLOCK):
+                part = piece[i : i + BLOCK]
+                blocks.append(crc32c(part))
+                crc = crc32c_combine(crc, blocks[-1], len(part))
         pos += len(piece)
     if info.crc is not None and crc != info.crc:
         raise CorruptCheckpointError(f.path, f"checksum mismatch in tensor {info.name!r}")
+    if info.blocks is not None and tuple(blocks) != info.blocks:
+        raise CorruptCheckpointError(f.path, f"block checksum mismatch in tensor {info.name!r}")
