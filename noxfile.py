@@ -47,7 +47,7 @@ def tests(session: nox.Session) -> None:
 @nox.session
 def stress(session: nox.Session) -> None:
     """The long runs kept out of CI (the `slow` marker): 1,000 random SIGKILLs of a saving
-    process, the full fault matrices, 1,000,000 fuzz cases."""
+    process, the full fault matrices, 1,000,000 fuzz cases and 100,000 sharded steps."""
     _install(session, "[test]")
     session.run("pytest", "-m", "slow", *session.posargs)
 

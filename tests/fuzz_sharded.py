@@ -328,7 +328,7 @@ def sm_boxes(c: StepEdit) -> str:
         second = json.loads(json.dumps(b))
         b["lengths"] = [half, *lengths[1:]]
         second["lengths"] = [lengths[0] - half, *lengths[1:]]
-        if isinstance(second.get("offsets"), list) and second["offsets"]:
+        if isinstance(second.get("offsets"), list) and second["offsets"] and _ints(second["offsets"][:1]):
             second["offsets"][0] += half
         boxes.append(second)
         return f"{path}: a box split in two"
@@ -470,7 +470,7 @@ def sm_files(c: StepEdit) -> str:
     if action == 0 and len(files) >= 2:
         i, j = c.rng.sample(range(len(files)), 2)
         files[i], files[j] = files[j], files[i]
-        if c.rng.random() < 0.7:
+        if c.rng.random() < 0.7 and len(sums) == len(sizes) == len(files):
             sums[i], sums[j] = sums[j], sums[i]
             sizes[i], sizes[j] = sizes[j], sizes[i]
         return f"files {i} and {j} swapped"
@@ -487,6 +487,8 @@ def sm_files(c: StepEdit) -> str:
             body[k] = body[k][:n]
         body["world_size"] = n
         return f"world size {n}"
+    if not (files and sums and sizes):  # emptied by a mutation before this one
+        return "no rank to copy"
     n = len(files) + 1
     body.update(
         world_size=n, files=[*files, files[-1]], checksums=[*sums, sums[-1]], sizes=[*sizes, sizes[-1]]
@@ -620,9 +622,12 @@ def sf_flip(c: StepEdit) -> str:
     big = [n for n in shards if isinstance(described[n].get("blocks"), str)]
     name = c.rng.choice(big if big and c.rng.random() < 0.7 else shards)
     st = e.doc.st.get(name)
-    if not isinstance(st, dict) or not isinstance(st.get("data_offsets"), list):
+    offsets = st.get("data_offsets") if isinstance(st, dict) else None
+    if not (isinstance(offsets, list) and len(offsets) == 2 and _ints(offsets)):
         return "no offsets"
-    start, end = st["data_offsets"]
+    start, end = offsets
+    if not 0 <= start < end <= len(e.doc.data):
+        return "offsets out of the data"
     data = bytearray(e.doc.data)
     at = c.rng.choice([start, end - 1, start + BLOCK - 1, start + BLOCK, c.rng.randrange(start, end)])
     at = min(max(at, start), end - 1)
@@ -655,14 +660,14 @@ def sf_dtype(c: StepEdit) -> str:
     size = {"float32": 4, "float64": 8, "bfloat16": 2}.get(str(d.get("dtype")), 0)
     new_size = getattr(torch, new).itemsize
     shape = d.get("shape")
-    if not size or not isinstance(shape, list) or not shape or size % new_size:
+    if not size or not isinstance(shape, list) or not shape or not _ints(shape) or size % new_size:
         return "no dtype fits"
     d["dtype"] = new
     d["shape"] = [*shape[:-1], shape[-1] * (size // new_size)]
-    if isinstance(d.get("shard"), dict) and isinstance(d["shard"].get("shape"), list) and d["shard"]["shape"]:
-        d["shard"]["shape"][-1] *= size // new_size
-        if isinstance(d["shard"].get("offset"), list) and d["shard"]["offset"]:
-            d["shard"]["offset"][-1] *= size // new_size
+    shard = d.get("shard") if isinstance(d.get("shard"), dict) else {}
+    for key in ("shape", "offset"):  # each as a mutation before may have left it
+        if isinstance(shard.get(key), list) and shard[key] and _ints(shard[key]):
+            shard[key][-1] *= size // new_size
     from aiosnap._format import st_entry
 
     nbytes = len(e.doc.blob(name))

@@ -158,7 +158,7 @@ def _guillotine(n: int) -> tuple[tuple[int, ...], list[Box]]:
 
 def test_local_box_of_a_huge_dimension_lists_no_indices() -> None:
     # Was: a list of every index of every dimension (list(range(2**62)): MemoryError;
-    # 2**31 rows, 17 GB).
+    # 2**31 rows, ~77 GB of ints).
     assert local_box((2**62, 3), (4,), (1,), [Shard(0)], "w") == Box((2**60, 0), (2**60, 3))
 
 
