@@ -10,6 +10,7 @@ import multiprocessing
 import os
 import random
 import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -183,6 +184,27 @@ async def test_a_failure_is_reported_once_and_never_costs_the_next_checkpoint(tm
         await mgr.flush()  # ...which kept its own checkpoint; and flush does not raise it again
         assert await mgr.steps() == [1, 3, 5]
         assert mgr.take_failures() == []
+
+
+async def test_flush_that_raises_has_still_waited_for_every_save(tmp_path: Path) -> None:
+    # The writer's flush raises save 1's failure once save 2's file is durable, but save
+    # 2 is indexed only after that: a flush that raised before waiting left it unindexed
+    # (the JobRunner then returned with its last epoch missing from steps()).
+    accepted = threading.Event()
+
+    def fail_once_both_are_accepted(op: str, path: str) -> None:
+        if op == "write" and path.endswith("snapshot_iter_1"):
+            accepted.wait()
+            raise OSError(errno.ENOSPC, "No space left on device (injected)", path)
+
+    storage = aiosnap.LocalStorage(posix=HookedPosix(fail_once_both_are_accepted))
+    async with aiosnap.CheckpointManager(str(tmp_path), storage=storage) as mgr:
+        await mgr.save(1, {"x": np.full(3, 1)})
+        kept = await mgr.save(2, {"x": np.full(3, 2)})
+        accepted.set()
+        with pytest.raises(OSError, match="snapshot_iter_1"):
+            await mgr.flush()
+        assert kept.done() and await mgr.steps() == [2]
 
 
 async def test_take_failures_shows_an_index_failure_without_raising_it(tmp_path: Path) -> None:

@@ -333,9 +333,11 @@ class CheckpointManager(anyio.abc.AsyncResource):
     async def flush(self) -> None:
         """Wait until every accepted save is committed, indexed and rotated; raise the
         first failure not reported yet (noting any others)."""
-        if not self.read_only:
-            await self._writer.flush()
-        await self._wait_pending()
+        try:
+            if not self.read_only:
+                await self._writer.flush()
+        finally:
+            await self._wait_pending()  # a raising flush has still waited for every save
         self._raise_pending()
 
     def take_failures(self) -> list[SaveFailure]:
