@@ -86,6 +86,32 @@ def test_an_upload_is_invisible_until_its_commit_and_gone_after_an_abort(
         reader.close()
 
 
+def test_a_writer_may_reuse_its_buffer_once_write_at_returns(backend: tuple[aiosnap.Storage, str]) -> None:
+    # obstore's writer kept the buffers it was given until their part was sent: a saver
+    # that refills one buffer (the pieces of a large save, an upload's copy) sent the
+    # last piece's bytes in place of the first ones.
+    storage, root = backend
+    path, piece = storage.join(root, "reused"), 24 << 20  # more than one part
+    upload, buf = storage.create(path, 2 * piece), bytearray(piece)
+    for i in range(2):
+        buf[:] = bytes([i + 1]) * piece
+        upload.write_at(i * piece, memoryview(buf))
+    upload.commit()
+    reader, got = storage.open_read(path), bytearray(2 * piece)
+    reader.readinto(0, memoryview(got))
+    reader.close()
+    assert got == b"\x01" * piece + b"\x02" * piece
+
+
+async def test_a_save_larger_than_its_memory_budget_round_trips(backend: tuple[aiosnap.Storage, str]) -> None:
+    storage, root = backend
+    state = {f"w{i}": torch.full((3 << 20,), float(i)) for i in range(4)}  # 4 x 12 MiB
+    path = storage.join(root, "big")
+    async with aiosnap.QueueWriter(max_host_bytes=8 << 20, storage=storage) as writer:
+        await (await writer("big", root, state)).wait()  # through one 8 MiB buffer
+    assert_tree_equal(await aiosnap.load(path, storage=storage), state)
+
+
 def test_listing_directories_and_deleting_trees(backend: tuple[aiosnap.Storage, str]) -> None:
     storage, root = backend
     for name in ("a/x", "a/y", "b"):

@@ -312,7 +312,11 @@ class _ObjectUpload:
                     buffer_size=PART,
                     max_concurrency=CONCURRENCY,
                 )
-            self._storage._call(self._writer.write, self.path, data)
+            # obstore's writer keeps the buffers it is given (no copy) until their part is
+            # sent, and callers reuse theirs (the pieces of a large save, a copy): it gets
+            # copies, a part at a time, so at most its concurrency's worth is held.
+            for start in range(0, len(data), PART):
+                self._storage._call(self._writer.write, self.path, bytes(data[start : start + PART]))
         self._pos += len(data)
         self._write_s += time.perf_counter() - t0
 

@@ -60,8 +60,10 @@ class Upload(Protocol):
     random_access: bool
 
     def write_at(self, offset: int, data: memoryview) -> None:
-        """Write ``data`` at ``offset``; pieces may come in any order. Bytes at or past the
-        size given to ``create`` are dropped (aligned writes may run over)."""
+        """Write ``data`` at ``offset`` (in any order if ``random_access``). Bytes at or
+        past the size given to ``create`` are dropped (aligned writes may run over). The
+        backend may keep ``data`` until ``commit`` (an object store's part not sent yet):
+        the caller must not change it before then."""
 
     def commit(self) -> CommitTimes:
         """Make the object durable and visible whole, replacing any object at ``path``."""
