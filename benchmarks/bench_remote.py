@@ -214,9 +214,7 @@ def _measure(methods: dict[str, Callable[[], float]], reps: int) -> dict[str, di
     for rep in range(reps):
         for name in names[rep % len(names) :] + names[: rep % len(names)]:
             times[name].append(methods[name]())
-    return {
-        n: {"median": statistics.median(t), "min": min(t), "max": max(t)} for n, t in times.items()
-    }
+    return {n: {"median": statistics.median(t), "min": min(t), "max": max(t)} for n, t in times.items()}
 
 
 def run(size: int, reps: int, saves: int, scratch: Path) -> dict[str, Any]:
@@ -280,7 +278,9 @@ def render(data: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--size", default="1GiB", help="the whole state (e.g. 64MiB, 1GiB)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--saves", type=int, default=5, help="saves per tiered-stall repetition")
