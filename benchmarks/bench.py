@@ -17,6 +17,7 @@ import asyncio
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -452,11 +453,13 @@ async def main_async(args: argparse.Namespace) -> None:
     chart(summary, extra.get("sizes"), out / "latest.png")
     print(table)
     if args.publish:
-        docs = ROOT.parent / "docs" / "benchmarks.md"
-        docs.write_text(
+        docs = ROOT.parent / "docs"
+        # The chart goes inside docs/, where the documentation site finds it.
+        shutil.copyfile(out / "latest.png", docs / "assets" / "benchmarks-latest.png")
+        (docs / "benchmarks.md").write_text(
             "# Benchmarks\n\nRerun with `nox -s bench -- --sweeps --publish`. Latest run:\n\n"
             + table
-            + "\n![chart](../benchmarks/results/latest.png)\n"
+            + "\n![chart](assets/benchmarks-latest.png)\n"
         )
     _clean(directory)
     if not args.dir:

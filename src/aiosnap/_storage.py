@@ -22,13 +22,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
-#: Temp files and uploads of unfinished commits start with this; nothing else does.
 TEMP_PREFIX = ".aiosnap-tmp-"
-#: The lease of a checkpoint directory (a lock file, or a lock object).
+"""Temp files and uploads of unfinished commits start with this; nothing else does."""
 LEASE_NAME = ".aiosnap.lock"
+"""The lease of a checkpoint directory (a lock file, or a lock object)."""
 
-#: An opaque version of a stored object: an ETag, a generation, inode and mtime.
 Version = str
+"""An opaque version of a stored object: an ETag, a generation, inode and mtime."""
 
 
 class CommitTimes(NamedTuple):
