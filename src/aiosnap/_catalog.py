@@ -142,6 +142,17 @@ class Catalog:
             await self._remove(name)
             logger.info("retention removed %s", name)
 
+    async def apply_retention(self, *, dry_run: bool = False) -> list[CheckpointRecord]:
+        """Remove now what retention lets go (it otherwise runs after a commit); the
+        records of what went, or with ``dry_run`` would go."""
+        async with self._lock:
+            gone = [self.records[step] for step in sorted(self._doomed())]
+            if gone and not dry_run:
+                if not self._writable:
+                    raise CheckpointError(f"{self._directory}: a read-only catalog removes nothing")
+                await self._prune()
+            return gone
+
     def _doomed(self) -> dict[int, str]:
         valid = [r for r in self.records.values() if r.corrupt is None]
         doomed = victims(self._keep, valid, time.time())

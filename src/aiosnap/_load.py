@@ -33,8 +33,8 @@ from ._readers import EntryReader, MapLocation, Shards
 from ._storage import Reader, ReaderFile, Storage, exists
 from ._targets import Destinations, assign, find
 from ._tree import decode_key, dict_items, format_path, rebuild, sequence_values, walk_leaves, walk_nodes
+from ._verify import Progress, verify_blocking
 from ._verify import VerifyReport as VerifyReport
-from ._verify import verify_blocking
 
 
 async def load(
@@ -64,11 +64,15 @@ async def load(
     )
 
 
-async def verify(path: str, *, storage: Storage | None = None) -> VerifyReport:
-    """Recompute every checksum; raise CorruptCheckpointError on any mismatch. A step
-    directory is verified whole: its manifest, and every rank's file against it."""
+async def verify(
+    path: str, *, storage: Storage | None = None, progress: Progress | None = None
+) -> VerifyReport:
+    """Recompute every checksum; raise CorruptCheckpointError on any mismatch, naming
+    every entry that failed. A step directory is verified whole: its manifest, and every
+    rank's file against it. ``progress(done, total)`` is called with the bytes read so
+    far, from the worker thread that reads them."""
     storage, path = resolve(path, storage)
-    return await _offload.run_io(verify_blocking, storage, path)
+    return await _offload.run_io(verify_blocking, storage, path, progress)
 
 
 async def load_into(

@@ -642,6 +642,29 @@ class CheckpointManager(anyio.abc.AsyncResource):
         raw = await self._member.ask("history", lambda: [r.to_json() for r in self._rank0().history])
         return [CheckpointRecord.from_json(r) for r in raw]
 
+    async def records(self) -> list[CheckpointRecord]:
+        """The record of every committed checkpoint, oldest first: its epoch, time, size
+        and metrics, and for one that failed verification (which ``steps()`` leaves out)
+        the reason, in ``corrupt``."""
+        assert self._member is not None
+        raw = await self._member.ask(
+            "records", lambda: [r.to_json() for _, r in sorted(self._rank0().records.items())]
+        )
+        return [CheckpointRecord.from_json(r) for r in raw]
+
+    async def prune(self, *, dry_run: bool = False) -> list[CheckpointRecord]:
+        """Apply the retention policy (``keep``) now, as a commit does, and return the
+        records of the checkpoints it removed; with ``dry_run``, of those it would remove
+        (a read-only manager can tell that too). As after a commit, the newest checkpoint
+        and those with an upload pending stay. Only a process on its own prunes."""
+        if self._state != "open":
+            raise WriterClosedError("the manager is not open: use `async with manager:`")
+        if self.read_only and not dry_run:
+            raise CheckpointError(f"{self.directory}: this manager is read-only (read_only=True)")
+        if self.world_size is not None:
+            raise CheckpointError(f"{self.directory}: prune() runs in a process on its own, not in a group")
+        return await self._rank0().apply_retention(dry_run=dry_run)
+
     async def restore(
         self,
         step: int | None = None,
