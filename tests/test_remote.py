@@ -183,6 +183,25 @@ async def test_checkpoints_by_url_round_trip(backend: tuple[aiosnap.Storage, str
     assert part == {"step": 7}
 
 
+async def test_load_reports_its_progress_in_bytes(backend: tuple[aiosnap.Storage, str]) -> None:
+    storage, root = backend
+    state = {f"w{i}": torch.full((1 << 18,), float(i)) for i in range(8)}  # 8 x 1 MiB
+    path = storage.join(root, "ckpt")
+    stats = await aiosnap.save(path, state, storage=storage)
+    calls: list[tuple[int, int]] = []
+    loaded = await aiosnap.load(
+        path, storage=storage, progress=lambda done, total: calls.append((done, total))
+    )
+    assert_tree_equal(loaded, state)
+    assert len(calls) >= 2 and calls[-1] == (stats.bytes, stats.bytes)
+    assert all(done <= total for done, total in calls)
+    assert [d for d, _ in calls] == sorted(d for d, _ in calls)
+    calls.clear()
+    target = {f"w{i}": torch.zeros(1 << 18) for i in range(8)}
+    await aiosnap.load_into(path, target, storage=storage, progress=lambda d, t: calls.append((d, t)))
+    assert_tree_equal(target, state) and calls[-1] == (stats.bytes, stats.bytes)
+
+
 async def test_urls_configure_themselves_from_the_environment(
     s3: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
