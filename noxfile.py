@@ -1,4 +1,4 @@
-"""Sessions: `nox -s demo`, `nox -s tests`, `nox -s stress`, `nox -s bench`.
+"""Sessions: `nox -s demo`, `nox -s tests`, `nox -s stress`, `nox -s bench`, `nox -s docs`.
 
 Every session installs through pip with constraints.txt, which pins torch to the CPU
 wheel on the project's machines (uv would not find it).
@@ -69,3 +69,16 @@ def bench(session: nox.Session) -> None:
         publish = ["--publish"] if "--publish" in session.posargs else []
         session.run("python", "benchmarks/bench_ranks.py", *quick, *publish)
         session.run("python", "benchmarks/bench_sharded.py", *quick, *publish)
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """The documentation site (mkdocs-material, API reference from the docstrings), built with
+    --strict: a broken link or reference fails the build. Opens at .nox/docs-site/index.html
+    (`-- serve` instead serves it on 127.0.0.1:8000 and rebuilds on changes)."""
+    _install(session, "[docs]")
+    env = {"NO_MKDOCS_2_WARNING": "1"}  # mkdocs-material's banner about its successor
+    if session.posargs[:1] == ["serve"]:
+        session.run("mkdocs", "serve", "--strict", "--dev-addr", "127.0.0.1:8000", env=env)
+        return
+    session.run("mkdocs", "build", "--strict", "--site-dir", ".nox/docs-site", *session.posargs, env=env)

@@ -17,6 +17,7 @@ import asyncio
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -330,6 +331,10 @@ def summarize(results: dict[str, list[Result]], nbytes: int) -> dict[str, dict[s
     for name, runs in results.items():
         keys = {k for r in runs for k in r}
         summary[name] = {k: statistics.median(r[k] for r in runs if k in r) for k in keys}
+        # The spread too: one median hides a bimodal method (loads were 0.4 s, then 2.1 s).
+        for k in ("stall", "total"):
+            summary[name][f"{k}_min"] = min(r[k] for r in runs)
+            summary[name][f"{k}_max"] = max(r[k] for r in runs)
         summary[name]["gbps"] = nbytes / summary[name]["total"] / 1e9
     return summary
 
@@ -342,13 +347,13 @@ def render(
     write = lim.get("write + fsync, O_DIRECT", lim["write + fsync, buffered"])["total"]
     read = lim["cold read"]["total"]
     lines = [
-        f"State: {nbytes / GiB:.2f} GiB ({extra['tensor_count']} tensors); medians of {extra['reps']} "
-        f"rotated repetitions; directory on {extra['fs']}"
+        f"State: {nbytes / GiB:.2f} GiB ({extra['tensor_count']} tensors); medians (and min-max) of "
+        f"{extra['reps']} rotated repetitions; directory on {extra['fs']}"
         f"{'' if extra['direct'] else ' (O_DIRECT unavailable: buffered)'}.",
         "",
         "Machine: " + ", ".join(f"{k} {v}" for k, v in info.items()),
         "",
-        "| method | stall s | call->durable s | GB/s | stall / copyto | total / raw write | "
+        "| method | stall s | call->durable s (min-max) | GB/s | stall / copyto | total / raw write | "
         "total / raw read | peak extra RSS / state | loop lag p99 ms |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -358,7 +363,8 @@ def render(
         vs_read = f"{s['total'] / read:.2f}" if is_load else ""
         lag = f"{s['lag_p99_ms']:.1f}" if "lag_p99_ms" in s else ""
         lines.append(
-            f"| {name} | {s['stall']:.3f} | {s['total']:.3f} | {s['gbps']:.2f} | {s['stall'] / copy:.2f} | "
+            f"| {name} | {s['stall']:.3f} | {s['total']:.3f} ({s['total_min']:.3f}-{s['total_max']:.3f}) | "
+            f"{s['gbps']:.2f} | {s['stall'] / copy:.2f} | "
             f"{vs_write} | {vs_read} | {s.get('rss_extra', 0) / nbytes:.2f} | {lag} |"
         )
     for title, rows in (
@@ -452,11 +458,13 @@ async def main_async(args: argparse.Namespace) -> None:
     chart(summary, extra.get("sizes"), out / "latest.png")
     print(table)
     if args.publish:
-        docs = ROOT.parent / "docs" / "benchmarks.md"
-        docs.write_text(
+        docs = ROOT.parent / "docs"
+        # The chart goes inside docs/, where the documentation site finds it.
+        shutil.copyfile(out / "latest.png", docs / "assets" / "benchmarks-latest.png")
+        (docs / "benchmarks.md").write_text(
             "# Benchmarks\n\nRerun with `nox -s bench -- --sweeps --publish`. Latest run:\n\n"
             + table
-            + "\n![chart](../benchmarks/results/latest.png)\n"
+            + "\n![chart](assets/benchmarks-latest.png)\n"
         )
     _clean(directory)
     if not args.dir:

@@ -1,9 +1,11 @@
 """Where the event loop stalls while a state of many small tensors is saved and loaded.
 
-A 2 ms ticker on the loop re-arms ``faulthandler.dump_traceback_later`` at every tick:
-a traceback of every thread is written only when the loop misses its deadline, so each
-dump shows what the worker thread was doing during a stall. Collections of the cyclic
-garbage collector are timed through ``gc.callbacks``.
+A 2 ms ticker on the loop re-arms a watchdog at every tick: when the loop misses its
+deadline, the watchdog writes the stack of every thread (``sys._current_frames``,
+which holds the GIL: ``faulthandler.dump_traceback_later`` reads frames without it and
+crashed the process now and then), so each dump shows what the threads were doing
+during a stall. Collections of the cyclic garbage collector are timed through
+``gc.callbacks``.
 
     python benchmarks/loop_stalls.py --tensors 20000 --reps 2
 
@@ -16,12 +18,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import faulthandler
 import gc
 import re
+import sys
 import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TextIO
@@ -49,21 +52,42 @@ class Probe:
             if took > 0.010:
                 self.collections.append((took, info["generation"]))
 
+    def _watch(self, armed: threading.Event, done: threading.Event) -> None:
+        """Dump every thread's stack whenever ``armed`` is not set again within the deadline."""
+        while not done.is_set():
+            if armed.wait(self.deadline):
+                armed.clear()
+                continue
+            if done.is_set():
+                return
+            me = threading.get_ident()
+            for ident, frame in sys._current_frames().items():
+                if ident == me:
+                    continue
+                self.dumps.write(f"Thread 0x{ident:x}:\n")
+                for at in reversed(traceback.extract_stack(frame)):  # innermost first
+                    self.dumps.write(f'  File "{at.filename}", line {at.lineno} in {at.name}\n')
+            self.dumps.write("\n")
+            armed.wait()  # one dump per stall
+            armed.clear()
+
     async def measure(self, work: Callable[[], Awaitable[object]]) -> dict[str, Any]:
         gaps: list[float] = []
-        done = asyncio.Event()
+        done, armed, stop = asyncio.Event(), threading.Event(), threading.Event()
 
         async def ticker() -> None:
             last = time.perf_counter()
             while not done.is_set():
-                faulthandler.dump_traceback_later(self.deadline, file=self.dumps)
+                armed.set()
                 await asyncio.sleep(0.002)
                 now = time.perf_counter()
                 gaps.append(now - last)
                 last = now
-            faulthandler.cancel_dump_traceback_later()
+            stop.set()
+            armed.set()
 
         self.collections.clear()
+        watchdog = asyncio.create_task(asyncio.to_thread(self._watch, armed, stop))
         tick = asyncio.create_task(ticker())
         await asyncio.sleep(0.01)
         t0 = time.perf_counter()
@@ -71,6 +95,7 @@ class Probe:
         seconds = time.perf_counter() - t0
         done.set()
         await tick
+        await watchdog
         gaps.sort()
         return {
             "seconds": seconds,

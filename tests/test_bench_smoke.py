@@ -54,3 +54,13 @@ def test_loop_stall_probe_runs_small(tmp_path: Path) -> None:
     out = subprocess.run(command, check=True, timeout=300, capture_output=True, text=True).stdout
     assert "save #0" in out and "load #0" in out and "largest gap" in out
     assert "Thread 0x" in dumps.read_text()  # a 1 ms deadline is always missed: dumps were written
+
+
+def test_object_storage_benchmark_runs_small(tmp_path: Path) -> None:
+    out = run_bench("bench_remote.py", tmp_path, "--size", "16MiB", "--reps", "1", "--saves", "1")
+    data = json.loads((out / "remote.json").read_text())
+    assert {"aiosnap.save(url)", "peer: boto3 upload_file", "peer: s3fs put_file"} <= set(data["upload"])
+    assert {"aiosnap.load(url)", "peer: boto3 download_file"} <= set(data["download"])
+    assert "tiered, the previous upload running" in data["tiered"]
+    rows = [row for phase in ("upload", "download", "tiered") for row in data[phase].values()]
+    assert all(row["median"] > 0 for row in rows)

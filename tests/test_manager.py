@@ -10,6 +10,7 @@ import multiprocessing
 import os
 import random
 import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +116,10 @@ def test_retention_policies() -> None:
     assert aiosnap.KeepBest("loss", "max", 1).keep(cps, 50) == {0}
     assert aiosnap.KeepWithin(15).keep(cps, 50) == {40}
     assert aiosnap.AnyOf(aiosnap.KeepLast(1), aiosnap.KeepBest("loss")).keep(cps, 50) == {10, 40}
+    # A NaN loss (a diverged run) or a bool is no score: NaN sorted first and was kept as best.
+    odd = [rec(0, float("nan"), 0), rec(10, 1.0, 10), rec(20, True, 20), rec(30, 2.0, 30)]
+    assert aiosnap.KeepBest("loss", "min", 2).keep(odd, 50) == {10, 30}
+    assert aiosnap.KeepBest("loss", "max", 1).keep(odd, 50) == {30}
     # The newest is never a victim, whatever the policy says.
     assert victims(aiosnap.KeepBest("loss"), cps, 50) == [0, 20, 30]
     for bad in (lambda: aiosnap.KeepLast(0), lambda: aiosnap.KeepBest("x", "avg"), lambda: aiosnap.AnyOf()):
@@ -183,6 +188,27 @@ async def test_a_failure_is_reported_once_and_never_costs_the_next_checkpoint(tm
         await mgr.flush()  # ...which kept its own checkpoint; and flush does not raise it again
         assert await mgr.steps() == [1, 3, 5]
         assert mgr.take_failures() == []
+
+
+async def test_flush_that_raises_has_still_waited_for_every_save(tmp_path: Path) -> None:
+    # The writer's flush raises save 1's failure once save 2's file is durable, but save
+    # 2 is indexed only after that: a flush that raised before waiting left it unindexed
+    # (the JobRunner then returned with its last epoch missing from steps()).
+    accepted = threading.Event()
+
+    def fail_once_both_are_accepted(op: str, path: str) -> None:
+        if op == "write" and path.endswith("snapshot_iter_1"):
+            accepted.wait()
+            raise OSError(errno.ENOSPC, "No space left on device (injected)", path)
+
+    storage = aiosnap.LocalStorage(posix=HookedPosix(fail_once_both_are_accepted))
+    async with aiosnap.CheckpointManager(str(tmp_path), storage=storage) as mgr:
+        await mgr.save(1, {"x": np.full(3, 1)})
+        kept = await mgr.save(2, {"x": np.full(3, 2)})
+        accepted.set()
+        with pytest.raises(OSError, match="snapshot_iter_1"):
+            await mgr.flush()
+        assert kept.done() and await mgr.steps() == [2]
 
 
 async def test_take_failures_shows_an_index_failure_without_raising_it(tmp_path: Path) -> None:

@@ -86,6 +86,35 @@ def test_an_upload_is_invisible_until_its_commit_and_gone_after_an_abort(
         reader.close()
 
 
+def test_a_writer_may_reuse_its_buffer_once_write_at_returns(backend: tuple[aiosnap.Storage, str]) -> None:
+    # obstore's writer kept the buffers it was given until their part was sent: a saver
+    # that refills one buffer (the pieces of a large save, an upload's copy) sent the
+    # last piece's bytes in place of the first ones.
+    storage, root = backend
+    path, piece = storage.join(root, "reused"), 24 << 20  # more than one part
+    upload, buf = storage.create(path, 2 * piece), bytearray(piece)
+    for i in range(2):
+        buf[:] = bytes([i + 1]) * piece
+        upload.write_at(i * piece, memoryview(buf))
+    upload.commit()
+    # Read back into destinations that do not follow the parts: a range cut across them,
+    # two requests that continue each other, and one elsewhere.
+    reader, got, tail = storage.open_read(path), bytearray(2 * piece), bytearray(5)
+    view, cut = memoryview(got), piece - 3
+    reader.read_batch([(0, [view[:7], view[7:cut]]), (cut, [view[cut:]]), (piece - 5, [memoryview(tail)])])
+    reader.close()
+    assert got == b"\x01" * piece + b"\x02" * piece and tail == b"\x01" * 5
+
+
+async def test_a_save_larger_than_its_memory_budget_round_trips(backend: tuple[aiosnap.Storage, str]) -> None:
+    storage, root = backend
+    state = {f"w{i}": torch.full((3 << 20,), float(i)) for i in range(4)}  # 4 x 12 MiB
+    path = storage.join(root, "big")
+    async with aiosnap.QueueWriter(max_host_bytes=8 << 20, storage=storage) as writer:
+        await (await writer("big", root, state)).wait()  # through one 8 MiB buffer
+    assert_tree_equal(await aiosnap.load(path, storage=storage), state)
+
+
 def test_listing_directories_and_deleting_trees(backend: tuple[aiosnap.Storage, str]) -> None:
     storage, root = backend
     for name in ("a/x", "a/y", "b"):
@@ -152,6 +181,25 @@ async def test_checkpoints_by_url_round_trip(backend: tuple[aiosnap.Storage, str
     assert report.checksummed and report.tensors > 4
     part = await aiosnap.load(path, keys=["step"], storage=storage)
     assert part == {"step": 7}
+
+
+async def test_load_reports_its_progress_in_bytes(backend: tuple[aiosnap.Storage, str]) -> None:
+    storage, root = backend
+    state = {f"w{i}": torch.full((1 << 18,), float(i)) for i in range(8)}  # 8 x 1 MiB
+    path = storage.join(root, "ckpt")
+    stats = await aiosnap.save(path, state, storage=storage)
+    calls: list[tuple[int, int]] = []
+    loaded = await aiosnap.load(
+        path, storage=storage, progress=lambda done, total: calls.append((done, total))
+    )
+    assert_tree_equal(loaded, state)
+    assert len(calls) >= 2 and calls[-1] == (stats.bytes, stats.bytes)
+    assert all(done <= total for done, total in calls)
+    assert [d for d, _ in calls] == sorted(d for d, _ in calls)
+    calls.clear()
+    target = {f"w{i}": torch.zeros(1 << 18) for i in range(8)}
+    await aiosnap.load_into(path, target, storage=storage, progress=lambda d, t: calls.append((d, t)))
+    assert_tree_equal(target, state) and calls[-1] == (stats.bytes, stats.bytes)
 
 
 async def test_urls_configure_themselves_from_the_environment(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 from collections.abc import Callable
@@ -187,6 +188,15 @@ async def test_hooks_sync_and_async_see_the_stats(tmp_path: Path) -> None:
         handle = await writer("a", str(tmp_path), {"x": torch.ones(2)})
         stats = await handle.wait()
     assert seen == [("sync", stats.bytes), ("async", stats.bytes)]
+
+
+async def test_each_commit_logs_one_info_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="aiosnap"):
+        async with aiosnap.QueueWriter() as writer:
+            stats = await (await writer("ckpt", str(tmp_path), {"w": torch.ones(256)})).wait()
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("saved ")]
+    assert line.startswith(f"saved {tmp_path / 'ckpt'}: {stats.bytes} bytes, caller stalled ")
+    assert "ms, durable after " in line
 
 
 async def test_savefun_writes_the_captured_copy_durably(

@@ -14,10 +14,12 @@ it backwards in ``_load``, verifying every checksum. The writers in ``_writers``
 choose *when* each step runs; all blocking work passes through ``_offload``.
 
 ``CheckpointManager`` (``_manager``) names, indexes (``_catalog``), rotates and
-restores checkpoints. In a torch.distributed group it takes part, through ``_ranks``,
-in a two-phase commit: every rank writes its own file of a step directory
-(``_group``), and rank 0 writes the manifest that commits the step only once all
-reported success over a gloo channel of aiosnap's own (``_coord``).
+restores checkpoints. A process is a group of one (``_member``): in a
+torch.distributed group every rank writes its own file of a step directory
+(``_layouts``, ``_group``), and rank 0 (``_decisions``) writes the manifest that
+commits the step only once all reported success over a gloo channel of aiosnap's
+own (``_coord``). Storage backends (``_local``, ``_objstore``, ``_fsspec``)
+implement ``_storage``; a second tier uploads committed checkpoints (``_upload``).
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ from ._triggers import EveryNSeconds as EveryNSeconds
 from ._triggers import EveryNSteps as EveryNSteps
 from ._triggers import Moment as Moment
 from ._triggers import Trigger as Trigger
+from ._upload import UploadWriter as UploadWriter
 from ._writers import ProcessQueueWriter as ProcessQueueWriter
 from ._writers import ProcessWriter as ProcessWriter
 from ._writers import QueueWriter as QueueWriter
@@ -145,6 +148,7 @@ __all__ = [
     "ThreadWriter",
     "Trigger",
     "UnsupportedTypeError",
+    "UploadWriter",
     "VerifyReport",
     "WorkerCrashedError",
     "Writer",

@@ -54,6 +54,10 @@ def _blocking(fn: Callable[P, Awaitable[T]]) -> Callable[P, T]:
 
 
 save_sync: Callable[..., SaveStats] = _blocking(save)
+"""Blocking twin of `aiosnap.save`: same arguments; no event loop may be running."""
 load_sync: Callable[..., Any] = _blocking(load)
+"""Blocking twin of `aiosnap.load`: same arguments; no event loop may be running."""
 load_into_sync: Callable[..., Any] = _blocking(load_into)
+"""Blocking twin of `aiosnap.load_into`: same arguments; no event loop may be running."""
 verify_sync: Callable[..., VerifyReport] = _blocking(verify)
+"""Blocking twin of `aiosnap.verify`: same arguments; no event loop may be running."""

@@ -63,6 +63,8 @@ class Catalog:
         #: corrupt: a mark read from the index (a cache) hides a checkpoint from steps(),
         #: but never deletes it.
         self._failed: set[int] = set()
+        #: Steps retention must keep for now (their upload is pending): step -> holders.
+        self._held: dict[int, int] = {}
         #: The version of the index as this catalog last read or wrote it: the index is
         #: replaced only if it is still that one, so no other writer's update is lost.
         self._version: Version | None = None
@@ -110,17 +112,46 @@ class Catalog:
         size = stats.bytes if nbytes is None else nbytes
         record = record.replace(wall_time=time.time(), bytes=size, timings=timings)
         async with self._lock:
-            self.records[record.step] = record
-            self.history = [*self.history, record][-HISTORY_LIMIT:]
-            doomed = self._doomed()
-            for step in doomed:
-                self.records.pop(step)
             if not self._writable:
                 raise CheckpointError(f"{self._directory}: a read-only catalog cannot record a commit")
-            await self._write_index()
-            for name in doomed.values():
-                await self._remove(name)
-                logger.info("retention removed %s", name)
+            self.records[record.step] = record
+            self.history = [*self.history, record][-HISTORY_LIMIT:]
+            await self._prune()
+
+    def hold(self, step: int) -> None:
+        """Keep ``step`` from retention until as many ``release`` calls."""
+        self._held[step] = self._held.get(step, 0) + 1
+
+    async def release(self, step: int) -> None:
+        """End a ``hold``; retention then removes the step if its policy lets it go."""
+        left = self._held.pop(step, 1) - 1
+        if left:
+            self._held[step] = left
+            return
+        async with self._lock:
+            if self._writable and self._doomed():
+                await self._prune()
+
+    async def _prune(self) -> None:
+        """Write the index without what retention lets go, then remove that."""
+        doomed = self._doomed()
+        for step in doomed:
+            self.records.pop(step)
+        await self._write_index()
+        for name in doomed.values():
+            await self._remove(name)
+            logger.info("retention removed %s", name)
+
+    async def apply_retention(self, *, dry_run: bool = False) -> list[CheckpointRecord]:
+        """Remove now what retention lets go (it otherwise runs after a commit); the
+        records of what went, or with ``dry_run`` would go."""
+        async with self._lock:
+            gone = [self.records[step] for step in sorted(self._doomed())]
+            if gone and not dry_run:
+                if not self._writable:
+                    raise CheckpointError(f"{self._directory}: a read-only catalog removes nothing")
+                await self._prune()
+            return gone
 
     def _doomed(self) -> dict[int, str]:
         valid = [r for r in self.records.values() if r.corrupt is None]
@@ -132,7 +163,7 @@ class Catalog:
             for r in self.records.values()
             if r.corrupt is not None and r.step in self._failed and newest is not None and r.step < newest
         ]
-        return {step: self.records[step].file for step in doomed}
+        return {step: self.records[step].file for step in doomed if step not in self._held}
 
     async def mark_corrupt(self, step: int, reason: str) -> None:
         async with self._lock:

@@ -57,6 +57,8 @@ class SaveHandle:
 
     def __init__(self, path: str) -> None:
         self.path = path
+        #: The upload of this checkpoint to a manager's remote tier, if it has one.
+        self.upload: SaveHandle | None = None
         self._done = anyio.Event()
         self._stats: SaveStats | None = None
         self._failure: SaveFailure | None = None

@@ -5,7 +5,9 @@ conditions. The JobRunner resumes from the newest valid checkpoint (or a given
 epoch), runs the init group only when starting from scratch, checkpoints at epoch 0
 and after every epoch through the manager's writer (so the next epoch runs while the
 save persists), checks the stop conditions, then uploads and runs the download and
-exit groups.
+exit groups. The upload is Caffe2's upload group: with a manager that has a remote
+tier, ``upload=True`` makes sure the final epoch's checkpoint is uploaded (and every
+epoch's upload has ended) before the download group runs.
 """
 
 from __future__ import annotations
@@ -106,7 +108,9 @@ class JobRunner:
 
     ``state`` is a dict of Stateful objects (model, optimizer, scheduler, AsyncLoader,
     RNGState, ...); AsyncLoaders in it are opened for the run. A failed save logs a
-    warning and training goes on, unless ``on_save_error="raise"``.
+    warning and training goes on, unless ``on_save_error="raise"``. ``upload``: True
+    to upload the final checkpoint to the manager's remote tier (see the module
+    docstring), or an ``upload(epoch, manager)`` callable of your own.
     """
 
     def __init__(
@@ -116,11 +120,13 @@ class JobRunner:
         *,
         state: dict[str, Any],
         resume_from_epoch: int | None = None,
-        upload: Upload | None = None,
+        upload: Upload | bool | None = None,
         on_save_error: Literal["warn", "raise"] = "warn",
     ) -> None:
         if on_save_error not in ("warn", "raise"):
             raise ValueError("on_save_error must be 'warn' or 'raise'")
+        if upload is True and manager._remote is None:
+            raise ValueError("upload=True needs a manager with a remote tier (CheckpointManager(remote=...))")
         self.job, self.manager, self.state = job, manager, state
         self.resume_from_epoch = resume_from_epoch
         self.upload = upload
@@ -141,7 +147,9 @@ class JobRunner:
                 await self.job.epoch_group.run(ctx)
                 await self._checkpoint(ctx)
             await self._finish_saves()
-            if self.upload is not None:
+            if self.upload is True:
+                await self._upload_final(ctx.epoch)
+            elif callable(self.upload):
                 result = self.upload(ctx.epoch, self.manager)
                 if inspect.isawaitable(result):
                     await result
@@ -177,6 +185,16 @@ class JobRunner:
             if self.on_save_error == "raise":
                 raise
             logger.warning("checkpoint save failed (%r); training goes on", exc)
+
+    async def _upload_final(self, epoch: int) -> None:
+        try:
+            if epoch not in await self.manager.remote_steps():
+                await (await self.manager.upload(epoch)).wait()
+            await self.manager.flush()  # and every other upload
+        except Exception as exc:
+            if self.on_save_error == "raise":
+                raise
+            logger.warning("uploading the checkpoints failed (%r); the local ones remain", exc)
 
     async def load_blobs(self, keys: Sequence[str], epoch: int) -> Any:
         """Some entries of the checkpoint of ``epoch`` (dotted paths), the seed's

@@ -29,12 +29,13 @@ from ._errors import (
 )
 from ._format import Header, TensorInfo, how_to_read, read_header, sniff, tree_of
 from ._group import MANIFEST_NAME, Manifest, read_manifest
+from ._progress import counted
 from ._readers import EntryReader, MapLocation, Shards
 from ._storage import Reader, ReaderFile, Storage, exists
 from ._targets import Destinations, assign, find
 from ._tree import decode_key, dict_items, format_path, rebuild, sequence_values, walk_leaves, walk_nodes
+from ._verify import Progress, verify_blocking
 from ._verify import VerifyReport as VerifyReport
-from ._verify import verify_blocking
 
 
 async def load(
@@ -46,6 +47,7 @@ async def load(
     storage: Storage | None = None,
     replicas: str | None = None,
     rank: int | None = None,
+    progress: Progress | None = None,
 ) -> Any:
     """Read a checkpoint back as the tree that was saved.
 
@@ -57,18 +59,28 @@ async def load(
     result is the same tree pruned to those subtrees. A plain safetensors file loads
     as a flat dict. ``replicas`` is the file holding the entries a rank's file marks
     external (rank 0's file of the same step); a step directory needs none.
+    ``progress(done, total)`` is told the bytes read so far, from the reading thread
+    (``total``: the bytes of the files opened so far); its last call says ``total`` of
+    ``total``.
     """
     storage, path = resolve(path, storage)
-    return await _offload.run_io(
+    storage, finished = counted(storage, progress)
+    loaded = await _offload.run_io(
         load_blocking, storage, path, keys, map_location, allow_pickle, None, True, replicas, rank
     )
+    finished()
+    return loaded
 
 
-async def verify(path: str, *, storage: Storage | None = None) -> VerifyReport:
-    """Recompute every checksum; raise CorruptCheckpointError on any mismatch. A step
-    directory is verified whole: its manifest, and every rank's file against it."""
+async def verify(
+    path: str, *, storage: Storage | None = None, progress: Progress | None = None
+) -> VerifyReport:
+    """Recompute every checksum; raise CorruptCheckpointError on any mismatch, naming
+    every entry that failed. A step directory is verified whole: its manifest, and every
+    rank's file against it. ``progress(done, total)`` is called with the bytes read so
+    far, from the worker thread that reads them."""
     storage, path = resolve(path, storage)
-    return await _offload.run_io(verify_blocking, storage, path)
+    return await _offload.run_io(verify_blocking, storage, path, progress)
 
 
 async def load_into(
@@ -81,6 +93,7 @@ async def load_into(
     storage: Storage | None = None,
     replicas: str | None = None,
     rank: int | None = None,
+    progress: Progress | None = None,
 ) -> Any:
     """Load a checkpoint into existing tensors, arrays, containers and Stateful objects.
 
@@ -94,13 +107,15 @@ async def load_into(
     object's ``state_dict()`` (a model's parameters, an optimizer's state), and the
     local shards of DTensors, whatever their mesh and placements. If a checksum then
     fails, the error is raised and such a target holds partly new bytes (restore an
-    older checkpoint into it, as CheckpointManager.restore does). ``replicas`` and
-    ``rank`` as in ``load``.
+    older checkpoint into it, as CheckpointManager.restore does). ``replicas``,
+    ``rank`` and ``progress`` as in ``load``.
     """
     storage, path = resolve(path, storage)
+    storage, finished = counted(storage, progress)
     await _offload.run_io(
         load_blocking, storage, path, keys, None, allow_pickle, target, strict, replicas, rank
     )
+    finished()
     return target
 
 

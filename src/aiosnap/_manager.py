@@ -22,7 +22,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Self, final
+from typing import Any, Literal, Self, final
 
 import anyio
 import anyio.abc
@@ -31,9 +31,16 @@ from . import _offload
 from ._backends import resolve
 from ._catalog import Catalog
 from ._channel import Channel, LocalChannel
-from ._errors import CheckpointError, DirectoryLockedError, LeaseLostError, WriterClosedError
+from ._errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    DirectoryLockedError,
+    LeaseLostError,
+    WriterClosedError,
+)
 from ._group import has_step_dirs
-from ._handle import Failures, SaveFailure, SaveHandle, raise_first
+from ._handle import Failures, SaveFailure, SaveHandle, SaveStats, raise_first
 from ._layouts import Files, Layout, StepDirectories
 from ._member import Member
 from ._messages import OpenReport
@@ -42,6 +49,7 @@ from ._retention import RetentionPolicy
 from ._storage import Lease, Storage
 from ._tree import ExternalLeaves
 from ._triggers import EveryNSteps, Moment, Trigger, deterministic
+from ._upload import LocalCopy, UploadWriter
 from ._writers import QueueWriter, Writer
 
 logger = logging.getLogger(__name__)
@@ -115,6 +123,17 @@ class CheckpointManager(anyio.abc.AsyncResource):
     (``["model.*"]``) must hold the same values on every rank: rank 0 alone stores them.
     A process on its own that opens a directory of step directories reads and writes
     them as a group of one.
+
+    **Two tiers.** With ``remote="s3://bucket/run"`` (any URL or path), saves commit to
+    ``directory`` as ever, and each committed checkpoint is then uploaded in the
+    background to ``remote``, committed there as a save is (``keep_remote`` rotates
+    it). ``handle.upload`` is the upload's own handle; ``flush()`` and ``aclose()``
+    wait for uploads too, and a failed upload is reported as a failed save is. A local
+    checkpoint is not rotated away while its upload is pending. ``uploader`` (an
+    UploadWriter) sets the retries and how many uploads may wait (the oldest waiting
+    one is dropped when more come; the newest never is). ``upload="manual"`` uploads
+    only what ``upload()`` is asked to. ``restore()`` takes the newest valid
+    checkpoint of either tier, the local one when both hold that step.
     """
 
     def __init__(
@@ -133,8 +152,40 @@ class CheckpointManager(anyio.abc.AsyncResource):
         timeout: float = 300.0,
         read_only: bool = False,
         lease_ttl: float = 60.0,
+        remote: str | None = None,
+        remote_storage: Storage | None = None,
+        keep_remote: RetentionPolicy | None = None,
+        upload: Literal["every", "manual"] = "every",
+        uploader: UploadWriter | None = None,
     ) -> None:
         self._storage, self.directory = resolve(directory, storage)
+        if upload not in ("every", "manual"):
+            raise ValueError(f"upload must be 'every' or 'manual', not {upload!r}")
+        if remote is None and (remote_storage is not None or keep_remote is not None or uploader is not None):
+            raise ValueError("remote_storage=, keep_remote= and uploader= need remote=")
+        self._upload_mode = upload
+        #: The remote tier: a manager of its own whose saves are uploads.
+        self._remote: CheckpointManager | None = None
+        self._uploader: UploadWriter | None = None
+        if remote is not None:
+            self._uploader = uploader if uploader is not None else UploadWriter(storage=remote_storage)
+            self._remote = CheckpointManager(
+                remote,
+                writer=self._uploader,
+                name=name,
+                keep=keep_remote,
+                storage=remote_storage,
+                rank=rank,
+                allow_pickle=allow_pickle,
+                group=group,
+                replicated=replicated,
+                timeout=timeout,
+                read_only=read_only,
+                lease_ttl=lease_ttl,
+            )
+            self._uploader._use(self._remote._storage)
+        #: Whether steps are directories, when another tier decided it.
+        self._steps_are_dirs: bool | None = None
         self.read_only = read_only
         self._lease_ttl = lease_ttl
         self._writer: Writer = writer if writer is not None else QueueWriter(storage=self._storage)
@@ -165,6 +216,8 @@ class CheckpointManager(anyio.abc.AsyncResource):
         self._catalog: Catalog | None = None
         self._last: Moment | None = None
         self._pending: set[SaveHandle] = set()
+        #: Set once local retention has let go of an uploaded step (see _release_after).
+        self._releases: set[anyio.Event] = set()
         self._failures = Failures()
         self._tg: anyio.abc.TaskGroup | None = None
         self._lock: Lease | None = None
@@ -180,6 +233,7 @@ class CheckpointManager(anyio.abc.AsyncResource):
         if self._state != "new":
             raise WriterClosedError("a CheckpointManager can be opened only once")
         self._state = "opening"
+        writer_open = False
         try:
             layout = await self._layout()
             if self.rank == 0:
@@ -205,15 +259,42 @@ class CheckpointManager(anyio.abc.AsyncResource):
             await self._member.open(config, self._prepare)
             if not self.read_only:
                 await self._writer.__aenter__()
+                writer_open = True
+            if self._remote is not None:
+                self._remote._steps_are_dirs = layout.manifests
+                await self._remote.__aenter__()
         except BaseException:
-            await self._release()
+            try:
+                if writer_open:  # nothing was saved through it yet
+                    # Not inside a shielding scope: a task group is exited in the scope
+                    # it was entered in.
+                    await self._writer.__aexit__(None, None, None)
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await self._release()
             raise
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         if self._lock is not None:
             self._tg.start_soon(self._renew, self._lock)
         self._state = "open"
+        if self._uploads_every_save() and not self.read_only:
+            try:
+                await self._catch_up()
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await self.aclose()
+                raise
         return self
+
+    async def _catch_up(self) -> None:
+        """Upload the newest local checkpoint if the remote tier lacks it: the upload of
+        a run that crashed (or ran without a remote tier) is not lost."""
+        assert self._remote is not None
+        local = await self.steps()
+        if local and local[-1] not in await self._remote.steps():
+            logger.info("uploading step %d, which %s lacks", local[-1], self._remote.directory)
+            await self.upload(local[-1])
 
     async def _renew(self, lease: Lease) -> None:
         """Keep the lease of the directory (an object store's expires unless renewed)."""
@@ -233,10 +314,15 @@ class CheckpointManager(anyio.abc.AsyncResource):
         """A directory per step in a group, or where a group left its checkpoints; else a
         file per step."""
         steps_are_dirs = self._group is not None or self.world_size is not None
+        if self._steps_are_dirs is not None:
+            steps_are_dirs = self._steps_are_dirs
         if not steps_are_dirs:
             steps_are_dirs = await _offload.run_io(
                 has_step_dirs, self._storage, self.directory, self._pattern
             )
+        if not steps_are_dirs and self._remote is not None:  # a group's run, resumed from its remote tier
+            far = self._remote
+            steps_are_dirs = await _offload.run_io(has_step_dirs, far._storage, far.directory, self._pattern)
         if steps_are_dirs:
             if "{rank}" in self._name:
                 raise ValueError(
@@ -293,6 +379,8 @@ class CheckpointManager(anyio.abc.AsyncResource):
 
     async def _release(self) -> None:
         self._state = "closed"
+        if self._remote is not None and self._remote._state != "closed":
+            await self._remote._release()
         if self._catalog is not None:
             self._catalog.close()
         if self._member is not None:
@@ -303,46 +391,80 @@ class CheckpointManager(anyio.abc.AsyncResource):
                 await _offload.run_io(lock.release)
 
     async def aclose(self) -> None:
-        """Wait for pending commits and the rotation they trigger; release the directory."""
+        """Wait for pending commits (and uploads) and the rotation they trigger; release
+        the directory."""
         if self._state != "open":
             return
         self._state = "closing"
         loop = asyncio.get_running_loop()
         for sig in self._signals:
             loop.remove_signal_handler(sig)
-        writer_error: Exception | None = None
+        errors: list[Exception] = []
         try:
             try:
-                if not self.read_only:
-                    await self._writer.aclose()  # raises (so reports) the writer's failures
-            except Exception as exc:
-                writer_error = exc
+                await self._drain(errors)
             finally:
-                await self._wait_pending()
-                self._renewal.cancel()
-                assert self._tg is not None
-                await self._tg.__aexit__(None, None, None)
+                await self._exit_task_groups()
         finally:
             await self._release()
-        if writer_error is not None:
-            for failure in self._failures.take():
-                writer_error.add_note(f"aiosnap: the save of {failure.path} failed too: {failure.error!r}")
-            raise writer_error
+        if errors:
+            first = errors[0]
+            for other in errors[1:]:
+                first.add_note(f"aiosnap: closing failed in another way too: {other!r}")
+            for failure in self.take_failures():
+                first.add_note(f"aiosnap: the save of {failure.path} failed too: {failure.error!r}")
+            raise first
         self._raise_pending()
+
+    async def _drain(self, errors: list[Exception]) -> None:
+        """Let every accepted save (and upload) end; the writers' failures go to ``errors``."""
+        try:
+            if not self.read_only:
+                await self._writer.aclose()  # raises (so reports) the writer's failures
+        except Exception as exc:
+            errors.append(exc)
+        finally:
+            await self._wait_pending()
+            if self._remote is not None and self._remote._state == "open":
+                self._remote._state = "closing"
+                await self._remote._drain(errors)
+
+    async def _exit_task_groups(self) -> None:
+        """Exit the task groups this manager entered, the last entered first: its own,
+        the remote tier's, its writer's."""
+        self._renewal.cancel()
+        assert self._tg is not None
+        await self._tg.__aexit__(None, None, None)
+        if self._remote is not None and self._remote._tg is not None:
+            await self._remote._exit_task_groups()
+        if not self.read_only:
+            await self._writer.__aexit__(None, None, None)  # closed already: exits its task group
 
     async def flush(self) -> None:
         """Wait until every accepted save is committed, indexed and rotated; raise the
         first failure not reported yet (noting any others)."""
-        if not self.read_only:
-            await self._writer.flush()
-        await self._wait_pending()
+        try:
+            if not self.read_only:
+                await self._writer.flush()
+        finally:
+            await self._wait_pending()  # a raising flush has still waited for every save
+            await self._wait_uploads()
         self._raise_pending()
+
+    async def _wait_uploads(self) -> None:
+        """Wait until every upload handed to the remote tier so far has ended."""
+        if self._remote is not None and self._uploader is not None:
+            await self._uploader._wait()
+            await self._remote._wait_pending()
+        for released in list(self._releases):  # and the local retention the uploads held back
+            await released.wait()
 
     def take_failures(self) -> list[SaveFailure]:
         """The failed saves (of the writer, the index, the group) not reported yet, oldest
         first; from now on they count as reported: no later call raises them."""
         writer = [] if self.read_only else self._writer.take_failures()
-        return writer + self._failures.take()
+        remote = [] if self._remote is None else self._remote.take_failures()
+        return writer + self._failures.take() + remote
 
     async def _wait_pending(self) -> None:
         for handle in list(self._pending):
@@ -399,12 +521,32 @@ class CheckpointManager(anyio.abc.AsyncResource):
             handle = SaveHandle(self._storage.join(self.directory, filename))
             handle._skip()
             return handle
+        try:
+            outer = await self._submit(record, state)
+        except BaseException:
+            if self._uploads_every_save():
+                # Every member hands every save to the remote tier, in the same order: one
+                # whose own save was refused hands it over as failed (not uploaded).
+                refused = SaveHandle(self._storage.join(self.directory, filename))
+                refused._skip()
+                with anyio.CancelScope(shield=True):
+                    await self._upload_after(record, refused)
+            raise
+        self._last = Moment(step, epoch, time.monotonic())
+        if self._uploads_every_save():
+            outer.upload = await self._upload_after(record, outer)
+        # Earlier failures are raised only now: this call's own save is accepted, and goes on.
+        self._raise_pending(accepted=outer.path)
+        return outer
+
+    async def _submit(self, record: CheckpointRecord, state: object) -> SaveHandle:
+        """Take this save's turn, hand it to the writer, and vote on it in the background."""
         member, tg = self._member, self._tg
         assert member is not None
         assert tg is not None
         # The turn is taken now, in program order, as every member does for this call;
         # the vote that fills it runs in the background.
-        turn = member.votes.turn(f"save step {step}")
+        turn = member.votes.turn(f"save step {record.step}")
         out_dir, file = member.layout.place(record, self.rank)
         target = state if self.rank == 0 or not self._replicated else ExternalLeaves(state, member.matches)
         outer = SaveHandle(self._storage.join(out_dir, file))
@@ -418,11 +560,41 @@ class CheckpointManager(anyio.abc.AsyncResource):
             )
             tg.start_soon(self._vote, turn, failure, record, outer)
             raise
-        self._last = Moment(step, epoch, time.monotonic())
         tg.start_soon(self._vote, turn, inner, record, outer)
-        # Earlier failures are raised only now: this call's own save is accepted, and goes on.
-        self._raise_pending(accepted=outer.path)
         return outer
+
+    def _uploads_every_save(self) -> bool:
+        return self._remote is not None and self._upload_mode == "every"
+
+    async def _upload_after(self, record: CheckpointRecord, local: SaveHandle) -> SaveHandle:
+        """Hand the checkpoint ``local`` commits to the remote tier; it is uploaded once
+        committed. Until its upload ends, local retention keeps it."""
+        assert self._remote is not None
+        assert self._tg is not None
+        if self._remote._lease_lost is not None:
+            # Another manager took the remote directory: upload nothing more to it (its
+            # turn is still taken, and voted down).
+            self._failures.add(self._remote.directory, self._remote._lease_lost)
+            local = SaveHandle(local.path)
+            local._skip()
+        upload = await self._remote._submit(record, LocalCopy(self._storage, local))
+        if self._catalog is not None:
+            self._catalog.hold(record.step)
+            released = anyio.Event()
+            self._releases.add(released)
+            self._tg.start_soon(self._release_after, record.step, upload, released)
+        return upload
+
+    async def _release_after(self, step: int, upload: SaveHandle, released: anyio.Event) -> None:
+        try:
+            await upload._done.wait()
+            assert self._catalog is not None
+            await self._catalog.release(step)
+        except Exception as exc:  # the index or a removal failed: reported as a failed save is
+            self._failures.add(self._storage.join(self.directory, f"<retention after step {step}>"), exc)
+        finally:
+            self._releases.discard(released)
+            released.set()
 
     async def _due(self, step: int, epoch: int | None) -> bool:
         due = self.should_save(step, epoch=epoch)
@@ -470,6 +642,29 @@ class CheckpointManager(anyio.abc.AsyncResource):
         raw = await self._member.ask("history", lambda: [r.to_json() for r in self._rank0().history])
         return [CheckpointRecord.from_json(r) for r in raw]
 
+    async def records(self) -> list[CheckpointRecord]:
+        """The record of every committed checkpoint, oldest first: its epoch, time, size
+        and metrics, and for one that failed verification (which ``steps()`` leaves out)
+        the reason, in ``corrupt``."""
+        assert self._member is not None
+        raw = await self._member.ask(
+            "records", lambda: [r.to_json() for _, r in sorted(self._rank0().records.items())]
+        )
+        return [CheckpointRecord.from_json(r) for r in raw]
+
+    async def prune(self, *, dry_run: bool = False) -> list[CheckpointRecord]:
+        """Apply the retention policy (``keep``) now, as a commit does, and return the
+        records of the checkpoints it removed; with ``dry_run``, of those it would remove
+        (a read-only manager can tell that too). As after a commit, the newest checkpoint
+        and those with an upload pending stay. Only a process on its own prunes."""
+        if self._state != "open":
+            raise WriterClosedError("the manager is not open: use `async with manager:`")
+        if self.read_only and not dry_run:
+            raise CheckpointError(f"{self.directory}: this manager is read-only (read_only=True)")
+        if self.world_size is not None:
+            raise CheckpointError(f"{self.directory}: prune() runs in a process on its own, not in a group")
+        return await self._rank0().apply_retention(dry_run=dry_run)
+
     async def restore(
         self,
         step: int | None = None,
@@ -491,8 +686,66 @@ class CheckpointManager(anyio.abc.AsyncResource):
         (StateMismatchError, on every rank, names it otherwise).
         """
         assert self._member is not None
+        if self._remote is not None:
+            return await self._restore_from_tiers(step, target, keys, strict)
         found, path, state = await self._member.restore(step, target, keys, strict)
         return Restored(found.step, found.epoch, path, state)
+
+    async def _restore_from_tiers(
+        self, step: int | None, target: Any, keys: Sequence[str] | None, strict: bool
+    ) -> Restored:
+        """The newest valid step of either tier, the local copy first: a step corrupt
+        in one tier is tried in the other, then older steps are."""
+        assert self._member is not None
+        assert self._remote is not None
+        assert self._remote._member is not None
+        local, remote = set(await self.steps()), set(await self._remote.steps())
+        wanted = [step] if step is not None else sorted(local | remote, reverse=True)
+        failures: list[str] = []
+        for candidate in wanted:
+            for member, holds in ((self._member, local), (self._remote._member, remote)):
+                if candidate not in holds:
+                    continue
+                try:
+                    found, path, state = await member.restore(candidate, target, keys, strict)
+                except CorruptCheckpointError as exc:  # logged and marked by the tier's member
+                    failures.append(str(exc))
+                    continue
+                return Restored(found.step, found.epoch, path, state)
+        where = f"{self.directory!r} or {self._remote.directory!r}"
+        if step is not None and step not in local | remote:
+            missing = f"{self.directory}/<step {step}>"
+            raise CheckpointNotFoundError(missing, f"step {step} is in neither {where}")
+        reason = f"no valid checkpoint in {where}" + (f" ({'; '.join(failures)})" if failures else "")
+        raise CheckpointNotFoundError(self.directory, reason)
+
+    async def remote_steps(self) -> list[int]:
+        """The steps of the remote tier, as ``steps()`` gives the local ones ([] without one)."""
+        return [] if self._remote is None else await self._remote.steps()
+
+    async def upload(self, step: int | None = None) -> SaveHandle:
+        """Upload a committed local step (the latest by default) to the remote tier, as
+        ``upload="every"`` does after each save; returns the upload's handle, which
+        resolves skipped, with nothing copied, if the remote tier holds that step already. Every member of a
+        group calls it, as it calls ``save``."""
+        if self._remote is None:
+            raise CheckpointError(f"{self.directory}: no remote tier (CheckpointManager(remote=...))")
+        if self.read_only:
+            raise CheckpointError(f"{self.directory}: this manager is read-only (read_only=True)")
+        assert self._member is not None
+        steps = await self.steps()
+        chosen = step if step is not None else (steps[-1] if steps else None)
+        if chosen is None or chosen not in steps:
+            raise CheckpointNotFoundError(self.directory, f"no committed local step {chosen} to upload")
+        raw = await self._member.ask("record", lambda: self._rank0().records[chosen].to_json())
+        record = CheckpointRecord.from_json(raw)
+        out_dir, file = self._member.layout.place(record, self.rank)
+        local = SaveHandle(self._storage.join(out_dir, file))
+        if chosen in await self._remote.steps():
+            local._skip()  # handed over all the same: every member takes the same turns
+        else:
+            local._finish(SaveStats(local.path, record.bytes or 0, 0.0, 0.0, 0.0, 0.0, 0.0))
+        return await self._upload_after(record, local)
 
     # -- saving when things go wrong -----------------------------------------------------
     def save_on_signal(
@@ -511,22 +764,29 @@ class CheckpointManager(anyio.abc.AsyncResource):
             self._tg.start_soon(self._save_for_signal, sig, state_fn, deadline)
 
     async def _save_for_signal(self, sig: int, state_fn: StateFn, deadline: float) -> None:
+        name = signal.Signals(sig).name
         try:
-            with anyio.fail_after(deadline):
-                step = await self._emergency_save(state_fn)
-            logger.warning("saved step %d on signal %s", step, signal.Signals(sig).name)
+            with anyio.fail_after(deadline) as scope:
+                step, handle = await self._emergency_save(state_fn)
+            logger.warning("saved step %d on signal %s", step, name)
+            if handle.upload is not None:  # the node may not outlive the signal: upload it too
+                with anyio.move_on_after(max(0.0, scope.deadline - anyio.current_time())):
+                    await handle.upload.wait()
+                    logger.warning("uploaded step %d on signal %s", step, name)
+                if not handle.upload.done():
+                    logger.error("step %d was not uploaded within the deadline of signal %s", step, name)
         except Exception as exc:
-            logger.error("the save on signal %s failed: %r", signal.Signals(sig).name, exc)
-            self._failures.add(f"<save on {signal.Signals(sig).name}>", exc)
+            logger.error("the save on signal %s failed: %r", name, exc)
+            self._failures.add(f"<save on {name}>", exc)
         finally:
             self.preempted.set()
 
-    async def _emergency_save(self, state_fn: StateFn) -> int:
+    async def _emergency_save(self, state_fn: StateFn) -> tuple[int, SaveHandle]:
         result = state_fn()
         step, state = await result if inspect.isawaitable(result) else result
         handle = await self.save(step, state, force=True)
         await handle.wait()
-        return step
+        return step, handle
 
     @contextlib.asynccontextmanager
     async def save_on_error(self, state_fn: StateFn) -> AsyncIterator[None]:
@@ -535,7 +795,7 @@ class CheckpointManager(anyio.abc.AsyncResource):
             yield
         except (Exception, KeyboardInterrupt) as exc:
             try:
-                step = await self._emergency_save(state_fn)
+                step, _ = await self._emergency_save(state_fn)
             except Exception as save_exc:
                 exc.add_note(f"aiosnap: the save on error failed too: {save_exc!r}")
             else:

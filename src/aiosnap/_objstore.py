@@ -45,6 +45,8 @@ from ._storage import LEASE_NAME, CommitTimes, Entry, Version
 PART = 16 << 20
 #: Parts (and ranged GETs) in flight at once.
 CONCURRENCY = 8
+#: The least a streamed GET hands over at a time.
+STREAM_CHUNK = 4 << 20
 #: Seconds an operation is retried before it fails (transient errors only).
 DEADLINE = 120.0
 
@@ -312,7 +314,11 @@ class _ObjectUpload:
                     buffer_size=PART,
                     max_concurrency=CONCURRENCY,
                 )
-            self._storage._call(self._writer.write, self.path, data)
+            # obstore's writer keeps the buffers it is given (no copy) until their part is
+            # sent, and callers reuse theirs (the pieces of a large save, a copy): it gets
+            # copies, a part at a time, so at most its concurrency's worth is held.
+            for start in range(0, len(data), PART):
+                self._storage._call(self._writer.write, self.path, bytes(data[start : start + PART]))
         self._pos += len(data)
         self._write_s += time.perf_counter() - t0
 
@@ -351,6 +357,10 @@ class _ObjectUpload:
 class _ObjectReader:
     """An object read by ranges; large reads go as parallel ranged GETs."""
 
+    #: Batches a loader hands over at once (see _readers.EntryReader.read_all).
+    batch_bytes = 1 << 30
+    batch_iovecs = 1 << 16
+
     def __init__(self, storage: ObjectStorage, path: str) -> None:
         obs = _obstore()
         self.path, self._storage, self._key = path, storage, storage.key(path)
@@ -361,18 +371,25 @@ class _ObjectReader:
         self.read_batch([(offset, [buf])])
 
     def read_batch(self, requests: Sequence[tuple[int, Sequence[memoryview]]]) -> None:
-        pieces = []  # (offset, destination), each at most PART bytes
+        spans: list[tuple[int, list[memoryview]]] = []  # contiguous ranges, their destinations in order
+        end = -1
         for offset, bufs in requests:
-            for buf in bufs:
-                flat = buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
-                for start in range(0, len(flat), PART):
-                    pieces.append((offset + start, flat[start : start + PART]))
-                offset += len(flat)
-        if offset_past := [p for p in pieces if p[0] + len(p[1]) > self.size]:
-            at = offset_past[0][0]
-            raise CorruptCheckpointError(
-                self.path, f"truncated: wanted bytes up to {at + len(offset_past[0][1])}"
-            )
+            flat = [b.cast("B") if b.format != "B" or b.ndim != 1 else b for b in bufs]
+            flat = [b for b in flat if len(b)]
+            if not flat:
+                continue
+            if offset != end:
+                spans.append((offset, []))
+                end = offset
+            spans[-1][1].extend(flat)
+            end += sum(len(b) for b in flat)
+            if end > self.size:
+                raise CorruptCheckpointError(self.path, f"truncated: wanted bytes up to {end}")
+        # As few GETs as keep CONCURRENCY of them busy: each request costs a round trip
+        # (and some servers read the whole object for any range of it); each streams its
+        # body straight into the destinations, so no GET holds more than a chunk.
+        total = sum(len(b) for _, bufs in spans for b in bufs)
+        pieces = [p for span in spans for p in _cut(span, max(PART, -(-total // CONCURRENCY)))]
         if len(pieces) <= 1:
             for piece in pieces:
                 self._fetch(piece)
@@ -382,20 +399,70 @@ class _ObjectReader:
             for future in [pool.submit(self._fetch, p) for p in pieces]:
                 future.result()
 
-    def _fetch(self, piece: tuple[int, memoryview]) -> None:
+    def _fetch(self, piece: tuple[int, list[memoryview]]) -> None:
+        """Fill the destinations of a range, streamed; a body cut off midway is asked for
+        again from where it stopped, with backoff and jitter, until the deadline."""
+        start, views = piece
+        sink = _Scatter(views)
+        deadline, delay = time.monotonic() + self._storage.deadline, 0.1
+        while sink.left:
+            try:
+                self._storage._call(self._stream, self.path, start + sink.filled, sink)
+            except RemoteStorageError:
+                if time.monotonic() + delay > deadline:
+                    raise
+            else:
+                if not sink.left:
+                    return
+                if time.monotonic() + delay > deadline:
+                    raise CorruptCheckpointError(self.path, f"truncated: the body at {start} ended short")
+            time.sleep(delay * (0.5 + random.random()))
+            delay = min(delay * 2, 5.0)
+
+    def _stream(self, at: int, sink: _Scatter) -> None:
         obs = _obstore()
-        offset, dest = piece
-        if not len(dest):
-            return
-        got = self._storage._idempotent(
-            obs.get_range, self.path, self._storage.store, self._key, start=offset, end=offset + len(dest)
-        )
-        if len(got) != len(dest):
-            raise CorruptCheckpointError(self.path, f"truncated: wanted {len(dest)} bytes at offset {offset}")
-        dest[:] = memoryview(got)
+        result = obs.get(self._storage.store, self._key, options={"range": (at, at + sink.left)})
+        for chunk in result.stream(min_chunk_size=STREAM_CHUNK):
+            sink.write(memoryview(chunk), self.path)
 
     def close(self) -> None:
         pass
+
+
+def _cut(span: tuple[int, list[memoryview]], size: int) -> list[tuple[int, list[memoryview]]]:
+    """A contiguous range cut in pieces of at most ``size`` bytes (a destination may be split)."""
+    at, views = span
+    pieces: list[tuple[int, list[memoryview]]] = [(at, [])]
+    room = size
+    for view in views:
+        while len(view):
+            if not room:
+                pieces.append((at, []))
+                room = size
+            part, view = view[:room], view[room:]
+            pieces[-1][1].append(part)
+            at, room = at + len(part), room - len(part)
+    return pieces
+
+
+class _Scatter:
+    """Destinations filled in order by the chunks of a body."""
+
+    def __init__(self, views: list[memoryview]) -> None:
+        self._views, self._i, self._pos = views, 0, 0
+        self.filled, self.left = 0, sum(len(v) for v in views)
+
+    def write(self, chunk: memoryview, path: str) -> None:
+        if len(chunk) > self.left:
+            raise CorruptCheckpointError(path, "a ranged read returned more bytes than asked for")
+        while len(chunk):
+            view = self._views[self._i]
+            n = min(len(view) - self._pos, len(chunk))
+            view[self._pos : self._pos + n] = chunk[:n]
+            chunk, self._pos = chunk[n:], self._pos + n
+            if self._pos == len(view):
+                self._i, self._pos = self._i + 1, 0
+            self.filled, self.left = self.filled + n, self.left - n
 
 
 def _sweep_s3(bucket: str, prefix: str, options: dict[str, Any]) -> list[str]:

@@ -163,11 +163,12 @@ class EntryReader:
         self, f: Reader, header: Header, infos: list[TensorInfo], made: dict[str, tuple[Any, Any]]
     ) -> None:
         group: list[TensorInfo] = []
+        # A reader may take larger batches than a file's preadv (an object store's: each
+        # batch is a round trip, its GETs run in parallel).
+        most, iovecs = getattr(f, "batch_bytes", READ_GROUP), getattr(f, "batch_iovecs", READ_IOVECS)
         for info in infos:
             if group and (
-                info.start != group[-1].end
-                or len(group) >= READ_IOVECS
-                or info.end - group[0].start > READ_GROUP
+                info.start != group[-1].end or len(group) >= iovecs or info.end - group[0].start > most
             ):
                 _read_group(f, header, group, made)
                 group = []

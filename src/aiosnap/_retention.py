@@ -7,6 +7,7 @@ ever deletes checkpoints older than the newest one, after the newest has committ
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, final
@@ -55,7 +56,8 @@ class KeepEvery:
 @final
 @dataclass(frozen=True, slots=True)
 class KeepBest:
-    """The ``n`` checkpoints with the best value of ``metric``; those without it are not kept."""
+    """The ``n`` checkpoints with the best value of ``metric``; those without it (or with
+    NaN, a diverged run's loss, or a bool) are not kept."""
 
     metric: str
     mode: Literal["min", "max"] = "min"
@@ -66,11 +68,17 @@ class KeepBest:
             raise ValueError("KeepBest needs mode 'min' or 'max' and n >= 1")
 
     def keep(self, checkpoints: Sequence[CheckpointRecord], now: float) -> set[int]:
-        scored = [c for c in checkpoints if isinstance(c.metrics.get(self.metric), (int, float))]
+        scored = [c for c in checkpoints if _number(c.metrics.get(self.metric))]
         sign = 1.0 if self.mode == "min" else -1.0
         # Ties go to the newer checkpoint.
         scored.sort(key=lambda c: (sign * float(c.metrics[self.metric]), -c.step))
         return {c.step for c in scored[: self.n]}
+
+
+def _number(value: object) -> bool:
+    # NaN compares false with everything: sorted among numbers it lands anywhere, and
+    # was kept as the best loss of a run that diverged.
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
 
 
 @final

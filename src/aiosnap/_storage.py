@@ -22,13 +22,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
-#: Temp files and uploads of unfinished commits start with this; nothing else does.
 TEMP_PREFIX = ".aiosnap-tmp-"
-#: The lease of a checkpoint directory (a lock file, or a lock object).
+"""Temp files and uploads of unfinished commits start with this; nothing else does."""
 LEASE_NAME = ".aiosnap.lock"
+"""The lease of a checkpoint directory (a lock file, or a lock object)."""
 
-#: An opaque version of a stored object: an ETag, a generation, inode and mtime.
 Version = str
+"""An opaque version of a stored object: an ETag, a generation, inode and mtime."""
 
 
 class CommitTimes(NamedTuple):
@@ -60,8 +60,10 @@ class Upload(Protocol):
     random_access: bool
 
     def write_at(self, offset: int, data: memoryview) -> None:
-        """Write ``data`` at ``offset``; pieces may come in any order. Bytes at or past the
-        size given to ``create`` are dropped (aligned writes may run over)."""
+        """Write ``data`` at ``offset`` (in any order if ``random_access``). Bytes at or
+        past the size given to ``create`` are dropped (aligned writes may run over). The
+        backend may keep ``data`` until ``commit`` (an object store's part not sent yet):
+        the caller must not change it before then."""
 
     def commit(self) -> CommitTimes:
         """Make the object durable and visible whole, replacing any object at ``path``."""

@@ -37,6 +37,8 @@ def deterministic(trigger: Trigger) -> bool:
 @final
 @dataclass(frozen=True, slots=True)
 class EveryNSteps:
+    """Due when ``step % n == 0`` (step 0 included), at most once per step."""
+
     deterministic: ClassVar[bool] = True
     n: int
 
@@ -47,6 +49,8 @@ class EveryNSteps:
 @final
 @dataclass(frozen=True, slots=True)
 class EveryNEpochs:
+    """Due when the epoch is given and ``epoch % n == 0``, at most once per epoch."""
+
     deterministic: ClassVar[bool] = True
     n: int
 
@@ -59,6 +63,9 @@ class EveryNEpochs:
 @final
 @dataclass(frozen=True, slots=True)
 class EveryNSeconds:
+    """Due at the first call, then once ``seconds`` (monotonic) have passed since the last
+    save. Clocks differ between ranks: in a group, every rank follows rank 0's answer."""
+
     seconds: float
 
     def __call__(self, now: Moment, last: Moment | None) -> bool:
@@ -67,6 +74,8 @@ class EveryNSeconds:
 
 @final
 class AtSteps:
+    """Due at each of the given steps, at most once per step."""
+
     deterministic: ClassVar[bool] = True
 
     def __init__(self, steps: Iterable[int]) -> None:
@@ -81,6 +90,8 @@ class AtSteps:
 
 @final
 class AnyTrigger:
+    """Due when any of its triggers is; deterministic when all of them are."""
+
     def __init__(self, *triggers: Trigger) -> None:
         self.triggers = triggers
 

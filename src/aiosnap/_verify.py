@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, final
 
@@ -18,6 +19,10 @@ from ._tree import format_path, walk_leaves
 #: verify() reads in pieces of this size, so it needs no memory for the tensors.
 _VERIFY_PIECE = 64 << 20
 
+#: Told ``(bytes checked, bytes in all)`` as verification goes on, from the thread that
+#: verifies: the bytes are those of the files read, so the two are equal at the end.
+Progress = Callable[[int, int], None]
+
 
 @final
 @dataclass(frozen=True, slots=True)
@@ -30,18 +35,28 @@ class VerifyReport:
     checksummed: bool  # False for a plain safetensors file: structure only
 
 
-def verify_blocking(storage: Storage, path: str) -> VerifyReport:
-    """Verify a file, or a step directory with every rank's file against its manifest."""
+def verify_blocking(storage: Storage, path: str, progress: Progress | None = None) -> VerifyReport:
+    """Verify a file, or a step directory with every rank's file against its manifest.
+    Every entry is checked: the error names all those that failed, and every bad file."""
     if not exists(storage, storage.join(path, MANIFEST_NAME)):
-        return _verify_file(storage, path)[0]
+        return _verify_file(storage, path, None, _Tally(progress))[0]
     manifest = read_manifest(storage, path)
+    files = [storage.join(path, name) for name in manifest.files]
+    tally = _Tally(progress, sum(manifest.sizes))
     tensors = total = 0
     headers: dict[str, Header] = {}
-    for name, checksum in zip(manifest.files, manifest.checksums, strict=True):
-        report, header = _verify_file(storage, storage.join(path, name), checksum)
+    failures: list[str] = []
+    for name, file, checksum in zip(manifest.files, files, manifest.checksums, strict=True):
+        try:
+            report, header = _verify_file(storage, file, checksum, tally)
+        except CorruptCheckpointError as exc:
+            failures.append(str(exc))
+            continue
         tensors, total = tensors + report.tensors, total + report.bytes
         assert header is not None  # a file with a checksum to match is parsed, never sniffed
         headers[name] = header
+    if failures:
+        raise CorruptCheckpointError(path, "; ".join(failures))
     _verify_step(storage, path, manifest, headers)
     return VerifyReport(path, tensors, total, True)
 
@@ -95,12 +110,28 @@ def _spec(info: TensorInfo) -> tuple[str, str, tuple[int, ...]]:
     return info.kind, info.dtype, info.shape
 
 
+class _Tally:
+    """Counts the bytes verified for a ``progress`` callback; ``total``: the bytes of the
+    files to read (None: the one file's, known once it is open)."""
+
+    def __init__(self, progress: Progress | None, total: int | None = None) -> None:
+        self.progress, self.total, self.done = progress, total, 0
+
+    def add(self, n: int) -> None:
+        self.done += n
+        if self.progress is not None and self.total is not None:
+            self.progress(min(self.done, self.total), self.total)
+
+
 def _verify_file(
-    storage: Storage, path: str, checksum: str | None = None
+    storage: Storage, path: str, checksum: str | None, tally: _Tally
 ) -> tuple[VerifyReport, Header | None]:
     """A file's report, and its header (None for a torch.save file). A file with the
     ``checksum`` of a manifest is a step's: it must be an aiosnap file, never sniffed."""
     f = storage.open_read(path)
+    start = tally.done
+    if tally.total is None:
+        tally.total = f.size
     try:
         foreign = sniff(f) if checksum is None else None
         if foreign == "torch.save":
@@ -112,31 +143,42 @@ def _verify_file(
             raise CorruptCheckpointError(
                 path, f"header checksum {header.checksum} is not the committed {checksum}"
             )
+        tally.add(header.data_start)
         buf = np.empty(
             min(_VERIFY_PIECE, max(t.nbytes for t in header.tensors.values()) if header.tensors else 0),
             dtype=np.uint8,
         )
-        for info in header.tensors.values():
-            _verify_one(f, header, info, buf)
-        try:
-            seen: dict[str, str] = {}
-            # A file without a tree is read as a dict of its entries: a shard or an array
-            # among them is refused by a load, so here too.
-            for where, kind, name in walk_leaves(tree_of(header)):
-                entry = header.tensors.get(name) or header.external.get(name)
-                stored = "tensor" if kind == "dtensor" else kind  # a DTensor's shard is a tensor
-                if entry is None:
-                    raise ValueError(f"the tree refers to a missing {kind} {name!r}")
-                if seen.setdefault(name, kind) != kind:  # as load says it
-                    raise ValueError(f"{format_path(where)} is a {kind} but {name!r} is a {seen[name]}")
-                if entry.kind != stored or (kind == "dtensor") != bool(entry.shard):
-                    raise ValueError(f"{format_path(where)} is a {kind} but {name!r} is not")
-        except ValueError as exc:
-            raise CorruptCheckpointError(path, f"bad tree: {exc}") from None
+        checked = [(info.name, _verify_one(f, header, info, buf, tally)) for info in header.tensors.values()]
+        for what in ("checksum", "block checksum"):
+            bad = [name for name, failed in checked if failed == what]
+            if bad:
+                names = ", ".join(map(repr, bad))
+                raise CorruptCheckpointError(path, f"{what} mismatch in tensor{'s' * (len(bad) > 1)} {names}")
+        _check_tree(path, header)
         total = sum(t.nbytes for t in header.tensors.values())
         return VerifyReport(path, len(header.tensors), total, header.tree is not None), header
     finally:
+        tally.add(f.size - (tally.done - start))
         f.close()
+
+
+def _check_tree(path: str, header: Header) -> None:
+    """Every leaf of the tree refers to an entry of its kind."""
+    try:
+        seen: dict[str, str] = {}
+        # A file without a tree is read as a dict of its entries: a shard or an array
+        # among them is refused by a load, so here too.
+        for where, kind, name in walk_leaves(tree_of(header)):
+            entry = header.tensors.get(name) or header.external.get(name)
+            stored = "tensor" if kind == "dtensor" else kind  # a DTensor's shard is a tensor
+            if entry is None:
+                raise ValueError(f"the tree refers to a missing {kind} {name!r}")
+            if seen.setdefault(name, kind) != kind:  # as load says it
+                raise ValueError(f"{format_path(where)} is a {kind} but {name!r} is a {seen[name]}")
+            if entry.kind != stored or (kind == "dtensor") != bool(entry.shard):
+                raise ValueError(f"{format_path(where)} is a {kind} but {name!r} is not")
+    except ValueError as exc:
+        raise CorruptCheckpointError(path, f"bad tree: {exc}") from None
 
 
 def _verify_zip(f: Reader) -> VerifyReport:
@@ -153,10 +195,12 @@ def _verify_zip(f: Reader) -> VerifyReport:
     return VerifyReport(f.path, len(data), f.size, True)
 
 
-def _verify_one(f: Reader, header: Header, info: TensorInfo, buf: np.ndarray[Any, Any]) -> None:
-    """Check an entry's checksum, and its block checksums if it has them: a restore
-    that reads part of a shard verifies only its blocks (pieces start at block
-    boundaries: _VERIFY_PIECE is a multiple of BLOCK)."""
+def _verify_one(
+    f: Reader, header: Header, info: TensorInfo, buf: np.ndarray[Any, Any], tally: _Tally
+) -> str | None:
+    """What of the entry's bytes fails: its ``"checksum"``, or one of its ``"block
+    checksum"``s (a restore that reads part of a shard verifies only its blocks; pieces
+    start at block boundaries: _VERIFY_PIECE is a multiple of BLOCK); None if nothing."""
     crc, pos, blocks = 0, info.start, []
     while pos < info.end:
         piece = memoryview(buf[: min(len(buf), info.end - pos)])  # type: ignore[arg-type]
@@ -169,7 +213,9 @@ def _verify_one(f: Reader, header: Header, info: TensorInfo, buf: np.ndarray[Any
                 blocks.append(crc32c(part))
                 crc = crc32c_combine(crc, blocks[-1], len(part))
         pos += len(piece)
+        tally.add(len(piece))
     if info.crc is not None and crc != info.crc:
-        raise CorruptCheckpointError(f.path, f"checksum mismatch in tensor {info.name!r}")
+        return "checksum"
     if info.blocks is not None and tuple(blocks) != info.blocks:
-        raise CorruptCheckpointError(f.path, f"block checksum mismatch in tensor {info.name!r}")
+        return "block checksum"
+    return None

@@ -369,6 +369,13 @@ class _WriterBase(abc.ABC):
         if save.handle.done():
             return
         if stats is not None:
+            logger.info(
+                "saved %s: %d bytes, caller stalled %.1f ms, durable after %.1f ms",
+                stats.path,
+                stats.bytes,
+                stats.stall_s * 1e3,
+                stats.total_s * 1e3,
+            )
             save.handle._finish(stats)
         elif error is not None:
             save.handle._fail(error)
