@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import aiosnap
+from aiosnap._storage import get
 from aiosnap.storage import from_url
 
 from .conftest import assert_tree_equal, training_state
@@ -215,16 +216,6 @@ async def test_urls_configure_themselves_from_the_environment(
     assert (await aiosnap.verify(url)).tensors == 1
 
 
-def _object_bytes(storage: aiosnap.Storage, path: str) -> bytes:
-    reader = storage.open_read(path)
-    try:
-        buf = bytearray(reader.size)
-        reader.readinto(0, memoryview(buf))
-        return bytes(buf)
-    finally:
-        reader.close()
-
-
 async def test_gcs_checkpoints_read_through_obstore(gcs: Any, tmp_path: Path) -> None:
     """fake-gcs-server does not serve the XML API obstore writes with: the objects are
     put through the JSON API, and read (whole, by keys, verified) through obstore."""
@@ -239,4 +230,4 @@ async def test_gcs_checkpoints_read_through_obstore(gcs: Any, tmp_path: Path) ->
     await aiosnap.load_into(url, fresh, storage=storage)
     assert_tree_equal(state["model"].state_dict(), fresh["model"].state_dict())
     assert (await aiosnap.verify(url, storage=storage)).checksummed
-    assert _object_bytes(storage, url) == local.read_bytes()
+    assert get(storage, url) == local.read_bytes()

@@ -12,7 +12,6 @@ the write are atomic only within one process.
 from __future__ import annotations
 
 import json
-import posixpath
 import secrets
 import threading
 import time
@@ -27,7 +26,7 @@ from ._errors import (
 )
 from ._header import crc32c
 from ._lease import VersionedLease
-from ._storage import LEASE_NAME, TEMP_PREFIX, CommitTimes, Entry, Version
+from ._storage import LEASE_NAME, TEMP_PREFIX, CommitTimes, Entry, UrlPaths, Version
 
 _locks: dict[str, threading.Lock] = {}
 _locks_lock = threading.Lock()
@@ -42,7 +41,7 @@ def known_protocol(scheme: str) -> bool:
     return scheme in known_implementations
 
 
-class FsspecStorage:
+class FsspecStorage(UrlPaths):
     """An fsspec filesystem (see the module docstring). Build it with ``from_url``."""
 
     random_access = False
@@ -80,14 +79,6 @@ class FsspecStorage:
         if not path.lower().startswith(self.protocol + "://"):
             raise ValueError(f"{path!r} is not a {self.protocol}:// URL")
         return str(self.fs._strip_protocol(path))
-
-    def join(self, *parts: str) -> str:
-        head, *rest = parts
-        return posixpath.join(head.rstrip("/"), *rest) if rest else head
-
-    def split(self, path: str) -> tuple[str, str]:
-        head, _, name = path.rstrip("/").rpartition("/")
-        return head, name
 
     # -- writing -----------------------------------------------------------------------------
     def create(self, path: str, size: int | None) -> _FsspecUpload:

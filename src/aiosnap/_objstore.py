@@ -25,7 +25,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import posixpath
 import random
 import time
 from collections.abc import Iterator, Sequence
@@ -39,7 +38,7 @@ from ._errors import (
     RemoteStorageError,
 )
 from ._lease import VersionedLease
-from ._storage import LEASE_NAME, CommitTimes, Entry, Version
+from ._storage import LEASE_NAME, CommitTimes, Entry, UrlPaths, Version
 
 #: Objects up to this size are one PUT; larger ones a multipart upload of parts this big.
 PART = 16 << 20
@@ -61,7 +60,7 @@ def _obstore() -> Any:
     return obstore
 
 
-class ObjectStorage:
+class ObjectStorage(UrlPaths):
     """An object store (see the module docstring). Build it with ``from_url``."""
 
     random_access = False
@@ -128,14 +127,6 @@ class ObjectStorage:
         if path != root and not path.startswith(root + "/"):
             raise ValueError(f"{path!r} is not in {root}")
         return path[len(root) :].strip("/")
-
-    def join(self, *parts: str) -> str:
-        head, *rest = parts
-        return posixpath.join(head.rstrip("/"), *rest) if rest else head
-
-    def split(self, path: str) -> tuple[str, str]:
-        head, _, name = path.rstrip("/").rpartition("/")
-        return head, name
 
     # -- writing -----------------------------------------------------------------------------
     def create(self, path: str, size: int | None) -> _ObjectUpload:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import os
+import posixpath
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -199,6 +200,18 @@ def _stream(local: str, upload: Upload) -> None:
         while n := f.readinto(buf):
             upload.write_at(offset, memoryview(buf)[:n])
             offset += n
+
+
+class UrlPaths:
+    """``join`` and ``split`` of a backend whose paths are URLs (``s3://bucket/run/x``)."""
+
+    def join(self, *parts: str) -> str:
+        head, *rest = parts
+        return posixpath.join(head.rstrip("/"), *rest) if rest else head
+
+    def split(self, path: str) -> tuple[str, str]:
+        head, _, name = path.rstrip("/").rpartition("/")
+        return head, name
 
 
 def get(storage: Storage, path: str) -> bytes:
