@@ -163,6 +163,13 @@ def aiosnap_save(make_writer: Callable[[], Any], lag: bool = False) -> Callable[
     return run
 
 
+def _after_capture() -> aiosnap.QueueWriter:
+    """The wave-1 schedule (the commit starts once the capture has ended), for comparison."""
+    writer = aiosnap.QueueWriter()
+    writer._pipelined = False
+    return writer
+
+
 async def aiosnap_load(state: dict[str, Any], directory: Path, rss: RssSampler, into: bool = False) -> Result:
     path = directory / "load.snap"
     await aiosnap.save(str(path), state)
@@ -183,6 +190,7 @@ METHODS: dict[str, Callable[..., Awaitable[Result]]] = {
     "aiosnap StandardWriter (thread)": aiosnap_save(lambda: aiosnap.StandardWriter()),
     "aiosnap StandardWriter (process)": aiosnap_save(lambda: aiosnap.StandardWriter(offload="process")),
     "aiosnap QueueWriter (thread)": aiosnap_save(lambda: aiosnap.QueueWriter(), lag=True),
+    "aiosnap QueueWriter (thread), commit after capture": aiosnap_save(_after_capture, lag=True),
     "aiosnap QueueWriter (process)": aiosnap_save(lambda: aiosnap.QueueWriter(offload="process"), lag=True),
     "aiosnap load (cold)": aiosnap_load,
     "aiosnap load_into (cold)": lambda s, d, r: aiosnap_load(s, d, r, into=True),

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import anyio
+import anyio.from_thread
 import anyio.to_thread
 
 T = TypeVar("T")
@@ -24,6 +25,9 @@ T = TypeVar("T")
 IO_THREADS = 4
 #: Copies, checksums, pickling: bounded by the cores (2 on the reference machine).
 CPU_THREADS = 2
+#: Pipelined commits: each waits on its own staging thread most of the time, so they
+#: must not hold the threads of other file I/O meanwhile.
+COMMIT_THREADS = 4
 #: Messages between ranks: each waits on the network, never on the disk or a core, and
 #: must not queue behind bulk I/O (a rank that waits too long is reported as failed).
 COORD_THREADS = 4
@@ -42,6 +46,7 @@ def _limiter(kind: str) -> anyio.CapacityLimiter:
             "io": anyio.CapacityLimiter(IO_THREADS),
             "cpu": anyio.CapacityLimiter(CPU_THREADS),
             "coord": anyio.CapacityLimiter(COORD_THREADS),
+            "commit": anyio.CapacityLimiter(COMMIT_THREADS),
         }
         _limiters[loop] = per_loop
     return per_loop[kind]
@@ -55,6 +60,17 @@ async def run_io(fn: Callable[..., T], *args: object) -> T:
 async def run_cpu(fn: Callable[..., T], *args: object) -> T:
     """Run a blocking copy, checksum or (un)pickle in a worker thread."""
     return await anyio.to_thread.run_sync(fn, *args, limiter=_limiter("cpu"))
+
+
+async def run_commit(fn: Callable[..., T], *args: object) -> T:
+    """Run a pipelined commit, which waits for its staging, in a worker thread."""
+    return await anyio.to_thread.run_sync(fn, *args, limiter=_limiter("commit"))
+
+
+def from_loop(fn: Callable[..., T], *args: object) -> T:
+    """From a worker thread of ``run_*``: run ``fn`` on the event loop and return its
+    result (a decision only the loop can take, such as starting a task)."""
+    return anyio.from_thread.run_sync(fn, *args)
 
 
 async def run_coord(fn: Callable[..., T], *args: object) -> T:

@@ -30,10 +30,14 @@ from ._device import DeviceCopier, as_copyable, host_view
 from ._errors import WriterClosedError
 from ._format import TensorInfo
 from ._header import ALIGN, EntryCrc, HeaderTemplate
+from ._pipeline import PIECE, Pipe
 from ._storage import Upload
 from ._tree import Leaf, Snapshot, capture
 
 _SMALL = 256 << 10
+#: A huge leaf is copied in chunks of this size when its commit is pipelined (glibc's
+#: memcpy slows down on pieces much below 64 MiB, see the BRIEF).
+_CHUNK = 64 << 20
 #: Arena sizes are rounded up to this, so a slightly larger next state reuses them.
 _GRAIN = 1 << 20
 
@@ -268,37 +272,90 @@ def stage(
     copier: DeviceCopier | None = None,
     producers: Any = None,
     keep_tree: bool = False,
+    begin: Callable[[Pipe], bool] | None = None,
 ) -> StagedImage:
     """Copy the planned leaves into an arena: the capture, all the caller waits for.
 
     Device tensors (with a ``copier``) are copied first and asynchronously; host
     tensors are staged while those copies run; the capture ends at
-    ``copier.finish()``. Checksums and the header come later, in the commit
-    (``_header.seal``), off the caller's path.
+    ``copier.finish()``. Checksums and the header come later (``_header.seal``), off
+    the caller's path. With ``begin``, the arena is offered to a commit before the
+    first copy (``_pipeline``); if ``begin`` takes it, the copies raise the pipe's
+    watermark as they go, and the arena belongs to that commit, even if staging fails.
     """
     t0 = time.perf_counter()
-    leaves, infos, data_start = layout.leaves, layout.tensors, layout.data_start
     arena = pool.acquire(layout.size)
+    pipe: Pipe | None = None
     try:
-        on_device = _start_device_copies(leaves, infos, arena, data_start, copier, producers)
-        run = _SmallRun(arena, data_start)
-        for i, (leaf, info) in enumerate(zip(leaves, infos, strict=True)):
-            if i in on_device or run.add(leaf, info):
-                continue
-            run.flush()
-            _copy(leaf, arena, data_start + info.start, info.nbytes)
-        run.flush()
-        if on_device:
-            assert copier is not None
-            copier.finish()  # not a byte copied from a device is read before this
+        if begin is not None:
+            offer = Pipe(arena, layout.size, layout.data_start)
+            pipe = offer if begin(offer) else None
+        _fill(layout, arena, copier, producers, pipe)
     except BaseException:
-        pool.release(arena)
+        if pipe is None:
+            pool.release(arena)
         raise
+    infos = layout.tensors
     spans = array.array("q", (x for t in infos for x in (t.start, t.end)))
     staged = StagedImage(arena, layout.size, layout.template, spans, time.perf_counter() - t0)
     if keep_tree:
         staged.tensors, staged.tree = infos, layout.tree
     return staged
+
+
+def _fill(layout: Plan, arena: Arena, copier: DeviceCopier | None, producers: Any, pipe: Pipe | None) -> None:
+    """Copy every leaf to its place, front to back, raising ``pipe``'s watermark a piece
+    at a time. A device leaf lands only at ``copier.finish()``: the watermark waits
+    below the first one until then."""
+    leaves, infos, data_start = layout.leaves, layout.tensors, layout.data_start
+    on_device = _start_device_copies(leaves, infos, arena, data_start, copier, producers)
+    hold = data_start + min(infos[i].start for i in on_device) if on_device else layout.size
+    mark = _Mark(pipe, hold)
+    run = _SmallRun(arena, data_start)
+    for i, (leaf, info) in enumerate(zip(leaves, infos, strict=True)):
+        if i in on_device or run.add(leaf, info):
+            continue
+        run.flush()
+        mark.reach(data_start + info.start)
+        flat = _flat_view(leaf) if pipe is not None and info.nbytes > _CHUNK else None
+        if flat is None:
+            _copy(leaf, arena, data_start + info.start, info.nbytes)
+            continue
+        for lo in range(0, info.nbytes, _CHUNK):  # a watermark step per chunk of a huge leaf
+            at, n = data_start + info.start + lo, min(_CHUNK, info.nbytes - lo)
+            np.copyto(arena.array[at : at + n], flat[lo : lo + n])
+            mark.reach(at + n)
+    run.flush()
+    if on_device:
+        assert copier is not None
+        if pipe is not None:
+            pipe.advance(hold)  # every host leaf is staged: write up to the device bytes
+        copier.finish()  # not a byte copied from a device is read before this
+    if pipe is not None:
+        pipe.advance(layout.size)
+
+
+class _Mark:
+    """Raises a pipe's watermark, at most once per piece (a lock per tensor would cost
+    more than copying a small one), and never past ``hold``."""
+
+    def __init__(self, pipe: Pipe | None, hold: int) -> None:
+        self.pipe, self.hold, self.last = pipe, hold, 0
+
+    def reach(self, pos: int) -> None:
+        pos = min(pos, self.hold)
+        if self.pipe is not None and pos - self.last >= PIECE:
+            self.pipe.advance(pos)
+            self.last = pos
+
+
+def _flat_view(leaf: Leaf) -> np.ndarray[Any, np.dtype[np.uint8]] | None:
+    """A CPU tensor's bytes as a flat array, if that needs no copy; else None."""
+    t = leaf.value
+    if leaf.kind != "tensor" or t.device.type != "cpu" or t.is_conj() or t.is_neg() or not t.is_contiguous():
+        return None
+    flat: np.ndarray[Any, np.dtype[np.uint8]] = t.detach().reshape(-1).view(torch.uint8).numpy()
+    return flat
 
 
 def stage_or_plan(
@@ -308,16 +365,18 @@ def stage_or_plan(
     copier: DeviceCopier | None = None,
     producers: Any = None,
     keep_tree: bool = False,
+    begin: Callable[[Pipe], bool] | None = None,
 ) -> StagedImage | Plan:
     """Capture and stage ``target``; or, if its image is larger than the pool's budget,
     only plan it. Runs in a worker thread: a state of 100,000 tensors takes a second to
     walk, which the event loop must not wait for. The collector is held off meanwhile,
-    and what capture built is freed (by reference counting) before it resumes."""
+    and what capture built is freed (by reference counting) before it resumes.
+    ``begin``: see ``stage``."""
     with _offload.gc_paused():
         layout = plan(capture(target, allow_pickle=allow_pickle))
         if pool.budget is not None and layout.size > pool.budget:
             return layout
-        staged = stage(layout, pool, copier, producers, keep_tree)
+        staged = stage(layout, pool, copier, producers, keep_tree, begin)
         del layout
     return staged
 

@@ -5,18 +5,25 @@ arena, in a worker thread) and then commit (engine). The caller awaits only the
 capture, through an event, so plain-asyncio cancellation of the caller can never
 interrupt a copy or a commit half-way: a save cancelled before its capture finished
 is dropped whole; after it, it commits whole.
+
+A save whose commit can start at once -- no earlier save ahead of it, a commit in a
+thread, no ``savefun`` -- is *pipelined* (``_pipeline``): its commit is handed the
+arena as soon as the image is laid out, and writes the first pieces while later ones
+are still being copied. The commit then owns the end of the save: it settles it,
+also when the capture fails (the caller gets that error, the writer reports nothing).
 """
 
 from __future__ import annotations
 
 import abc
+import functools
 import inspect
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Literal, Protocol, Self, TypedDict, Unpack, final
+from typing import Any, Literal, Protocol, Self, TypedDict, Unpack, final
 
 import anyio
 import anyio.abc
@@ -28,7 +35,9 @@ from ._device import default_copier
 from ._engine import Engine, ProcessEngine, SaveFun, ThreadEngine
 from ._errors import WriterClosedError
 from ._handle import Failures, SaveFailure, SaveHandle, SaveStats, raise_first
-from ._stage import ArenaPool, Plan, StagedImage, stage_or_plan, write_in_pieces
+from ._header import seal
+from ._pipeline import CaptureEnded, Pipe, commit_pipelined
+from ._stage import Arena, ArenaPool, Plan, StagedImage, stage_or_plan, write_in_pieces
 from ._storage import CommitTimes, Storage
 
 logger = logging.getLogger(__name__)
@@ -37,6 +46,8 @@ Offload = Literal["thread", "process"]
 WhenFull = Literal["block", "skip", "replace"]
 #: Below this, a budget could not even hold one header page and one piece.
 _MIN_BUDGET = 1 << 20
+_After = Callable[["_Save"], Coroutine[Any, Any, None]]
+"""What follows a save's capture: its commit, or its place in a queue."""
 PostSaveHook = Callable[[SaveStats], object] | Callable[[SaveStats], Awaitable[object]]
 
 
@@ -84,6 +95,8 @@ class _Save:
     t0: float
     captured: anyio.Event = field(default_factory=anyio.Event)
     staged: StagedImage | None = None
+    arena: Arena | None = None  # released when the save settles
+    pipe: Pipe | None = None  # set once a pipelined commit has taken the save
     capture_error: BaseException | None = None
     abandoned: bool = False
     stall_s: float = 0.0
@@ -95,6 +108,9 @@ class _WriterBase(abc.ABC):
     """Behaviour shared by all writers; subclasses decide what follows a capture."""
 
     _arenas_kept = 1
+    #: Whether a save may be committed beside its capture (False: the wave-1 schedule,
+    #: commit after capture, which the benchmark measures beside it).
+    _pipelined = True
 
     def __init__(
         self,
@@ -253,12 +269,15 @@ class _WriterBase(abc.ABC):
     async def _submit(self, save: _Save) -> SaveHandle:
         """Run the save; return its handle once it is captured (or done, or skipped)."""
 
-    def _start(self, save: _Save, after: Callable[[_Save], Awaitable[None]]) -> None:
+    def _start(self, save: _Save, after: _After) -> None:
         assert self._tg is not None
         self._inflight.add(save)
         self._tg.start_soon(self._capture_then, save, after)
 
-    async def _capture_then(self, save: _Save, after: Callable[[_Save], Awaitable[None]]) -> None:
+    async def _capture_then(self, save: _Save, after: _After) -> None:
+        begin = None
+        if self._pipelined and not self._engine.shared and save.savefun is None:
+            begin = functools.partial(_offload.from_loop, self._begin_pipeline, save, after)
         try:
             async with self._capture_lock:
                 staged = await _offload.run_cpu(
@@ -269,19 +288,27 @@ class _WriterBase(abc.ABC):
                     self._copier,
                     save.producers,
                     save.savefun is not None,
+                    begin,
                 )
                 if isinstance(staged, Plan):
                     save.stats = await self._commit_in_pieces(save, staged)
                 else:
-                    save.staged = staged
+                    save.staged, save.arena = staged, staged.arena
         except BaseException as exc:
             save.capture_error = exc
             if not isinstance(exc, Exception):
-                self._drop(save, WriterClosedError("the writer closed during a capture"))
+                if save.pipe is not None:
+                    save.pipe.fail()  # its commit settles the save
+                else:
+                    self._drop(save, WriterClosedError("the writer closed during a capture"))
                 raise
         finally:
             save.target = None
+            save.stall_s = time.perf_counter() - save.t0  # the caller's own figure replaces it
             save.captured.set()
+        if save.pipe is not None:
+            await self._seal(save, save.pipe)
+            return
         if save.capture_error is not None or save.abandoned:
             self._drop(save, save.capture_error or WriterClosedError("the caller was cancelled"))
             return
@@ -290,6 +317,46 @@ class _WriterBase(abc.ABC):
             self._dropped(save)
             return
         await after(save)
+
+    def _begin_pipeline(self, save: _Save, after: _After, pipe: Pipe) -> bool:
+        """On the loop, asked by the staging thread once the arena is taken: start the
+        commit now, if nothing is ahead of it. True if it started."""
+        if save.abandoned or self._state != "open" or not self._commit_free():
+            return False
+        save.pipe, save.arena = pipe, pipe.arena
+        self._hand_over(save, after)
+        return True
+
+    def _commit_free(self) -> bool:
+        """Whether a save handed over now would be committed at once, behind no other."""
+        return True
+
+    def _hand_over(self, save: _Save, after: _After) -> None:
+        assert self._tg is not None
+        self._tg.start_soon(after, save)
+
+    async def _seal(self, save: _Save, pipe: Pipe) -> None:
+        """After a pipelined capture: checksum the staged entries and write the header
+        into the arena while the commit writes the data, or make the commit abort."""
+        staged = save.staged
+        if save.capture_error is not None or save.abandoned or staged is None:
+            pipe.fail()
+            return
+        try:
+            await _offload.run_cpu(seal, staged.image(), staged.template, staged.spans)
+        except BaseException:
+            pipe.fail()
+            raise
+        pipe.seal()
+
+    def _capture_failure(self, save: _Save) -> BaseException:
+        """What a save whose capture did not complete ends with."""
+        error = save.capture_error
+        if isinstance(error, Exception):
+            return error
+        if save.abandoned:
+            return WriterClosedError("the caller was cancelled")
+        return WriterClosedError("the writer closed during a capture")
 
     async def _commit_in_pieces(self, save: _Save, layout: Plan) -> SaveStats:
         """A state larger than ``max_host_bytes``: staged and written through a buffer of
@@ -336,21 +403,29 @@ class _WriterBase(abc.ABC):
         save.stall_s = time.perf_counter() - save.t0
 
     async def _commit(self, save: _Save) -> None:
-        staged = save.staged
-        assert staged is not None
         try:
-            times = await self._engine.commit(save.storage, save.handle.path, staged, save.savefun)
+            if save.pipe is not None:
+                times = await _offload.run_commit(commit_pipelined, save.storage, save.handle.path, save.pipe)
+            else:
+                assert save.staged is not None
+                times = await self._engine.commit(save.storage, save.handle.path, save.staged, save.savefun)
+            assert save.staged is not None
             stats = SaveStats(
                 save.handle.path,
                 times.bytes,
                 save.stall_s,
-                staged.stage_s,
+                save.staged.stage_s,
                 times.write_s,
                 times.fsync_s,
                 time.perf_counter() - save.t0,
             )
             await self._run_hooks(stats)
         except Exception as exc:
+            captured = not (isinstance(exc, CaptureEnded) or save.capture_error or save.abandoned)
+            if save.pipe is not None and not captured:
+                # The capture failed: its caller has the error; nothing else reports it.
+                self._settle(save, self._capture_failure(save))
+                return
             logger.warning("background save of %s failed: %r", save.handle.path, exc)
             self._settle(save, self._failures.add(save.handle.path, exc))
         except BaseException:
@@ -362,9 +437,9 @@ class _WriterBase(abc.ABC):
     def _settle(
         self, save: _Save, error: SaveFailure | BaseException | None, stats: SaveStats | None = None
     ) -> None:
-        if save.staged is not None:
-            self._pool.release(save.staged.arena)
-            save.staged = None
+        arena, save.arena, save.staged = save.arena, None, None
+        if arena is not None:
+            self._pool.release(arena)
         self._inflight.discard(save)
         if save.handle.done():
             return
@@ -510,6 +585,15 @@ class QueueWriter(_WriterBase):
         return True
 
     async def _enqueue(self, save: _Save) -> None:
+        self._send.send_nowait(save)
+
+    def _commit_free(self) -> bool:
+        # The consumer waits, so nothing is queued or being committed: a save sent now
+        # goes straight to it, and can never be dropped by ``when_full="replace"``.
+        queue = self._receive.statistics()
+        return queue.tasks_waiting_receive > 0 and queue.current_buffer_used == 0
+
+    def _hand_over(self, save: _Save, after: _After) -> None:
         self._send.send_nowait(save)
 
     def _dropped(self, save: _Save) -> None:

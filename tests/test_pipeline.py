@@ -1,0 +1,189 @@
+"""The pipelined commit: the disk receives a save's first pieces while later ones are copied.
+
+The overlap is proved without timing. The last leaf of the state is on a fake device whose
+copy lands only once the disk has received bytes of the same save: a writer that commits
+after its capture would never get there. The 120 s waits bound a deadlock; nothing is timed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import pytest
+import torch
+
+import aiosnap
+
+from .faults import HookedPosix
+from .test_device import FakeDevice
+
+MiB = 1 << 20
+GUARD = 120.0  # seconds: a deadlock bound, never a point to synchronise on
+
+
+class GatedDevice(FakeDevice):
+    """Device copies that land only once ``wrote`` is set (the disk got bytes of the
+    save), then once ``gate`` is set; or fail then with ``error``."""
+
+    def __init__(self, tensors: list[torch.Tensor], wrote: threading.Event) -> None:
+        super().__init__(tensors)
+        self.wrote, self.gate = wrote, threading.Event()
+        self.gate.set()
+        self.error: BaseException | None = None
+        self.overlapped: list[bool] = []
+
+    def finish(self) -> None:
+        if self.pending:
+            self.overlapped.append(self.wrote.wait(GUARD))
+            assert self.gate.wait(GUARD), "the test never opened the gate"
+        if self.error is not None:
+            raise self.error
+        super().finish()
+
+
+class Disk:
+    """A LocalStorage that reports the first write into each checkpoint's temp file and
+    the order of the renames; ``fail_writes`` makes writes fail (EIO)."""
+
+    def __init__(self) -> None:
+        self.wrote = threading.Event()
+        self.renamed: list[str] = []
+        self.fail_writes = False
+        self.storage = aiosnap.LocalStorage(posix=HookedPosix(self._hook))
+
+    def _hook(self, op: str, path: str) -> None:
+        if op == "write" and os.path.basename(path).startswith("ckpt"):
+            self.wrote.set()
+            if self.fail_writes:
+                raise OSError(errno.EIO, "Input/output error (injected)", path)
+        if op == "rename":
+            self.renamed.append(os.path.basename(path))
+
+
+def make_state(step: int) -> tuple[dict[str, Any], torch.Tensor]:
+    gpu = torch.full((1 << 18,), float(step))  # 1 MiB "on the device", last in the tree
+    # 40 MiB of host bytes ahead of it: two whole pieces of the commit's 16 MiB.
+    return {"a_host": torch.full((10 << 20,), float(step)), "b_step": step, "z_gpu": gpu}, gpu
+
+
+def temp_files(directory: Path) -> list[str]:
+    return [p.name for p in directory.iterdir() if p.name.startswith(aiosnap.TEMP_PREFIX)]
+
+
+async def assert_step(path: Path, step: int) -> None:
+    loaded = await aiosnap.load(str(path))  # every checksum verified
+    assert loaded["b_step"] == step
+    assert bool((loaded["a_host"] == step).all()) and bool((loaded["z_gpu"] == step).all())
+
+
+@pytest.mark.parametrize("kind", ["SimpleWriter", "StandardWriter", "QueueWriter"])
+async def test_the_disk_receives_data_while_the_capture_is_still_copying(kind: str, tmp_path: Path) -> None:
+    disk = Disk()
+    state, gpu = make_state(1)
+    fake = GatedDevice([gpu], disk.wrote)
+    async with getattr(aiosnap, kind)(storage=disk.storage) as writer:
+        writer._copier = fake
+        for step in (1, 2):
+            disk.wrote.clear()
+            state, gpu = make_state(step)
+            fake.ids = {id(gpu)}
+            await (await writer("ckpt", str(tmp_path), state)).wait()
+            await assert_step(tmp_path / "ckpt", step)
+    assert fake.overlapped == [True, True], "the commit wrote nothing before the capture ended"
+    assert temp_files(tmp_path) == []
+
+
+async def test_a_capture_failing_after_its_commit_started_leaves_the_previous_file(tmp_path: Path) -> None:
+    disk = Disk()
+    state, gpu = make_state(1)
+    fake = GatedDevice([gpu], disk.wrote)
+    async with aiosnap.QueueWriter(storage=disk.storage) as writer:
+        writer._copier = fake
+        await (await writer("ckpt", str(tmp_path), state)).wait()
+        state, gpu = make_state(2)
+        fake.ids, fake.error = {id(gpu)}, RuntimeError("the device copy failed")
+        disk.wrote.clear()
+        with pytest.raises(RuntimeError, match="the device copy failed"):
+            await writer("ckpt", str(tmp_path), state)
+        assert fake.overlapped == [True, True]
+        await writer.flush()  # reported once, to the caller: not again
+        assert writer.take_failures() == []
+        assert temp_files(tmp_path) == []
+        await assert_step(tmp_path / "ckpt", 1)
+        fake.error = None
+        state, gpu = make_state(3)
+        fake.ids = {id(gpu)}
+        await (await writer("ckpt", str(tmp_path), state)).wait()  # the writer goes on
+    await assert_step(tmp_path / "ckpt", 3)
+    assert disk.renamed == ["ckpt", "ckpt"]
+
+
+async def test_a_caller_cancelled_after_its_commit_started_commits_nothing(tmp_path: Path) -> None:
+    disk = Disk()
+    state, gpu = make_state(1)
+    fake = GatedDevice([gpu], disk.wrote)
+    async with aiosnap.QueueWriter(storage=disk.storage) as writer:
+        writer._copier = fake
+        await (await writer("ckpt", str(tmp_path), state)).wait()
+        state, gpu = make_state(2)
+        fake.ids = {id(gpu)}
+        disk.wrote.clear()
+        fake.gate.clear()
+        call = asyncio.create_task(writer("ckpt2", str(tmp_path), state))  # plain asyncio
+        assert await anyio.to_thread.run_sync(disk.wrote.wait, GUARD), "the commit never started"
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        fake.gate.set()
+        await writer.flush()
+        assert writer.take_failures() == []
+    assert not (tmp_path / "ckpt2").exists()
+    assert temp_files(tmp_path) == []
+    assert disk.renamed == ["ckpt"]
+    await assert_step(tmp_path / "ckpt", 1)
+
+
+async def test_a_commit_failing_while_the_capture_copies_is_reported_once(tmp_path: Path) -> None:
+    disk = Disk()
+    state, gpu = make_state(1)
+    fake = GatedDevice([gpu], disk.wrote)
+    async with aiosnap.StandardWriter(storage=disk.storage) as writer:
+        writer._copier = fake
+        await (await writer("ckpt", str(tmp_path), state)).wait()
+        disk.fail_writes = True  # the commit's first write fails, mid-capture
+        disk.wrote.clear()
+        state, gpu = make_state(2)
+        fake.ids = {id(gpu)}
+        handle = await writer("ckpt", str(tmp_path), state)
+        with pytest.raises(OSError, match="Input/output error") as caught:
+            await writer.flush()
+        assert caught.value.filename == str(tmp_path / "ckpt")  # the user's path, not a temp file
+        assert handle.done() and fake.overlapped == [True, True]
+        disk.fail_writes = False
+        state, gpu = make_state(3)
+        fake.ids = {id(gpu)}
+        await (await writer("ckpt", str(tmp_path), state)).wait()
+    assert temp_files(tmp_path) == []
+    await assert_step(tmp_path / "ckpt", 3)
+
+
+async def test_saves_queued_behind_a_pipelined_commit_land_in_order(tmp_path: Path) -> None:
+    disk = Disk()
+    async with aiosnap.QueueWriter(max_pending=8, storage=disk.storage) as writer:
+        handles = []
+        for step in range(8):
+            state = {"a_host": torch.full((6 << 20,), float(step)), "b_step": step}  # 24 MiB
+            handles.append(await writer(f"ckpt{step}", str(tmp_path), state))
+        for handle in handles:
+            await handle.wait()
+    assert disk.renamed == [f"ckpt{step}" for step in range(8)]
+    for step in range(8):
+        loaded = await aiosnap.load(str(tmp_path / f"ckpt{step}"))
+        assert loaded["b_step"] == step and bool((loaded["a_host"] == step).all())
