@@ -97,3 +97,20 @@ def o_direct_supported(directory: Path) -> bool:
     os.close(fd)
     probe.unlink()
     return hasattr(os, "O_DIRECT")
+
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+
+
+def publish(name: str, text: str, docs: Path = DOCS) -> None:
+    """Put ``text`` into docs/benchmarks.md as the section ``name``: it replaces the text
+    between that section's markers, or is appended with them; other sections stay."""
+    begin, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
+    page = docs.read_text() if docs.exists() else "# Benchmarks\n"
+    block = f"{begin}\n{text.strip()}\n{end}"
+    head, found, rest = page.partition(begin)
+    if found and end in rest:
+        page = head + block + rest.partition(end)[2]
+    else:
+        page = page.rstrip("\n") + "\n\n" + block + "\n"
+    docs.write_text(page)

@@ -7,7 +7,7 @@ from one repetition to the next so that machine noise spreads evenly. Writers an
 stagers are opened, warmed with one save, measured, and closed within a repetition,
 so each method's peak RSS is its own. Results: ``benchmarks/results/latest.{md,json,png}``
 (``--out`` elsewhere);
-``--publish`` also writes docs/benchmarks.md.
+``--publish`` also puts them in docs/benchmarks.md (replacing only this script's section).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch
 import aiosnap
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _harness import RssSampler, drop_cache, loop_lag, o_direct_supported
+from _harness import RssSampler, drop_cache, loop_lag, o_direct_supported, publish
 from _peers import PEERS
 
 MiB = 1 << 20
@@ -469,11 +469,7 @@ async def main_async(args: argparse.Namespace) -> None:
         docs = ROOT.parent / "docs"
         # The chart goes inside docs/, where the documentation site finds it.
         shutil.copyfile(out / "latest.png", docs / "assets" / "benchmarks-latest.png")
-        (docs / "benchmarks.md").write_text(
-            "# Benchmarks\n\nRerun with `nox -s bench -- --sweeps --publish`. Latest run:\n\n"
-            + table
-            + "\n![chart](assets/benchmarks-latest.png)\n"
-        )
+        publish("main", table + "\n![chart](assets/benchmarks-latest.png)\n")
     _clean(directory)
     if not args.dir:
         directory.rmdir()

@@ -36,7 +36,7 @@ import torch.multiprocessing as mp
 import aiosnap
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _harness import drop_cache, fsync_path
+from _harness import drop_cache, fsync_path, publish
 from _peers import cpu_stager, timed_async_save
 
 MiB = 1 << 20
@@ -194,7 +194,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--dir", help="scratch directory on the disk to measure")
     parser.add_argument("--out", default=str(ROOT / "results"))
-    parser.add_argument("--publish", action="store_true", help="append the table to docs/benchmarks.md")
+    parser.add_argument("--publish", action="store_true", help="put it in docs/benchmarks.md")
     args = parser.parse_args()
     number, unit = args.size[:-3], args.size[-3:]
     args.per_rank = int(float(number) * {"MiB": MiB, "GiB": 1024 * MiB}[unit]) // args.ranks
@@ -212,8 +212,7 @@ def main() -> None:
     (out / "ranks.md").write_text(table)
     print(table)
     if args.publish:
-        docs = ROOT.parent / "docs" / "benchmarks.md"
-        docs.write_text(docs.read_text() + "\n" + table)
+        publish("ranks", table)
     if not args.dir:
         import shutil
 

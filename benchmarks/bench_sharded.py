@@ -37,7 +37,7 @@ import torch.multiprocessing as mp
 import aiosnap
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _harness import drop_cache, fsync_path
+from _harness import drop_cache, fsync_path, publish
 from _peers import cpu_stager, timed_async_save
 
 MiB = 1 << 20
@@ -248,7 +248,7 @@ def main() -> None:
     parser.add_argument("--load-ranks", type=int, default=2)
     parser.add_argument("--dir", help="scratch directory on the disk to measure")
     parser.add_argument("--out", default=str(ROOT / "results"))
-    parser.add_argument("--publish", action="store_true", help="append the table to docs/benchmarks.md")
+    parser.add_argument("--publish", action="store_true", help="put it in docs/benchmarks.md")
     args = parser.parse_args()
     number, unit = args.size[:-3], args.size[-3:]
     args.bytes = int(float(number) * {"MiB": MiB, "GiB": 1024 * MiB}[unit])
@@ -275,8 +275,7 @@ def main() -> None:
     (out / "sharded.md").write_text(table)
     print(table)
     if args.publish:
-        docs = ROOT.parent / "docs" / "benchmarks.md"
-        docs.write_text(docs.read_text() + "\n" + table)
+        publish("sharded", table)
 
 
 if __name__ == "__main__":

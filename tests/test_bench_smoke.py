@@ -64,3 +64,20 @@ def test_object_storage_benchmark_runs_small(tmp_path: Path) -> None:
     assert "tiered, the previous upload running" in data["tiered"]
     rows = [row for phase in ("upload", "download", "tiered") for row in data[phase].values()]
     assert all(row["median"] > 0 for row in rows)
+
+
+def test_publishing_replaces_only_its_own_section(tmp_path: Path) -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from _harness import publish
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text("# Benchmarks\n\nProse a person wrote.\n")
+    publish("main", "main table, run 1", docs)
+    publish("ranks", "ranks table", docs)
+    publish("main", "main table, run 2", docs)
+    page = docs.read_text()
+    assert page.startswith("# Benchmarks\n\nProse a person wrote.\n")
+    assert "run 1" not in page and page.count("main table, run 2") == 1
+    assert page.index("main table, run 2") < page.index("ranks table")  # kept in its place
