@@ -250,6 +250,20 @@ def test_load_state_dict_failing_any_way_is_a_state_mismatch(tmp_path: Path) -> 
         aiosnap.load_into_sync(path, {"model": torch.nn.Linear(2, 1)})
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int6])
+def test_a_tuple_item_load_into_would_replace_is_a_state_mismatch(tmp_path: Path, dtype: torch.dtype) -> None:
+    # Was (case 247474 of the million): NotImplementedError from comparing an int6
+    # tensor with the tuple's old item, a number (``result != old``, elementwise; a float32
+    # tensor of two items gave a RuntimeError: its truth value is ambiguous).
+    path = str(tmp_path / "c")
+    item = (
+        torch.zeros(2, dtype=torch.int8).view(dtype) if dtype.itemsize == 1 else torch.zeros(2, dtype=dtype)
+    )
+    aiosnap.save_sync(path, {"t": (torch.ones(2), item)})
+    with pytest.raises(aiosnap.StateMismatchError, match="a tuple cannot be updated in place"):
+        aiosnap.load_into_sync(path, {"t": (torch.zeros(2), 0)})
+
+
 def _manifest(**body: Any) -> bytes:
     valid = Manifest(3, None, 2, ["rank_00000", "rank_00001"], ["0" * 8] * 2, [1, 2], ["m"], "rank_00000")
     outer = json.loads(valid.to_bytes())

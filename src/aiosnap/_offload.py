@@ -13,6 +13,7 @@ import gc
 import threading
 import weakref
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
 import anyio
@@ -77,6 +78,54 @@ async def run_coord(fn: Callable[..., T], *args: object) -> T:
     """Run a blocking exchange with other ranks in a worker thread. Every such call has
     its own deadline; a cancelled caller abandons the thread to it."""
     return await anyio.to_thread.run_sync(fn, *args, limiter=_limiter("coord"), abandon_on_cancel=True)
+
+
+#: Helper threads beside worker threads (``side_thread``): one core's worth each.
+SIDE_THREADS = CPU_THREADS
+_side_slots = threading.BoundedSemaphore(SIDE_THREADS)
+
+
+class Side:
+    """One job at a time on a helper thread, beside the worker thread that submits it;
+    inline, at ``submit``, when no helper was free."""
+
+    def __init__(self, executor: ThreadPoolExecutor | None) -> None:
+        self._executor = executor
+        self._job: Future[None] | None = None
+
+    def submit(self, fn: Callable[..., None], *args: object) -> None:
+        """Start ``fn(*args)``; ``wait`` for the previous job first."""
+        assert self._job is None, "wait() for the previous job first"
+        if self._executor is None:
+            fn(*args)
+        else:
+            self._job = self._executor.submit(fn, *args)
+
+    def wait(self) -> None:
+        """Wait for the job submitted last; raise what it raised."""
+        job, self._job = self._job, None
+        if job is not None:
+            job.result()
+
+
+@contextlib.contextmanager
+def side_thread() -> Iterator[Side]:
+    """A helper thread for a worker thread's side work (page population and checksums
+    beside a read, on the other core), joined before the block ends. At most
+    SIDE_THREADS at once in the process; beyond that the work runs inline."""
+    if not _side_slots.acquire(blocking=False):
+        yield Side(None)
+        return
+    try:
+        with ThreadPoolExecutor(1, thread_name_prefix="aiosnap-side") as executor:
+            side = Side(executor)
+            try:
+                yield side
+            finally:
+                with contextlib.suppress(BaseException):
+                    side.wait()  # the job's own error is not the one to raise here
+    finally:
+        _side_slots.release()
 
 
 _gc_lock = threading.Lock()

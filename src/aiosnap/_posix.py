@@ -9,10 +9,33 @@ uses it).
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import os
 import stat
+import sys
 from typing import NamedTuple
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+_libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+if _libc is not None:
+    _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_populate_ok = _libc is not None
+
+
+def populate(address: int, nbytes: int) -> None:
+    """Fault in the whole pages of fresh memory at ``[address, address + nbytes)`` (the
+    kernel zeroes them), so that a read into it later does not stop at every page.
+    Best effort: a no-op where the kernel cannot (before Linux 5.14, other systems)."""
+    global _populate_ok
+    start, end = -(-address // _PAGE) * _PAGE, (address + nbytes) // _PAGE * _PAGE
+    if not _populate_ok or end <= start:
+        return
+    assert _libc is not None
+    # ctypes releases the GIL for the call: the faults run beside the reading thread.
+    if _libc.madvise(start, end - start, _MADV_POPULATE_WRITE) != 0:
+        _populate_ok = ctypes.get_errno() not in (22, 38)  # EINVAL, ENOSYS: unsupported
 
 
 class FileStat(NamedTuple):

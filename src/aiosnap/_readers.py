@@ -24,6 +24,7 @@ from ._errors import CorruptCheckpointError, PickleNotAllowedError, StateMismatc
 from ._format import Header, TensorInfo
 from ._group import SavedTensor, holds_box, indexed
 from ._header import BLOCK, crc32c
+from ._posix import populate
 from ._shards import Box, Run, is_dtensor, runs, shard_of
 from ._storage import Reader
 from ._targets import Destinations
@@ -36,6 +37,8 @@ READ_IOVECS = 512
 SCRATCH = 64 << 20
 
 MapLocation = str | torch.device | None
+#: What a load made or found for each entry: the object, and its bytes as a flat uint8 array.
+Made = dict[str, tuple[Any, Any]]
 #: Opens rank file ``i`` of the step (cached by the caller), checked against the manifest.
 OpenRank = Callable[[int], tuple[Reader, Header]]
 
@@ -153,28 +156,34 @@ class EntryReader:
             by_source[src].append(info)
         with _offload.gc_paused():  # thousands of small tensors, all kept
             made = {name: dests.direct.get(name) or _allocate(info) for name, info in wanted.items()}
+        fresh = {name for name in wanted if name not in dests.direct}
         for (f, header), infos in zip(self.sources, by_source, strict=True):
-            self.read_all(f, header, sorted(infos, key=lambda i: i.start), made)
+            self.read_all(f, header, sorted(infos, key=lambda i: i.start), made, fresh)
         self.made = {name: self.finish(wanted[name], obj) for name, (obj, _) in made.items()}
         for name, (where, saved) in sharded.items():
             self.made[name] = self.read_dtensor(saved, dests.shards.get(name), where)
 
     def read_all(
-        self, f: Reader, header: Header, infos: list[TensorInfo], made: dict[str, tuple[Any, Any]]
+        self, f: Reader, header: Header, infos: list[TensorInfo], made: Made, fresh: set[str]
     ) -> None:
-        group: list[TensorInfo] = []
-        # A reader may take larger batches than a file's preadv (an object store's: each
-        # batch is a round trip, its GETs run in parallel).
+        """Read ``infos`` (in file order) into ``made``, verified. A helper thread works
+        beside the reads: it faults in the pages of the next group's ``fresh`` buffers
+        (memory allocated for this load; the faults would otherwise stop the read at every
+        page) and checks the previous group's checksums."""
         most, iovecs = getattr(f, "batch_bytes", READ_GROUP), getattr(f, "batch_iovecs", READ_IOVECS)
-        for info in infos:
-            if group and (
-                info.start != group[-1].end or len(group) >= iovecs or info.end - group[0].start > most
-            ):
-                _read_group(f, header, group, made)
-                group = []
-            group.append(info)
-        if group:
-            _read_group(f, header, group, made)
+        groups = list(_groups(infos, most, iovecs))
+        if groups:
+            _populate(made, groups[0], fresh)
+        behind: list[tuple[TensorInfo, memoryview]] = []
+        with _offload.side_thread() as side:
+            for k, group in enumerate(groups):
+                side.wait()
+                side.submit(_side_work, f.path, behind, made, groups[k + 1 : k + 2], fresh)
+                views = [memoryview(made[info.name][1]) for info in group]
+                f.read_batch([(header.data_start + group[0].start, views)])
+                behind = list(zip(group, views, strict=True))
+            side.wait()
+        _verify(f.path, behind)
 
     def finish(self, info: TensorInfo, obj: Any) -> object:
         if info.kind == "tensor":
@@ -336,12 +345,49 @@ def _spec(info: TensorInfo) -> tuple[str, str, tuple[int, ...]]:
     return info.kind, info.dtype, info.shape
 
 
-def _read_group(f: Reader, header: Header, group: list[TensorInfo], made: dict[str, tuple[Any, Any]]) -> None:
-    views = [memoryview(made[info.name][1]) for info in group]
-    f.read_batch([(header.data_start + group[0].start, views)])
-    for info, view in zip(group, views, strict=True):
+def _groups(infos: list[TensorInfo], most: int, iovecs: int) -> Iterator[list[TensorInfo]]:
+    """Neighbouring entries, in runs of at most ``most`` bytes and ``iovecs`` buffers (a
+    reader may take larger batches than a file's preadv: an object store's batch is a
+    round trip, its GETs run in parallel)."""
+    group: list[TensorInfo] = []
+    for info in infos:
+        if group and (
+            info.start != group[-1].end or len(group) >= iovecs or info.end - group[0].start > most
+        ):
+            yield group
+            group = []
+        group.append(info)
+    if group:
+        yield group
+
+
+def _side_work(
+    path: str,
+    behind: list[tuple[TensorInfo, memoryview]],
+    made: Made,
+    ahead: list[list[TensorInfo]],
+    fresh: set[str],
+) -> None:
+    _verify(path, behind)
+    for group in ahead:
+        _populate(made, group, fresh)
+
+
+def _verify(path: str, read: list[tuple[TensorInfo, memoryview]]) -> None:
+    for info, view in read:
         if info.crc is not None and crc32c(view) != info.crc:
-            raise CorruptCheckpointError(f.path, f"checksum mismatch in tensor {info.name!r}")
+            raise CorruptCheckpointError(path, f"checksum mismatch in tensor {info.name!r}")
+
+
+#: Buffers below this come from the allocator's heap, mostly faulted in already.
+_POPULATE_MIN = 1 << 20
+
+
+def _populate(made: Made, group: list[TensorInfo], fresh: set[str]) -> None:
+    for info in group:
+        if info.nbytes >= _POPULATE_MIN and info.name in fresh:
+            array = made[info.name][1]
+            populate(array.ctypes.data, array.nbytes)
 
 
 def _allocate(info: TensorInfo) -> tuple[Any, np.ndarray[Any, np.dtype[np.uint8]]]:

@@ -190,8 +190,19 @@ def _assign_seq(
         result = assign(old, new, (*path, i), strict, out)
         if isinstance(target, list):
             target[i] = result
-        elif result is not old and result != old:
+        elif result is not old and not _equal(result, old):
             raise StateMismatchError(f"{format_path((*path, i))}: a tuple cannot be updated in place")
+
+
+def _equal(a: object, b: object) -> bool:
+    """Whether a tuple's item may stay as it is; arrays never compare equal here (their
+    ``==`` is elementwise, and has no kernel at all for dtypes such as int6)."""
+    if isinstance(a, (torch.Tensor, np.ndarray)) or isinstance(b, (torch.Tensor, np.ndarray)):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # a foreign object's __eq__: not equal
+        return False
 
 
 def _load_state(target: Any, value: Any, where: str, strict: bool) -> None:
