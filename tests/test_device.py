@@ -14,12 +14,14 @@ import aiosnap
 
 class FakeDevice:
     """A CPU stand-in for a GPU: 'device' tensors are registered CPU tensors, and a copy
-    only lands in host memory when ``finish`` runs, as an asynchronous copy would."""
+    lands in host memory only at its event (``wait``) or at ``finish``, as an
+    asynchronous copy would."""
 
     def __init__(self, device_tensors: list[torch.Tensor]) -> None:
         self.ids = {id(t) for t in device_tensors}
         self.calls: list[tuple[Any, ...]] = []
-        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        self.started = 0
         self.pinned: set[int] = set()
         self.unpinned: list[tuple[int, bool]] = []
 
@@ -40,24 +42,33 @@ class FakeDevice:
             self.pinned.discard(address)
             self.unpinned.append((address, threading.current_thread() is threading.main_thread()))
 
-    def start(self, src: torch.Tensor, dst: torch.Tensor, producers: Any) -> None:
+    def start(self, src: torch.Tensor, dst: torch.Tensor, producers: Any) -> int:
         # The side stream waits for the producer, then the copy is enqueued: the value
-        # copied is the one at enqueue time, but it reaches dst only at the event.
+        # copied is the one at enqueue time, but it reaches dst only at its event.
         self.calls += [
             ("wait_stream", producers["producer"]),
             ("copy",),
             ("record_stream",),
             ("record_event",),
         ]
-        self.pending.append((src.clone(), dst))
+        self.started += 1
+        self.pending.append((self.started, src.clone(), dst))
         # Until the event, host memory holds garbage: a checksum taken early would not match.
         dst.reshape(-1).view(torch.uint8).fill_(0x5A)
+        return self.started
+
+    def wait(self, token: object) -> None:
+        self.calls.append(("event_synchronize",))
+        self._land(lambda t: t <= token)  # type: ignore[operator]  # one stream: in order
 
     def finish(self) -> None:
         self.calls.append(("synchronize", len(self.pending)))
-        for src, dst in self.pending:
+        self._land(lambda t: True)
+
+    def _land(self, landed: Any) -> None:
+        for _, src, dst in [p for p in self.pending if landed(p[0])]:
             dst.copy_(src)
-        self.pending.clear()
+        self.pending = [p for p in self.pending if not landed(p[0])]
 
 
 @pytest.mark.parametrize("offload", ["thread", "process"])
@@ -87,7 +98,9 @@ async def test_device_copies_follow_stream_order_and_are_read_after_the_event(
         ("copy",),
         ("record_stream",),
         ("record_event",),
-    ] * 3 + [("synchronize", 3)]
+    ] * 3 + (  # a pipelined commit (thread offload) follows the copies one by one
+        [("event_synchronize",)] * 3 + [("synchronize", 0)] if offload == "thread" else [("synchronize", 3)]
+    )
     pins = {c[1] for c in fake.calls if c[0] == "pin"}
     assert len(pins) == 1  # one arena, pinned once and reused
 

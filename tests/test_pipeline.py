@@ -29,8 +29,8 @@ GUARD = 120.0  # seconds: a deadlock bound, never a point to synchronise on
 
 
 class GatedDevice(FakeDevice):
-    """Device copies that land only once ``wrote`` is set (the disk got bytes of the
-    save), then once ``gate`` is set; or fail then with ``error``."""
+    """Device copies whose last lands only once ``wrote`` is set (the disk got bytes of
+    the save), then once ``gate`` is set; or fails then with ``error``."""
 
     def __init__(self, tensors: list[torch.Tensor], wrote: threading.Event) -> None:
         super().__init__(tensors)
@@ -39,13 +39,13 @@ class GatedDevice(FakeDevice):
         self.error: BaseException | None = None
         self.overlapped: list[bool] = []
 
-    def finish(self) -> None:
-        if self.pending:
+    def _land(self, landed: Any) -> None:
+        if any(landed(token) and token == self.started for token, _, _ in self.pending):
             self.overlapped.append(self.wrote.wait(GUARD))
             assert self.gate.wait(GUARD), "the test never opened the gate"
-        if self.error is not None:
-            raise self.error
-        super().finish()
+            if self.error is not None:
+                raise self.error
+        super()._land(landed)
 
 
 class Disk:
@@ -98,6 +98,19 @@ async def test_the_disk_receives_data_while_the_capture_is_still_copying(kind: s
             await assert_step(tmp_path / "ckpt", step)
     assert fake.overlapped == [True, True], "the commit wrote nothing before the capture ended"
     assert temp_files(tmp_path) == []
+
+
+async def test_device_copies_are_written_as_they_land(tmp_path: Path) -> None:
+    # Four device tensors of 16 MiB: the disk gets the first ones before the last lands.
+    disk = Disk()
+    state = {f"d{i}": torch.full((4 << 20,), float(i)) for i in range(4)}
+    fake = GatedDevice(list(state.values()), disk.wrote)
+    async with aiosnap.QueueWriter(storage=disk.storage) as writer:
+        writer._copier = fake
+        await (await writer("ckpt", str(tmp_path), state)).wait()
+    assert fake.overlapped == [True], "the commit waited for every device copy"
+    loaded = await aiosnap.load(str(tmp_path / "ckpt"))
+    assert all(bool((loaded[f"d{i}"] == i).all()) for i in range(4))
 
 
 async def test_a_capture_failing_after_its_commit_started_leaves_the_previous_file(tmp_path: Path) -> None:

@@ -4,8 +4,10 @@ A CUDA tensor is copied into the (pinned) staging arena on a side stream that fi
 waits for the producer's stream -- the stream that was current on the event-loop
 thread when the save was called, since current streams are per thread -- with
 ``copy_(non_blocking=True)``; ``record_stream`` keeps the caching allocator from
-reusing the source early, and an event marks the end. The staging thread blocks on
-that event (the event loop never does) before it reads a byte of the copies.
+reusing the source early, and an event marks the end of each copy. The staging thread
+blocks on a copy's event (the event loop never does) before the bytes it copied are
+read: with a pipelined commit, one copy at a time, in file order, so the disk writes
+the first tensors while the device still copies the later ones.
 """
 
 from __future__ import annotations
@@ -33,8 +35,12 @@ class DeviceCopier(Protocol):
     def unpin(self, array: Any) -> None:
         """Undo ``pin``, before the buffer is freed (a buffer never pinned is ignored)."""
 
-    def start(self, src: torch.Tensor, dst: torch.Tensor, producers: Any) -> None:
-        """Enqueue ``dst.copy_(src)``; ``dst`` must not be read before ``finish``."""
+    def start(self, src: torch.Tensor, dst: torch.Tensor, producers: Any) -> object:
+        """Enqueue ``dst.copy_(src)``; ``dst`` must not be read before ``wait`` of the
+        token returned, or ``finish``."""
+
+    def wait(self, token: object) -> None:
+        """Block until the copy that ``start`` returned ``token`` for has completed."""
 
     def finish(self) -> None:
         """Block until every copy started so far has completed."""
@@ -82,7 +88,7 @@ class CudaCopier:
             # address would then fail to register (cudaErrorHostMemoryAlreadyRegistered).
             torch.cuda.cudart().cudaHostUnregister(address)  # type: ignore[no-untyped-call]
 
-    def start(self, src: torch.Tensor, dst: torch.Tensor, producers: Any) -> None:
+    def start(self, src: torch.Tensor, dst: torch.Tensor, producers: Any) -> object:
         side = self._streams.get(src.device)
         if side is None:
             side = self._streams[src.device] = torch.cuda.Stream(src.device)  # type: ignore[no-untyped-call]
@@ -93,6 +99,10 @@ class CudaCopier:
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record(side)
         self._events.append(event)
+        return event
+
+    def wait(self, token: object) -> None:
+        token.synchronize()  # type: ignore[attr-defined]
 
     def finish(self) -> None:
         events, self._events = self._events, []

@@ -305,8 +305,9 @@ def stage(
 
 def _fill(layout: Plan, arena: Arena, copier: DeviceCopier | None, producers: Any, pipe: Pipe | None) -> None:
     """Copy every leaf to its place, front to back, raising ``pipe``'s watermark a piece
-    at a time. A device leaf lands only at ``copier.finish()``: the watermark waits
-    below the first one until then."""
+    at a time. Device copies start first and run meanwhile: the watermark waits below
+    the first device leaf until the host leaves are staged, then follows the device
+    copies as each one lands."""
     leaves, infos, data_start = layout.leaves, layout.tensors, layout.data_start
     on_device = _start_device_copies(leaves, infos, arena, data_start, copier, producers)
     hold = data_start + min(infos[i].start for i in on_device) if on_device else layout.size
@@ -329,7 +330,10 @@ def _fill(layout: Plan, arena: Arena, copier: DeviceCopier | None, producers: An
     if on_device:
         assert copier is not None
         if pipe is not None:
-            pipe.advance(hold)  # every host leaf is staged: write up to the device bytes
+            # Every host leaf is staged: the watermark follows the device copies as they land.
+            for i, token in sorted(on_device.items()):
+                pipe.advance(data_start + infos[i].start)
+                copier.wait(token)
         copier.finish()  # not a byte copied from a device is read before this
     if pipe is not None:
         pipe.advance(layout.size)
@@ -446,18 +450,18 @@ def _start_device_copies(
     data_start: int,
     copier: DeviceCopier | None,
     producers: Any,
-) -> set[int]:
+) -> dict[int, object]:
+    """Start the copy of every device leaf; the token of each, by leaf index."""
     if copier is None:
-        return set()
-    started: set[int] = set()
+        return {}
+    started: dict[int, object] = {}
     for i, (leaf, info) in enumerate(zip(leaves, infos, strict=True)):
         if leaf.kind == "tensor" and info.nbytes and copier.is_device(leaf.value):
             if not started:
                 copier.pin(arena.array)
             start = data_start + info.start
             dst, src = host_view(arena.tensor[start : start + info.nbytes], leaf.value.detach())
-            copier.start(src, dst, producers)
-            started.add(i)
+            started[i] = copier.start(src, dst, producers)
     return started
 
 
