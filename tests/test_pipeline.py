@@ -38,10 +38,11 @@ class GatedDevice(FakeDevice):
         self.gate.set()
         self.error: BaseException | None = None
         self.overlapped: list[bool] = []
+        self.wait_for_disk = True
 
     def _land(self, landed: Any) -> None:
         if any(landed(token) and token == self.started for token, _, _ in self.pending):
-            self.overlapped.append(self.wrote.wait(GUARD))
+            self.overlapped.append(self.wrote.wait(GUARD if self.wait_for_disk else 0))
             assert self.gate.wait(GUARD), "the test never opened the gate"
             if self.error is not None:
                 raise self.error
@@ -98,6 +99,18 @@ async def test_the_disk_receives_data_while_the_capture_is_still_copying(kind: s
             await assert_step(tmp_path / "ckpt", step)
     assert fake.overlapped == [True, True], "the commit wrote nothing before the capture ended"
     assert temp_files(tmp_path) == []
+
+
+async def test_pipeline_false_writes_nothing_before_the_capture_ends(tmp_path: Path) -> None:
+    disk = Disk()
+    state, gpu = make_state(1)
+    fake = GatedDevice([gpu], disk.wrote)
+    fake.wait_for_disk = False  # only look: did the disk get bytes before the copy landed?
+    async with aiosnap.QueueWriter(storage=disk.storage, pipeline=False) as writer:
+        writer._copier = fake
+        await (await writer("ckpt", str(tmp_path), state)).wait()
+    assert fake.overlapped == [False]
+    await assert_step(tmp_path / "ckpt", 1)
 
 
 async def test_device_copies_are_written_as_they_land(tmp_path: Path) -> None:
