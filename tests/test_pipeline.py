@@ -8,9 +8,11 @@ after its capture would never get there. The 120 s waits bound a deadlock; nothi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
 import threading
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +76,27 @@ def make_state(step: int) -> tuple[dict[str, Any], torch.Tensor]:
     return {"a_host": torch.full((10 << 20,), float(step)), "b_step": step, "z_gpu": gpu}, gpu
 
 
+def next_state(step: int, fake: GatedDevice, disk: Disk) -> dict[str, Any]:
+    """Step ``step``'s state, with its device tensor registered and the disk's signal reset."""
+    state, gpu = make_state(step)
+    fake.ids = {id(gpu)}
+    disk.wrote.clear()
+    return state
+
+
+@contextlib.asynccontextmanager
+async def after_first_save(
+    tmp_path: Path, kind: type[Any] = aiosnap.QueueWriter
+) -> AsyncIterator[tuple[Any, Disk, GatedDevice]]:
+    """An open writer that has saved step 1 to ``ckpt``, through a gated fake device."""
+    disk = Disk()
+    fake = GatedDevice([], disk.wrote)
+    async with kind(storage=disk.storage) as writer:
+        writer._copier = fake
+        await (await writer("ckpt", str(tmp_path), next_state(1, fake, disk))).wait()
+        yield writer, disk, fake
+
+
 def temp_files(directory: Path) -> list[str]:
     return [p.name for p in directory.iterdir() if p.name.startswith(aiosnap.TEMP_PREFIX)]
 
@@ -92,9 +115,7 @@ async def test_the_disk_receives_data_while_the_capture_is_still_copying(kind: s
     async with getattr(aiosnap, kind)(storage=disk.storage) as writer:
         writer._copier = fake
         for step in (1, 2):
-            disk.wrote.clear()
-            state, gpu = make_state(step)
-            fake.ids = {id(gpu)}
+            state = next_state(step, fake, disk)
             await (await writer("ckpt", str(tmp_path), state)).wait()
             await assert_step(tmp_path / "ckpt", step)
     assert fake.overlapped == [True, True], "the commit wrote nothing before the capture ended"
@@ -127,15 +148,9 @@ async def test_device_copies_are_written_as_they_land(tmp_path: Path) -> None:
 
 
 async def test_a_capture_failing_after_its_commit_started_leaves_the_previous_file(tmp_path: Path) -> None:
-    disk = Disk()
-    state, gpu = make_state(1)
-    fake = GatedDevice([gpu], disk.wrote)
-    async with aiosnap.QueueWriter(storage=disk.storage) as writer:
-        writer._copier = fake
-        await (await writer("ckpt", str(tmp_path), state)).wait()
-        state, gpu = make_state(2)
-        fake.ids, fake.error = {id(gpu)}, RuntimeError("the device copy failed")
-        disk.wrote.clear()
+    async with after_first_save(tmp_path) as (writer, disk, fake):
+        state = next_state(2, fake, disk)
+        fake.error = RuntimeError("the device copy failed")
         with pytest.raises(RuntimeError, match="the device copy failed"):
             await writer("ckpt", str(tmp_path), state)
         assert fake.overlapped == [True, True]
@@ -144,23 +159,15 @@ async def test_a_capture_failing_after_its_commit_started_leaves_the_previous_fi
         assert temp_files(tmp_path) == []
         await assert_step(tmp_path / "ckpt", 1)
         fake.error = None
-        state, gpu = make_state(3)
-        fake.ids = {id(gpu)}
+        state = next_state(3, fake, disk)
         await (await writer("ckpt", str(tmp_path), state)).wait()  # the writer goes on
     await assert_step(tmp_path / "ckpt", 3)
     assert disk.renamed == ["ckpt", "ckpt"]
 
 
 async def test_a_caller_cancelled_after_its_commit_started_commits_nothing(tmp_path: Path) -> None:
-    disk = Disk()
-    state, gpu = make_state(1)
-    fake = GatedDevice([gpu], disk.wrote)
-    async with aiosnap.QueueWriter(storage=disk.storage) as writer:
-        writer._copier = fake
-        await (await writer("ckpt", str(tmp_path), state)).wait()
-        state, gpu = make_state(2)
-        fake.ids = {id(gpu)}
-        disk.wrote.clear()
+    async with after_first_save(tmp_path) as (writer, disk, fake):
+        state = next_state(2, fake, disk)
         fake.gate.clear()
         call = asyncio.create_task(writer("ckpt2", str(tmp_path), state))  # plain asyncio
         assert await anyio.to_thread.run_sync(disk.wrote.wait, GUARD), "the commit never started"
@@ -177,24 +184,16 @@ async def test_a_caller_cancelled_after_its_commit_started_commits_nothing(tmp_p
 
 
 async def test_a_commit_failing_while_the_capture_copies_is_reported_once(tmp_path: Path) -> None:
-    disk = Disk()
-    state, gpu = make_state(1)
-    fake = GatedDevice([gpu], disk.wrote)
-    async with aiosnap.StandardWriter(storage=disk.storage) as writer:
-        writer._copier = fake
-        await (await writer("ckpt", str(tmp_path), state)).wait()
+    async with after_first_save(tmp_path, aiosnap.StandardWriter) as (writer, disk, fake):
+        state = next_state(2, fake, disk)
         disk.fail_writes = True  # the commit's first write fails, mid-capture
-        disk.wrote.clear()
-        state, gpu = make_state(2)
-        fake.ids = {id(gpu)}
         handle = await writer("ckpt", str(tmp_path), state)
         with pytest.raises(OSError, match="Input/output error") as caught:
             await writer.flush()
         assert caught.value.filename == str(tmp_path / "ckpt")  # the user's path, not a temp file
         assert handle.done() and fake.overlapped == [True, True]
         disk.fail_writes = False
-        state, gpu = make_state(3)
-        fake.ids = {id(gpu)}
+        state = next_state(3, fake, disk)
         await (await writer("ckpt", str(tmp_path), state)).wait()
     assert temp_files(tmp_path) == []
     await assert_step(tmp_path / "ckpt", 3)
