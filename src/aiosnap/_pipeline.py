@@ -45,7 +45,7 @@ class Pipe:
     def __init__(self, arena: Arena, size: int, data_start: int) -> None:
         self.arena, self.size, self.data_start = arena, size, data_start
         self._cond = threading.Condition()
-        self._filled = 0  # bytes [0, _filled) of the data section's image are staged
+        self._filled = 0  # the file's bytes before this offset are staged
         self._sealed = False
         self._failed = False
 

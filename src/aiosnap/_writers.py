@@ -424,7 +424,7 @@ class _WriterBase(abc.ABC):
             )
             await self._run_hooks(stats)
         except Exception as exc:
-            captured = not (isinstance(exc, CaptureEnded) or save.capture_error or save.abandoned)
+            captured = not (isinstance(exc, CaptureEnded) or save.capture_error is not None or save.abandoned)
             if save.pipe is not None and not captured:
                 # The capture failed: its caller has the error; nothing else reports it.
                 self._settle(save, self._capture_failure(save))
