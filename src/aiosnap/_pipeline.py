@@ -79,10 +79,10 @@ class Pipe:
                 raise CaptureEnded
 
     def wait_sealed(self) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: self._failed or self._sealed)
-            if self._failed:
-                raise CaptureEnded
+        """Block until the header is in the arena; CaptureEnded if it never will be."""
+        self.wait_released()
+        if self._failed:
+            raise CaptureEnded
 
     def wait_released(self) -> None:
         """Block until the staging side is done with the arena, whichever way it ended."""

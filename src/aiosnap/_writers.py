@@ -313,7 +313,7 @@ class _WriterBase(abc.ABC):
             await self._seal(save, save.pipe)
             return
         if save.capture_error is not None or save.abandoned:
-            self._drop(save, save.capture_error or WriterClosedError("the caller was cancelled"))
+            self._drop(save, self._capture_failure(save))
             return
         if save.stats is not None:  # written in pieces during the capture: nothing follows
             self._settle(save, None, save.stats)
