@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import subprocess
 import sys
 import textwrap
 import time
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -208,3 +210,42 @@ async def test_event_loop_never_stalls_while_a_writer_closes_after_large_saves(t
                 await writer(f"ckpt{i}-{j}", str(tmp_path), state)
 
     await assert_loop_never_stalls(save_then_close)
+
+
+async def test_event_loop_never_stalls_while_a_large_tree_is_loaded(tmp_path: Path) -> None:
+    # The header, the tree and the rebuilt state are each 100,000s of objects: parsed,
+    # collected and freed, they must never hold the GIL for long.
+    state = {
+        "optimizer": {
+            "state": {i: {"exp_avg": torch.randn(64), "step": torch.tensor(i)} for i in range(20_000)}
+        }
+    }
+    await aiosnap.save(str(tmp_path / "ckpt"), state)
+
+    async def load(i: int) -> None:
+        loaded = await aiosnap.load(str(tmp_path / "ckpt"))
+        assert int(loaded["optimizer"]["state"][19_999]["step"]) == 19_999
+        await aiosnap.load_into(str(tmp_path / "ckpt"), state)
+
+    await assert_loop_never_stalls(load)
+
+
+async def test_a_loaded_state_joins_the_oldest_generation_and_older_garbage_is_collected(
+    tmp_path: Path,
+) -> None:
+    class Cycle:
+        def __init__(self) -> None:
+            self.me = self
+
+    state = {str(i): torch.randn(8) for i in range(2000)}
+    await aiosnap.save(str(tmp_path / "ckpt"), state)
+    gc.collect()
+    garbage = Cycle()
+    dead = weakref.ref(garbage)
+    del garbage
+    loaded = await aiosnap.load(str(tmp_path / "ckpt"))
+    # A young collection will not traverse what the caller keeps (nor a full one be set
+    # off by it); what was garbage before the load was not promoted with it.
+    oldest = {id(o) for o in gc.get_objects(generation=2)}
+    assert id(loaded) in oldest and id(loaded["1999"]) in oldest
+    assert dead() is None

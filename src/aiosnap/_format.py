@@ -34,7 +34,7 @@ from ._header import (
     crc32c,
     json_string,
 )
-from ._offload import gc_paused
+from ._offload import gc_paused, release
 from ._storage import Reader, ReaderFile
 
 FORMAT_VERSION = 1
@@ -48,9 +48,11 @@ NUMPY_MAX_NDIM = 64
 KINDS = ("tensor", "ndarray", "npscalar", "pickle")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class TensorInfo:
-    """One entry of the data section, as aiosnap describes it."""
+    """One entry of the data section, as aiosnap describes it. Treated as immutable, but
+    not frozen: a frozen dataclass's ``__init__`` sets each field through
+    ``object.__setattr__``, 0.5 us more per entry (50 ms per 100,000-entry header)."""
 
     name: str
     kind: str  # one of KINDS
@@ -253,12 +255,14 @@ class _Parser:
             raise self.fail("header is not a JSON object")
         entries = self.entries(obj, size - 8 - n)
         meta = obj.get("__metadata__")
+        release(obj)
         if meta is None or (isinstance(meta, dict) and META_KEY not in meta):
             return Header(8 + n, self.plain(entries), None, None)
         if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
             raise self.fail("__metadata__ is not a map of strings")
         self.check_header_crc(raw, meta)
         header = self.aiosnap(8 + n, entries, self.json(meta[META_KEY], "metadata"))
+        release(entries)
         return dataclasses.replace(header, checksum=meta[CRC_KEY])
 
     def json(self, data: bytes | str, what: str) -> Any:
@@ -274,7 +278,7 @@ class _Parser:
         for name, e in obj.items():
             if name == "__metadata__":
                 continue
-            if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
+            if type(e) is not dict or e.keys() != _ENTRY_KEYS:
                 raise self.fail(f"tensor {name!r}: malformed entry")
             code, shape, offsets = e["dtype"], e["shape"], e["data_offsets"]
             if not isinstance(code, str) or code not in _dtypes.ST_ITEMSIZE:
@@ -333,6 +337,7 @@ class _Parser:
         if set(described) != set(entries):
             raise self.fail("aiosnap metadata and safetensors entries list different tensors")
         tensors = {name: self.info(name, d, entries[name]) for name, d in described.items()}
+        release(described)
         tree = meta.get("tree")
         try:
             _tree.check(tree)
@@ -441,8 +446,13 @@ def _short(value: Any) -> str:
 
 
 def _ints(value: Any) -> bool:
-    return isinstance(value, list) and all(type(v) is int and v >= 0 for v in value)
+    # map(type, ...) and min in C: a generator expression costs twice as much per shape.
+    return type(value) is list and (not value or (set(map(type, value)) == _INT_ONLY and min(value) >= 0))
 
 
 def _is_hex(s: str) -> bool:
-    return all(c in "0123456789abcdef" for c in s)
+    return not s.strip("0123456789abcdef")
+
+
+_INT_ONLY = {int}
+_ENTRY_KEYS = frozenset(("dtype", "shape", "data_offsets"))

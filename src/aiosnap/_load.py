@@ -32,7 +32,7 @@ from ._group import MANIFEST_NAME, Manifest, read_manifest
 from ._progress import counted
 from ._readers import EntryReader, MapLocation, Shards
 from ._storage import Reader, ReaderFile, Storage, exists
-from ._targets import Destinations, assign, find
+from ._targets import Destinations, assign, find, held_paths
 from ._tree import decode_key, dict_items, format_path, rebuild, sequence_values, walk_leaves, walk_nodes
 from ._verify import Progress, verify_blocking
 from ._verify import VerifyReport as VerifyReport
@@ -140,7 +140,24 @@ def load_blocking(
     replicas: str | None = None,
     rank: int | None = None,
 ) -> Any:
-    """``load``/``load_into`` of a file or a step directory. Blocking."""
+    """``load``/``load_into`` of a file or a step directory. Blocking. The collector
+    is held off throughout: the header and the tree are thousands of objects, freed by
+    reference counting, and what is built is returned (see ``gc_paused``)."""
+    with _offload.gc_paused(keep=True):
+        return _load_blocking(storage, path, keys, map_location, allow_pickle, target, strict, replicas, rank)
+
+
+def _load_blocking(
+    storage: Storage,
+    path: str,
+    keys: Sequence[str] | None,
+    map_location: MapLocation,
+    allow_pickle: bool,
+    target: Any,
+    strict: bool,
+    replicas: str | None,
+    rank: int | None,
+) -> Any:
     if exists(storage, storage.join(path, MANIFEST_NAME)):
         manifest = read_manifest(storage, path)
         if rank is not None and not 0 <= rank < manifest.world_size:
@@ -250,10 +267,13 @@ def load_file(
             if target is not None:
                 find(target, tree, reader.lookup, dests)
             if refuse is not None:
-                refuse(dests.held if target is not None else {format_path(p) for p, _ in walk_nodes(tree)})
+                asked = (
+                    held_paths(dests) if target is not None else {format_path(p) for p, _ in walk_nodes(tree)}
+                )
+                refuse(asked)
             reader.prefetch(tree, dests)
-            with _offload.gc_paused():  # what rebuild makes is returned: nothing to collect
-                loaded = rebuild(tree, reader.resolve)
+            loaded = rebuild(tree, reader.resolve)
+            _offload.release(header.tensors)  # not at once: see release
         except CheckpointError:
             raise
         except ValueError as exc:

@@ -10,6 +10,7 @@ against the checksums of the blocks it lies in.
 
 from __future__ import annotations
 
+import ctypes
 import pickle
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -27,17 +28,21 @@ from ._header import BLOCK, crc32c
 from ._posix import populate
 from ._shards import Box, Run, is_dtensor, runs, shard_of
 from ._storage import Reader
-from ._targets import Destinations
+from ._targets import SMALL, Destinations
 from ._tree import format_path, walk_leaves
 
 #: Neighbouring entries are read together, up to this many bytes and buffers per read.
 READ_GROUP = 64 << 20
 READ_IOVECS = 512
+#: Entries under SMALL bytes (see ``_targets``) are read with their neighbours into one
+#: scratch buffer of at most this many bytes, checked there and copied out.
+SMALL_GROUP = 4 << 20
 #: Bytes of shard read through a scratch buffer at a time (partial reads, devices).
 SCRATCH = 64 << 20
 
 MapLocation = str | torch.device | None
-#: What a load made or found for each entry: the object, and its bytes as a flat uint8 array.
+#: What a load made or found for each entry: the object, and where its bytes go: a flat
+#: uint8 array, or for a tensor under SMALL bytes the address of its data.
 Made = dict[str, tuple[Any, Any]]
 #: Opens rank file ``i`` of the step (cached by the caller), checked against the manifest.
 OpenRank = Callable[[int], tuple[Reader, Header]]
@@ -123,9 +128,19 @@ class EntryReader:
         by_source: list[list[TensorInfo]] = [[] for _ in self.sources]
         seen: dict[str, str] = {}  # name -> the kind the tree first called it
         own = self.sources[0][1]
+        stored, plain = own.tensors, by_source[0]
         for path, kind, name in walk_leaves(tree):
-            where = format_path(path)
+            info = stored.get(name)
+            if kind == "tensor" and info is not None and info.kind == "tensor" and not info.shard:
+                # The common leaf, in this file (checked as the general case below).
+                if seen.setdefault(name, kind) != kind:
+                    raise ValueError(f"{format_path(path)} is a {kind} but {name!r} is a {seen[name]}")
+                if name not in wanted:
+                    wanted[name] = info
+                    plain.append(info)
+                continue
             if kind == "dtensor" and self.shards is not None:
+                where = format_path(path)
                 saved = self.shards.saved(where, own.tensors.get(name) or own.external.get(name))
                 # One DTensor at two paths (tied weights) is read once, for both: the
                 # index must say the same of both.
@@ -136,7 +151,7 @@ class EntryReader:
             # kind would get the first's object (a tensor where the tree says ndarray).
             if name in seen:
                 if seen[name] != kind:
-                    raise ValueError(f"{where} is a {kind} but {name!r} is a {seen[name]}")
+                    raise ValueError(f"{format_path(path)} is a {kind} but {name!r} is a {seen[name]}")
                 continue
             seen[name] = kind
             if kind == "dtensor" and self.shards is not None:
@@ -146,20 +161,26 @@ class EntryReader:
             if info.kind != ("tensor" if kind == "dtensor" else kind) or (kind == "dtensor") != bool(
                 info.shard
             ):
-                raise ValueError(f"{where} is a {kind} but {name!r} is not")
+                raise ValueError(f"{format_path(path)} is a {kind} but {name!r} is not")
             if kind == "pickle" and not self.allow_pickle:
                 raise PickleNotAllowedError(
-                    f"{self.sources[src][0].path}: {where} is pickled; loading it runs code "
+                    f"{self.sources[src][0].path}: {format_path(path)} is pickled; loading it runs code "
                     "from the file, so it needs allow_pickle=True"
                 )
             wanted[name] = info
             by_source[src].append(info)
-        with _offload.gc_paused():  # thousands of small tensors, all kept
-            made = {name: dests.direct.get(name) or _allocate(info) for name, info in wanted.items()}
-        fresh = {name for name in wanted if name not in dests.direct}
+        direct = dests.direct
+        made = {name: direct.get(name) or _allocate(info) for name, info in wanted.items()}
+        fresh = wanted.keys() - direct.keys()
         for (f, header), infos in zip(self.sources, by_source, strict=True):
-            self.read_all(f, header, sorted(infos, key=lambda i: i.start), made, fresh)
-        self.made = {name: self.finish(wanted[name], obj) for name, (obj, _) in made.items()}
+            self.read_all(f, header, sorted(infos, key=_start), made, fresh)
+        if self.map_location is None:  # a tensor is what was made: only the others change
+            self.made = {
+                name: obj if wanted[name].kind == "tensor" else self.finish(wanted[name], obj)
+                for name, (obj, _) in made.items()
+            }
+        else:
+            self.made = {name: self.finish(wanted[name], obj) for name, (obj, _) in made.items()}
         for name, (where, saved) in sharded.items():
             self.made[name] = self.read_dtensor(saved, dests.shards.get(name), where)
 
@@ -175,12 +196,20 @@ class EntryReader:
         if groups:
             _populate(made, groups[0], fresh)
         behind: list[tuple[TensorInfo, memoryview]] = []
+        scratch = None
         with _offload.side_thread() as side:
             for k, group in enumerate(groups):
                 side.wait()
                 side.submit(_side_work, f.path, behind, made, groups[k + 1 : k + 2], fresh)
+                behind = []
+                start = header.data_start + group[0].start
+                if group[0].nbytes < SMALL:
+                    if scratch is None:
+                        scratch = np.empty(min(SMALL_GROUP, infos[-1].end - group[0].start), np.uint8)
+                    _read_small(f, start, group, made, scratch)
+                    continue
                 views = [memoryview(made[info.name][1]) for info in group]
-                f.read_batch([(header.data_start + group[0].start, views)])
+                f.read_batch([(start, views)])
                 behind = list(zip(group, views, strict=True))
             side.wait()
         _verify(f.path, behind)
@@ -341,6 +370,10 @@ def split(run: Run, limit: int, itemsize: int) -> Iterator[Run]:
         yield from split(Run(run.src + i * row_bytes, row_bytes, dst, run.shape[1:]), limit, itemsize)
 
 
+def _start(info: TensorInfo) -> int:
+    return info.start
+
+
 def _spec(info: TensorInfo) -> tuple[str, str, tuple[int, ...]]:
     return info.kind, info.dtype, info.shape
 
@@ -348,17 +381,44 @@ def _spec(info: TensorInfo) -> tuple[str, str, tuple[int, ...]]:
 def _groups(infos: list[TensorInfo], most: int, iovecs: int) -> Iterator[list[TensorInfo]]:
     """Neighbouring entries, in runs of at most ``most`` bytes and ``iovecs`` buffers (a
     reader may take larger batches than a file's preadv: an object store's batch is a
-    round trip, its GETs run in parallel)."""
+    round trip, its GETs run in parallel); entries under SMALL bytes in runs of their
+    own, of at most SMALL_GROUP bytes, each one read into a scratch buffer."""
     group: list[TensorInfo] = []
+    small = False
     for info in infos:
         if group and (
-            info.start != group[-1].end or len(group) >= iovecs or info.end - group[0].start > most
+            info.start != group[-1].end
+            or (info.nbytes < SMALL) != small
+            or (info.end - group[0].start > SMALL_GROUP if small else len(group) >= iovecs)
+            or info.end - group[0].start > most
         ):
             yield group
             group = []
+        if not group:
+            small = info.nbytes < SMALL
         group.append(info)
     if group:
         yield group
+
+
+def _read_small(
+    f: Reader, start: int, group: list[TensorInfo], made: Made, scratch: np.ndarray[Any, np.dtype[np.uint8]]
+) -> None:
+    """Read a run of small entries into ``scratch`` at once, check each there and copy
+    it to where it goes."""
+    base = group[0].start
+    buf = scratch[: group[-1].end - base]
+    raw, address = buf.data, buf.ctypes.data
+    f.read_batch([(start, [raw])])
+    for info in group:
+        at, n = info.start - base, info.end - info.start
+        if info.crc is not None and crc32c(raw[at : at + n]) != info.crc:
+            raise CorruptCheckpointError(f.path, f"checksum mismatch in tensor {info.name!r}")
+        dest = made[info.name][1]
+        if type(dest) is int:
+            ctypes.memmove(dest, address + at, n)
+        else:
+            dest[:] = buf[at : at + n]
 
 
 def _side_work(
@@ -390,10 +450,12 @@ def _populate(made: Made, group: list[TensorInfo], fresh: set[str]) -> None:
             populate(array.ctypes.data, array.nbytes)
 
 
-def _allocate(info: TensorInfo) -> tuple[Any, np.ndarray[Any, np.dtype[np.uint8]]]:
-    """The object an entry becomes, and its bytes as a flat uint8 array to read into."""
+def _allocate(info: TensorInfo) -> tuple[Any, Any]:
+    """The object an entry becomes, and where its bytes go (see Made)."""
     if info.kind == "tensor":
         tensor = torch.empty(info.shape, dtype=_dtypes.TORCH_DTYPES[info.dtype])
+        if info.end - info.start < SMALL:
+            return tensor, tensor.data_ptr()
         return tensor, tensor.reshape(-1).view(torch.uint8).numpy()
     array = np.empty(info.shape, dtype=np.dtype(info.dtype))
     return array, array.reshape(-1).view(np.uint8)

@@ -21,19 +21,25 @@ from . import _dtypes
 from ._errors import CheckpointError, StateMismatchError
 from ._format import TensorInfo
 from ._shards import is_dtensor
-from ._tree import decode_key, dict_items, format_path, is_stateful, sequence_values
+from ._tree import PLAIN_KEYS, decode_key, dict_items, format_path, is_stateful, sequence_values
+
+#: Entries under this many bytes are read with their neighbours into a scratch buffer,
+#: checked there and copied to their tensor's address (``memmove``, 0.3 us for 1 KiB):
+#: cheaper than a buffer object per entry for a scattered read (~2.5 us each).
+SMALL = 64 << 10
 
 
 @dataclass(slots=True)
 class Destinations:
     """What a load fills in place."""
 
-    #: Entry name -> (the target tensor or array, its bytes as a flat uint8 array).
-    direct: dict[str, tuple[Any, np.ndarray[Any, np.dtype[np.uint8]]]] = field(default_factory=dict)
+    #: Entry name -> (the target tensor or array, where its bytes go: see ``direct_view``).
+    direct: dict[str, tuple[Any, Any]] = field(default_factory=dict)
     #: Entry name of a DTensor node -> the target tensor (a DTensor, or a whole tensor).
     shards: dict[str, Any] = field(default_factory=dict)
-    #: Dotted tree paths of the leaves the target has a place for.
-    held: set[str] = field(default_factory=set)
+    #: Tree paths of the leaves the target has a place for (formatted only if asked:
+    #: see ``held_paths``).
+    held: list[tuple[object, ...]] = field(default_factory=list)
     #: The state dicts of Stateful targets, taken once (id of the object -> its state).
     states: dict[int, Any] = field(default_factory=dict)
 
@@ -42,12 +48,14 @@ def find(target: Any, node: Any, lookup: Any, out: Destinations, path: tuple[obj
     """Walk ``target`` and the saved ``node`` together, filling ``out``. ``lookup(name)``
     is the TensorInfo of an entry (or None)."""
     tag = node.get("$") if isinstance(node, dict) else None
-    if is_stateful(target) and not isinstance(target, torch.Tensor):
+    # Plain containers and tensors are never Stateful: is_stateful's two failed getattr
+    # were a fifth of the walk.
+    if type(target) not in _NOT_STATEFUL and not isinstance(target, torch.Tensor) and is_stateful(target):
         find(state_of(target, out), node, lookup, out, path)
         return
     if tag == "dict" and isinstance(target, dict):
         for key_node, value in dict_items(node):
-            key = decode_key(key_node)
+            key = key_node if type(key_node) in PLAIN_KEYS else decode_key(key_node)
             if key in target:
                 find(target[key], value, lookup, out, (*path, key))
         return
@@ -59,7 +67,7 @@ def find(target: Any, node: Any, lookup: Any, out: Destinations, path: tuple[obj
         return
     if tag in ("dict", "tuple") or isinstance(node, list):
         return  # a container where the target has none: assign reports it
-    out.held.add(format_path(path))
+    out.held.append(path)
     if tag == "dtensor" and isinstance(target, torch.Tensor):
         out.shards.setdefault(node.get("n"), target)
     elif tag in ("tensor", "ndarray"):
@@ -68,6 +76,15 @@ def find(target: Any, node: Any, lookup: Any, out: Destinations, path: tuple[obj
             flat = direct_view(target, info)
             if flat is not None:
                 out.direct[info.name] = (target, flat)
+
+
+_NOT_STATEFUL = (dict, list, tuple)
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def held_paths(out: Destinations) -> set[str]:
+    """The dotted paths of the leaves the target has a place for."""
+    return {format_path(p) for p in out.held}
 
 
 def state_of(target: Any, out: Destinations) -> Any:
@@ -88,19 +105,22 @@ def _over_dtensors(optimizer: torch.optim.Optimizer) -> bool:
     return any(is_dtensor(p) for group in optimizer.param_groups for p in group["params"])
 
 
-def direct_view(target: Any, info: TensorInfo) -> np.ndarray[Any, np.dtype[np.uint8]] | None:
-    """The target's bytes, if an entry can be read straight into them."""
+def direct_view(target: Any, info: TensorInfo) -> np.ndarray[Any, np.dtype[np.uint8]] | int | None:
+    """Where an entry can be read straight into the target's bytes, if it can: a flat
+    uint8 view, or the address of a small tensor's data (see ``_readers.Made``)."""
     if isinstance(target, torch.Tensor):
         if (
-            is_dtensor(target)
-            or target.device.type != "cpu"
+            (type(target) not in _PLAIN_TENSORS and is_dtensor(target))
+            or target.shape != info.shape
+            or _dtypes.torch_name(target.dtype) != info.dtype
+            or not target.is_cpu
             or not target.is_contiguous()
             or target.is_conj()
             or target.is_neg()
-            or _dtypes.torch_name(target.dtype) != info.dtype
-            or tuple(target.shape) != info.shape
         ):
             return None
+        if info.end - info.start < SMALL:
+            return int(target.data_ptr())
         flat: np.ndarray[Any, np.dtype[np.uint8]] = target.detach().reshape(-1).view(torch.uint8).numpy()
         return flat
     if isinstance(target, np.ndarray):
@@ -117,20 +137,19 @@ def direct_view(target: Any, info: TensorInfo) -> np.ndarray[Any, np.dtype[np.ui
 
 def assign(target: Any, value: Any, path: tuple[object, ...], strict: bool, out: Destinations) -> Any:
     """Update ``target`` in place from ``value``; return what the parent should hold."""
-    where = format_path(path)
+    if value is target and isinstance(target, (torch.Tensor, np.ndarray)):
+        return target  # read in place
     if isinstance(target, torch.Tensor):
-        if value is not target:  # else it was read in place
-            _check_like(value, torch.Tensor, target.shape, target.dtype, where)
-            with torch.no_grad():
-                target.copy_(value)
+        _check_like(value, torch.Tensor, target.shape, target.dtype, format_path(path))
+        with torch.no_grad():
+            target.copy_(value)
         return target
     if isinstance(target, np.ndarray):
-        if value is not target:
-            _check_like(value, np.ndarray, target.shape, target.dtype, where)
-            np.copyto(target, value)
+        _check_like(value, np.ndarray, target.shape, target.dtype, format_path(path))
+        np.copyto(target, value)
         return target
-    if is_stateful(target):
-        _load_state(target, value, where, strict)
+    if type(target) not in _NOT_STATEFUL and is_stateful(target):
+        _load_state(target, value, format_path(path), strict)
         return target
     if isinstance(target, dict):
         _assign_dict(target, value, path, strict, out)

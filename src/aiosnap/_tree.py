@@ -43,6 +43,8 @@ _KEY_TYPES = (str, int, float, bool, type(None))
 #: then bounded, whatever a file says.
 MAX_DEPTH = 100
 LEAF_TAGS = frozenset(("tensor", "dtensor", "ndarray", "npscalar", "pickle"))
+#: Key nodes that are the key itself (the others are float nodes).
+PLAIN_KEYS = (str, int, bool, type(None), float)
 _FLOAT_WORDS = ("nan", "inf", "-inf")
 _PLAIN_TENSORS = tuple(
     cls for cls in (torch.Tensor, torch.nn.Parameter, getattr(torch.nn, "Buffer", None)) if cls
@@ -278,7 +280,8 @@ def check(tree: Node) -> None:
             raise ValueError(f"bad node at {format_path(path)}")
         elif tag == "dict":
             for key_node, value in dict_items(node, path):
-                stack.append((value, (*path, decode_key(key_node, path))))
+                if not _is_reference(value):  # else checked here: the common leaf, no path built
+                    stack.append((value, (*path, decode_key(key_node, path))))
         elif tag == "tuple":
             stack.extend((v, (*path, i)) for i, v in enumerate(sequence_values(node, path)))
         elif tag == "float":
@@ -289,6 +292,14 @@ def check(tree: Node) -> None:
             _str(node, "n", path)
         else:
             raise ValueError(f"unknown node type {tag!r:.40} at {format_path(path)}")
+
+
+def _is_reference(node: Node) -> bool:
+    """Whether a node is a well-formed reference to a stored value."""
+    if type(node) is not dict:
+        return False
+    tag = node.get("$")
+    return type(tag) is str and tag in LEAF_TAGS and type(node.get("n")) is str
 
 
 def rebuild(node: Node, resolve: Callable[[str, str, tuple[object, ...]], object]) -> object:
@@ -309,8 +320,11 @@ def _rebuild(
     if tag == "dict":
         out: dict[object, object] = {}
         for key_node, value in dict_items(node, path):
-            key = _rebuild(key_node, resolve, path)
-            out[key] = _rebuild(value, resolve, (*path, key))
+            key = key_node if type(key_node) in PLAIN_KEYS else _rebuild(key_node, resolve, path)
+            if _is_reference(value):
+                out[key] = resolve(value["$"], value["n"], (*path, key))
+            else:
+                out[key] = _rebuild(value, resolve, (*path, key))
         return out
     if tag == "tuple":
         return tuple(_rebuild(v, resolve, (*path, i)) for i, v in enumerate(sequence_values(node, path)))
@@ -370,30 +384,43 @@ def _str(
     return value
 
 
-def walk_nodes(node: Node, path: tuple[object, ...] = ()) -> Iterator[tuple[tuple[object, ...], Node]]:
-    """Yield (path, node) of every leaf of a checked tree: the references to stored
-    values and the plain values; keys are decoded as in rebuild."""
+def walk_nodes(node: Node, path: tuple[object, ...] = ()) -> list[tuple[tuple[object, ...], Node]]:
+    """(path, node) of every leaf of a checked tree: the references to stored values
+    and the plain values; keys are decoded as in rebuild. A list, not a generator: with
+    100,000 leaves, every level of nested generators cost ~0.2 us per leaf."""
+    out: list[tuple[tuple[object, ...], Node]] = []
+    _walk(node, path, out)
+    return out
+
+
+def _walk(node: Node, path: tuple[object, ...], out: list[tuple[tuple[object, ...], Node]]) -> None:
+    # A checked tree is nested at most MAX_DEPTH deep: the recursion is bounded.
     if isinstance(node, list):
         for i, v in enumerate(node):
-            yield from walk_nodes(v, (*path, i))
+            _walk(v, (*path, i), out)
         return
     tag = node.get("$") if isinstance(node, dict) else None
     if tag == "dict":
         for key_node, value in dict_items(node, path):
-            yield from walk_nodes(value, (*path, decode_key(key_node, path)))
+            key = key_node if type(key_node) in PLAIN_KEYS else decode_key(key_node, path)
+            if _is_reference(value):
+                out.append(((*path, key), value))
+            else:
+                _walk(value, (*path, key), out)
     elif tag == "tuple":
         for i, v in enumerate(sequence_values(node, path)):
-            yield from walk_nodes(v, (*path, i))
+            _walk(v, (*path, i), out)
     else:
-        yield path, node
+        out.append((path, node))
 
 
-def walk_leaves(node: Node, path: tuple[object, ...] = ()) -> Iterator[tuple[tuple[object, ...], str, str]]:
-    """Yield (path, kind, name) of every reference to a stored value."""
-    for where, leaf in walk_nodes(node, path):
-        tag = leaf.get("$") if isinstance(leaf, dict) else None
-        if tag in LEAF_TAGS:
-            yield where, tag, _str(leaf, "n", where)
+def walk_leaves(node: Node, path: tuple[object, ...] = ()) -> list[tuple[tuple[object, ...], str, str]]:
+    """(path, kind, name) of every reference to a stored value."""
+    return [
+        (where, leaf["$"], _str(leaf, "n", where))
+        for where, leaf in walk_nodes(node, path)
+        if type(leaf) is dict and type(leaf.get("$")) is str and leaf["$"] in LEAF_TAGS
+    ]
 
 
 def _no_leaf(kind: str, name: str, path: tuple[object, ...]) -> object:
