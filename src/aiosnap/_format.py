@@ -16,9 +16,11 @@ file size before anything is allocated, and every failure is a CorruptCheckpoint
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import struct
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -250,7 +252,7 @@ class _Parser:
             raise self.fail(f"header length {n} does not fit a file of {size} bytes")
         raw = bytearray(8 + n)
         self.f.readinto(0, memoryview(raw))
-        obj = self.json(bytes(raw[8:]), "header")
+        obj = self.json(_decode(memoryview(raw)[8:]), "header")
         if not isinstance(obj, dict):
             raise self.fail("header is not a JSON object")
         entries = self.entries(obj, size - 8 - n)
@@ -265,11 +267,11 @@ class _Parser:
         release(entries)
         return dataclasses.replace(header, checksum=meta[CRC_KEY])
 
-    def json(self, data: bytes | str, what: str) -> Any:
+    def json(self, data: Callable[[], str] | str, what: str) -> Any:
         # The metadata is text already, and may hold lone surrogates (JSON escapes can
         # write them): it is parsed as it is, never encoded again.
         try:
-            return _json.loads(data if isinstance(data, str) else data.decode("utf-8"))
+            return _json.loads(data if isinstance(data, str) else data())
         except (UnicodeDecodeError, ValueError, RecursionError) as exc:
             raise self.fail(f"{what} is not valid JSON ({type(exc).__name__})") from None
 
@@ -294,11 +296,23 @@ class _Parser:
 
     def check_layout(self, entries: dict[str, tuple[str, list[int], int, int]], data_len: int) -> None:
         pos = 0
+        for _, _, start, end in entries.values():  # aiosnap lists entries in file order
+            if start != pos:
+                break
+            pos = end
+        else:
+            self.check_end(pos, data_len)
+            return
+        # Any other order is sorted: one C call, 25 ms for 100,000 entries.
+        pos = 0
         for name, (_, _, start, end) in sorted(entries.items(), key=lambda kv: kv[1][2:]):
             if start != pos:
                 what = "overlaps the previous one" if start < pos else "leaves a gap before it"
                 raise self.fail(f"tensor {name!r} at offset {start} {what}")
             pos = end
+        self.check_end(pos, data_len)
+
+    def check_end(self, pos: int, data_len: int) -> None:
         if pos > data_len:
             raise self.fail(f"truncated: tensors need {pos} data bytes, the file has {data_len}")
         if pos < data_len:
@@ -334,7 +348,7 @@ class _Parser:
         if version != FORMAT_VERSION:
             raise self.fail(f"format version {version!r} is not {FORMAT_VERSION}")
         described = meta["tensors"]
-        if set(described) != set(entries):
+        if described.keys() != entries.keys():
             raise self.fail("aiosnap metadata and safetensors entries list different tensors")
         tensors = {name: self.info(name, d, entries[name]) for name, d in described.items()}
         release(described)
@@ -421,6 +435,24 @@ class _Parser:
                 raise self.fail(f"tensor {name!r}: bad block checksums")
             blocks = tuple(int(blocks[i : i + 8], 16) for i in range(0, want, 8))
         return TensorInfo(name, kind, dtype, tuple(shape), start, end, int(crc, 16), shard, blocks)
+
+
+#: UTF-8 decoded per C call: the header of 100,000 tensors (26 MB) at once held the GIL
+#: for 12 ms.
+_DECODE_SLICE = 1 << 20
+
+
+def _decode(data: memoryview) -> Callable[[], str]:
+    """``data`` decoded as UTF-8 a slice at a time, when called (a UnicodeDecodeError
+    is a malformed header)."""
+
+    def run() -> str:
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        parts = [decoder.decode(data[i : i + _DECODE_SLICE]) for i in range(0, len(data), _DECODE_SLICE)]
+        parts.append(decoder.decode(b"", final=True))
+        return "".join(parts)
+
+    return run
 
 
 def nbytes(shape: list[int], itemsize: int) -> int | None:

@@ -113,10 +113,25 @@ async def load_into(
     storage, path = resolve(path, storage)
     storage, finished = counted(storage, progress)
     await _offload.run_io(
-        load_blocking, storage, path, keys, None, allow_pickle, target, strict, replicas, rank
+        _load_into_blocking, storage, path, keys, allow_pickle, target, strict, replicas, rank
     )
     finished()
     return target
+
+
+def _load_into_blocking(
+    storage: Storage,
+    path: str,
+    keys: Sequence[str] | None,
+    allow_pickle: bool,
+    target: Any,
+    strict: bool,
+    replicas: str | None,
+    rank: int | None,
+) -> None:
+    # What was rebuilt is dropped here, not on the event loop: its containers alone are
+    # ~15 ms of deallocation per 100,000 tensors.
+    load_blocking(storage, path, keys, None, allow_pickle, target, strict, replicas, rank)
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,8 +287,9 @@ def load_file(
                 )
                 refuse(asked)
             reader.prefetch(tree, dests)
-            loaded = rebuild(tree, reader.resolve)
-            _offload.release(header.tensors)  # not at once: see release
+            loaded = rebuild(tree, reader.resolve, consume=True)
+            # Not at once: see release. The tree goes whole (~20 ms per 100,000 leaves).
+            _offload.release(header.tensors)
         except CheckpointError:
             raise
         except ValueError as exc:
@@ -283,6 +299,7 @@ def load_file(
             f.close()
     if target is not None:
         assign(target, loaded, (), strict, dests)
+        _offload.release(dests.direct, dests.held)
     return loaded
 
 

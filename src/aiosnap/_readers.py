@@ -109,6 +109,9 @@ class EntryReader:
         raise ValueError(f"the tree refers to a missing tensor {name!r}")
 
     def lookup(self, name: str) -> TensorInfo | None:
+        info = self.sources[0][1].tensors.get(name)
+        if info is not None:
+            return info
         try:
             return self.sources[self.source(name)][1].tensors[name]
         except (ValueError, CorruptCheckpointError):
@@ -129,7 +132,8 @@ class EntryReader:
         seen: dict[str, str] = {}  # name -> the kind the tree first called it
         own = self.sources[0][1]
         stored, plain = own.tensors, by_source[0]
-        for path, kind, name in walk_leaves(tree):
+        leaves = walk_leaves(tree)
+        for path, kind, name in leaves:
             info = stored.get(name)
             if kind == "tensor" and info is not None and info.kind == "tensor" and not info.shard:
                 # The common leaf, in this file (checked as the general case below).
@@ -169,6 +173,7 @@ class EntryReader:
                 )
             wanted[name] = info
             by_source[src].append(info)
+        _offload.release(leaves)  # not at once: see release
         direct = dests.direct
         made = {name: direct.get(name) or _allocate(info) for name, info in wanted.items()}
         fresh = wanted.keys() - direct.keys()
@@ -181,6 +186,7 @@ class EntryReader:
             }
         else:
             self.made = {name: self.finish(wanted[name], obj) for name, (obj, _) in made.items()}
+        _offload.release(made)  # its pairs and arrays (the rest only refers to what lives on)
         for name, (where, saved) in sharded.items():
             self.made[name] = self.read_dtensor(saved, dests.shards.get(name), where)
 

@@ -56,8 +56,13 @@ def find(target: Any, node: Any, lookup: Any, out: Destinations, path: tuple[obj
     if tag == "dict" and isinstance(target, dict):
         for key_node, value in dict_items(node):
             key = key_node if type(key_node) in PLAIN_KEYS else decode_key(key_node)
-            if key in target:
-                find(target[key], value, lookup, out, (*path, key))
+            if key not in target:
+                continue
+            sub = target[key]
+            if type(sub) in _PLAIN_TENSORS and type(value) is dict and value.get("$") == "tensor":
+                _leaf(sub, value, lookup, out, (*path, key))  # the common leaf, without a call of find
+            else:
+                find(sub, value, lookup, out, (*path, key))
         return
     if isinstance(target, (list, tuple)) and (isinstance(node, list) or tag == "tuple"):
         values = sequence_values(node)
@@ -67,6 +72,11 @@ def find(target: Any, node: Any, lookup: Any, out: Destinations, path: tuple[obj
         return
     if tag in ("dict", "tuple") or isinstance(node, list):
         return  # a container where the target has none: assign reports it
+    _leaf(target, node, lookup, out, path)
+
+
+def _leaf(target: Any, node: Any, lookup: Any, out: Destinations, path: tuple[object, ...]) -> None:
+    tag = node.get("$") if isinstance(node, dict) else None
     out.held.append(path)
     if tag == "dtensor" and isinstance(target, torch.Tensor):
         out.shards.setdefault(node.get("n"), target)
@@ -197,7 +207,9 @@ def _assign_dict(
         raise StateMismatchError(f"{format_path(path)}: missing keys {missing}, unexpected keys {unexpected}")
     for key in target:
         if key in value:
-            target[key] = assign(target[key], value[key], (*path, key), strict, out)
+            old, new = target[key], value[key]
+            if new is not old or not isinstance(old, (torch.Tensor, np.ndarray)):  # else read in place
+                target[key] = assign(old, new, (*path, key), strict, out)
 
 
 def _assign_seq(
