@@ -249,3 +249,17 @@ async def test_a_loaded_state_joins_the_oldest_generation_and_older_garbage_is_c
     oldest = {id(o) for o in gc.get_objects(generation=2)}
     assert id(loaded) in oldest and id(loaded["1999"]) in oldest
     assert dead() is None
+
+
+async def test_a_load_leaves_the_objects_the_process_froze_frozen(tmp_path: Path) -> None:
+    # gc.freeze() before forking data-loader workers keeps their pages shared; the
+    # promotion of a loaded state (freeze, then unfreeze) must not thaw them.
+    await aiosnap.save(str(tmp_path / "ckpt"), {str(i): torch.randn(8) for i in range(100)})
+    marker: list[object] = []  # tracked: a frozen one is in no generation
+    gc.freeze()
+    try:
+        assert all(o is not marker for o in gc.get_objects())
+        await aiosnap.load(str(tmp_path / "ckpt"))
+        assert all(o is not marker for o in gc.get_objects())
+    finally:
+        gc.unfreeze()

@@ -171,7 +171,9 @@ def gc_paused(keep: bool = False) -> Iterator[None]:
         with _gc_lock:
             _gc_holders -= 1
             if _gc_holders == 0:
-                if _gc_promote and _gc_was_enabled:
+                # Never while the process holds frozen objects of its own (gc.freeze
+                # before forking workers): the unfreeze would hand those back too.
+                if _gc_promote and _gc_was_enabled and gc.get_freeze_count() == 0:
                     gc.freeze()
                     gc.unfreeze()
                 _gc_promote = False
