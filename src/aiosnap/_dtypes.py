@@ -104,6 +104,12 @@ def torch_st_code(name: str) -> str:
     return _ST_BY_NAME.get(name, "U8")
 
 
+def native_st_code(name: str) -> str | None:
+    """The safetensors code of a torch dtype that has one, by name; None for any other
+    name (whose tensors are written as raw ``U8`` bytes, or which is no dtype)."""
+    return _ST_BY_NAME.get(name)
+
+
 def is_storable_torch(dtype: torch.dtype) -> bool:
     return dtype not in _QUANTIZED
 

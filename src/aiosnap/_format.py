@@ -406,6 +406,21 @@ class _Parser:
 
     def info(self, name: str, d: Any, entry: tuple[str, list[int], int, int]) -> TensorInfo:
         code, st_shape, start, end = entry
+        if type(d) is dict and d.keys() == _WHOLE_TENSOR_KEYS and d["kind"] == "tensor":
+            # The common entry: a whole tensor of a dtype safetensors has a code for. Its
+            # safetensors entry, checked already, vouches for the size of this shape, so
+            # the checks below reduce to these (1 us less per entry).
+            dtype, shape, crc = d["dtype"], d["shape"], d["crc32c"]
+            if (
+                type(dtype) is str
+                and _dtypes.native_st_code(dtype) == code
+                and shape == st_shape
+                and _ints(shape)
+                and type(crc) is str
+                and len(crc) == 8
+                and _is_hex(crc)
+            ):
+                return TensorInfo(name, "tensor", dtype, tuple(shape), start, end, int(crc, 16))
         if not isinstance(d, dict) or d.get("kind") not in KINDS or not isinstance(d.get("dtype"), str):
             raise self.fail(f"tensor {name!r}: malformed description")
         kind, dtype, shape, crc = d["kind"], d["dtype"], d.get("shape"), d.get("crc32c")
@@ -488,3 +503,4 @@ def _is_hex(s: str) -> bool:
 
 _INT_ONLY = {int}
 _ENTRY_KEYS = frozenset(("dtype", "shape", "data_offsets"))
+_WHOLE_TENSOR_KEYS = frozenset(("kind", "dtype", "shape", "crc32c"))
