@@ -212,3 +212,36 @@ async def test_saves_queued_behind_a_pipelined_commit_land_in_order(tmp_path: Pa
     for step in range(8):
         loaded = await aiosnap.load(str(tmp_path / f"ckpt{step}"))
         assert loaded["b_step"] == step and bool((loaded["a_host"] == step).all())
+
+
+@pytest.mark.parametrize("pipeline", [True, False])
+async def test_large_copies_are_split_with_a_helper_thread_and_land_whole(
+    pipeline: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Sizes about the split threshold, odd ones, and a leaf copied in 64 MiB chunks when
+    # pipelined. The copies are only watched (the real np.copyto does them): the second
+    # half of every large one must be copied on the helper thread, and every byte land.
+    import numpy as np
+
+    from aiosnap import _stage
+
+    threads: set[str] = set()
+    copyto = np.copyto
+
+    def watched(dst: Any, src: Any, *args: Any, **kwargs: Any) -> None:
+        if getattr(dst, "nbytes", 0) >= _stage._SPLIT_MIN // 2:
+            threads.add(threading.current_thread().name)
+        copyto(dst, src, *args, **kwargs)
+
+    sizes = [_stage._SPLIT_MIN - 1, _stage._SPLIT_MIN, _stage._SPLIT_MIN + 4097, _stage._CHUNK + 3 * MiB + 5]
+    generator = torch.Generator().manual_seed(7)
+    state = {f"t{n}": torch.randint(0, 256, (n,), dtype=torch.uint8, generator=generator) for n in sizes}
+    monkeypatch.setattr(np, "copyto", watched)
+    async with aiosnap.QueueWriter(pipeline=pipeline) as writer:
+        await (await writer("ckpt", str(tmp_path), state)).wait()
+    monkeypatch.undo()
+    assert any(name.startswith("aiosnap-side") for name in threads), threads
+    assert any(not name.startswith("aiosnap-side") for name in threads), threads
+    loaded = await aiosnap.load(str(tmp_path / "ckpt"))
+    assert loaded.keys() == state.keys()
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
