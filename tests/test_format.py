@@ -138,8 +138,8 @@ def test_values_of_every_kind_round_trip(tmp_path: Path) -> None:
 
 
 def test_runs_of_small_tensors_of_every_sort_round_trip(tmp_path: Path) -> None:
-    # Small host tensors are copied in runs through NumPy views; everything NumPy cannot
-    # view exactly (other dtypes, conjugate and negative bits, strides) breaks a run.
+    # Small host tensors are copied from their data pointers; conjugate and negative bits
+    # and strides take the general copy, and a view's bytes start at its storage offset.
     z = torch.complex(torch.randn(5), torch.randn(5))
     param = torch.nn.Parameter(torch.randn(7))
     state = {
@@ -154,6 +154,8 @@ def test_runs_of_small_tensors_of_every_sort_round_trip(tmp_path: Path) -> None:
         "bool": torch.tensor([True, False, True]),
         "big": torch.randn(1 << 17),
         "after": torch.arange(10, dtype=torch.int16),
+        "offset": torch.arange(40.0)[17:23],
+        "int8_view": torch.arange(250, 256, dtype=torch.uint8).view(torch.int8),
     }
     path = str(tmp_path / "c")
     aiosnap.save_sync(path, state)
@@ -163,7 +165,7 @@ def test_runs_of_small_tensors_of_every_sort_round_trip(tmp_path: Path) -> None:
     assert torch.equal(loaded["param"], param.detach())
     assert torch.equal(loaded["conj"], z.conj().resolve_conj())
     assert torch.equal(loaded["neg"], state["neg"].resolve_neg())
-    for key in ("bf16", "strided", "scalar", "bool", "big", "after"):
+    for key in ("bf16", "strided", "scalar", "bool", "big", "after", "offset", "int8_view"):
         assert torch.equal(loaded[key], state[key]), key
 
 
