@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import os
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -83,6 +84,30 @@ async def run_coord(fn: Callable[..., T], *args: object) -> T:
 #: Helper threads beside worker threads (``side_thread``): one core's worth each.
 SIDE_THREADS = CPU_THREADS
 _side_slots = threading.BoundedSemaphore(SIDE_THREADS)
+_side_lock = threading.Lock()
+_side_pool: ThreadPoolExecutor | None = None
+
+
+def _side_executor() -> ThreadPoolExecutor:
+    """The process's helper threads: started at first use, then kept. Started per load
+    or save, each cost ~100 us; and under an address-space limit (RLIMIT_AS) a new thread
+    that fails to allocate as it starts leaves ``Thread.start()`` waiting for it forever
+    (CPython 3.11): that hung a load in a fuzzing run."""
+    global _side_pool
+    with _side_lock:
+        if _side_pool is None:
+            _side_pool = ThreadPoolExecutor(SIDE_THREADS, thread_name_prefix="aiosnap-side")
+        return _side_pool
+
+
+def _forget_side_threads() -> None:
+    # A forked child has none of its parent's threads: a job given to them never runs.
+    global _side_pool, _side_lock, _side_slots
+    _side_pool, _side_lock = None, threading.Lock()
+    _side_slots = threading.BoundedSemaphore(SIDE_THREADS)
+
+
+os.register_at_fork(after_in_child=_forget_side_threads)
 
 
 class Side:
@@ -110,22 +135,23 @@ class Side:
 
 @contextlib.contextmanager
 def side_thread() -> Iterator[Side]:
-    """A helper thread for a worker thread's side work (page population and checksums
-    beside a read, on the other core), joined before the block ends. At most
-    SIDE_THREADS at once in the process; beyond that the work runs inline."""
-    if not _side_slots.acquire(blocking=False):
+    """A helper thread for a worker thread's side work (half of a large copy, page
+    population and checksums beside a read, on the other core), its job waited for
+    before the block ends. At most SIDE_THREADS at once in the process, so a job never
+    queues behind another; beyond that the work runs inline."""
+    slots = _side_slots
+    if not slots.acquire(blocking=False):
         yield Side(None)
         return
     try:
-        with ThreadPoolExecutor(1, thread_name_prefix="aiosnap-side") as executor:
-            side = Side(executor)
-            try:
-                yield side
-            finally:
-                with contextlib.suppress(BaseException):
-                    side.wait()  # the job's own error is not the one to raise here
+        side = Side(_side_executor())
+        try:
+            yield side
+        finally:
+            with contextlib.suppress(BaseException):
+                side.wait()  # the job's own error is not the one to raise here
     finally:
-        _side_slots.release()
+        slots.release()
 
 
 _gc_lock = threading.Lock()

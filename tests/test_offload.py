@@ -1,0 +1,76 @@
+"""The helper threads beside worker threads: started once per process, never per call."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import zlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import aiosnap
+
+GUARD = 120.0  # seconds: a deadlock bound, never a point to synchronise on
+
+
+def _state() -> dict[str, Any]:
+    # A leaf large enough that its staging copy is split, and small ones read in groups.
+    big = torch.arange(3 << 20, dtype=torch.float32)
+    return {"big": big, "small": [torch.full((8,), i) for i in range(50)]}
+
+
+def _digest(state: dict[str, Any]) -> int:
+    """The state's bytes, through NumPy: a torch op with its intra-op threads hangs in a
+    forked child (OpenMP), whatever aiosnap does."""
+    return zlib.crc32(b"".join(t.numpy().tobytes() for t in [state["big"], *state["small"]]))
+
+
+def _equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return _digest(a) == _digest(b)
+
+
+async def test_saves_and_loads_start_no_thread_once_the_helpers_exist(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A thread started per call cost ~100 us, and under RLIMIT_AS one that failed to
+    # allocate as it started left Thread.start() waiting forever (a load hung so).
+    state, path = _state(), str(tmp_path / "ckpt")
+    await aiosnap.save(path, state)
+    await aiosnap.load(path)  # the helpers start here at the latest
+    started: list[str] = []
+    start = threading.Thread.start
+
+    def counted(self: threading.Thread) -> None:
+        started.append(self.name)
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", counted)
+    for _ in range(3):
+        await aiosnap.save(path, state)
+        assert _equal(await aiosnap.load(path), state)
+    monkeypatch.undo()
+    assert [name for name in started if name.startswith("aiosnap-side")] == []
+    assert any(t.name.startswith("aiosnap-side") for t in threading.enumerate())
+
+
+def _load_in_child(path: str, digest: int, out: Any) -> None:
+    out.put(_digest(aiosnap.load_sync(path)) == digest)
+
+
+def test_a_forked_child_gets_helpers_of_its_own(tmp_path: Path) -> None:
+    # The child has none of its parent's threads: a job handed to them would never run.
+    path, state = str(tmp_path / "ckpt"), _state()
+    aiosnap.save_sync(path, state)
+    assert _equal(aiosnap.load_sync(path), state)  # the parent's helpers exist now
+    fork = multiprocessing.get_context("fork")
+    out = fork.SimpleQueue()
+    child = fork.Process(target=_load_in_child, args=(path, _digest(state), out))
+    child.start()
+    child.join(GUARD)
+    if child.exitcode is None:
+        child.kill()
+    assert child.exitcode == 0, child.exitcode
+    assert out.get() is True
