@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -125,10 +124,18 @@ def raw_write(state: dict[str, Any], directory: Path, step: int, share: int) -> 
     return total, total
 
 
-def _rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace) -> None:
+def _fresh_store(path: Path) -> str:
+    """A FileStore's URL for the ranks to meet at. A free TCP port found beforehand could
+    be taken by another socket before rank 0 binds it (a smoke test failed so)."""
+    path.unlink(missing_ok=True)
+    return f"file://{path}"
+
+
+def _rank_main(rank: int, ranks: int, store: str, args: argparse.Namespace) -> None:
     warnings.simplefilter("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=ranks, timeout=timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo", init_method=store, rank=rank, world_size=ranks, timeout=timedelta(seconds=600)
+    )
     directory = Path(args.scratch)
     state = rank_state(rank, args.per_rank)
     share = unique_bytes(state, ranks) // ranks
@@ -203,10 +210,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     args.scratch, args.result = str(scratch), str(out / "ranks.json")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_rank_main, args=(args.ranks, port, args), nprocs=args.ranks, start_method="spawn")
+    store = _fresh_store(scratch / "ranks.store")
+    mp.start_processes(_rank_main, args=(args.ranks, store, args), nprocs=args.ranks, start_method="spawn")
     data = json.loads(Path(args.result).read_text())
     table = render(data)
     (out / "ranks.md").write_text(table)

@@ -19,7 +19,6 @@ import asyncio
 import json
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -150,10 +149,11 @@ def _check(state: dict[str, Any]) -> None:
 
 
 # -- ranks -----------------------------------------------------------------------------------
-def _rank_main(rank: int, world: int, port: int, phase: str, args: argparse.Namespace) -> None:
+def _rank_main(rank: int, world: int, store: str, phase: str, args: argparse.Namespace) -> None:
     warnings.simplefilter("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo", init_method=store, rank=rank, world_size=world, timeout=timedelta(seconds=600)
+    )
     directory = Path(args.scratch)
     methods: dict[str, Callable[[int], tuple[float, float]]]
     if phase == "save":
@@ -211,10 +211,13 @@ def _rank_main(rank: int, world: int, port: int, phase: str, args: argparse.Name
 
 
 def _spawn(world: int, phase: str, args: argparse.Namespace) -> dict[str, Any]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_rank_main, args=(world, port, phase, args), nprocs=world, start_method="spawn")
+    # A FileStore, not a free TCP port found beforehand, which another socket could take
+    # before rank 0 binds it.
+    store = Path(args.scratch) / f"{phase}.store"
+    store.unlink(missing_ok=True)
+    mp.start_processes(
+        _rank_main, args=(world, f"file://{store}", phase, args), nprocs=world, start_method="spawn"
+    )
     result: dict[str, Any] = json.loads(Path(args.result + f".{phase}").read_text())
     return result
 

@@ -15,7 +15,8 @@ def run_bench(script: str, tmp_path: Path, *args: str) -> Path:
     out = tmp_path / "results"
     command = [sys.executable, str(ROOT / "benchmarks" / script), *args]
     command += ["--dir", str(tmp_path / "scratch"), "--out", str(out)]
-    subprocess.run(command, check=True, timeout=600, capture_output=True)
+    done = subprocess.run(command, timeout=600, capture_output=True, text=True)
+    assert done.returncode == 0, f"{script} exited {done.returncode}:\n{done.stderr[-4000:]}"
     return out
 
 
