@@ -86,6 +86,13 @@ def fsync_path(path: Path | str) -> None:
         os.close(fd)
 
 
+def file_store(path: Path) -> str:
+    """A fresh FileStore's URL for ranks to meet at. A free TCP port found beforehand
+    could be taken by another socket before rank 0 binds it (a smoke test failed so)."""
+    path.unlink(missing_ok=True)
+    return f"file://{path}"
+
+
 def o_direct_supported(directory: Path) -> bool:
     probe = directory / ".odirect-probe"
     try:

@@ -35,7 +35,7 @@ import torch.multiprocessing as mp
 import aiosnap
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _harness import drop_cache, fsync_path, publish
+from _harness import drop_cache, file_store, fsync_path, publish
 from _peers import cpu_stager, timed_async_save
 
 MiB = 1 << 20
@@ -124,13 +124,6 @@ def raw_write(state: dict[str, Any], directory: Path, step: int, share: int) -> 
     return total, total
 
 
-def _fresh_store(path: Path) -> str:
-    """A FileStore's URL for the ranks to meet at. A free TCP port found beforehand could
-    be taken by another socket before rank 0 binds it (a smoke test failed so)."""
-    path.unlink(missing_ok=True)
-    return f"file://{path}"
-
-
 def _rank_main(rank: int, ranks: int, store: str, args: argparse.Namespace) -> None:
     warnings.simplefilter("ignore")
     dist.init_process_group(
@@ -210,7 +203,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     args.scratch, args.result = str(scratch), str(out / "ranks.json")
-    store = _fresh_store(scratch / "ranks.store")
+    store = file_store(scratch / "ranks.store")
     mp.start_processes(_rank_main, args=(args.ranks, store, args), nprocs=args.ranks, start_method="spawn")
     data = json.loads(Path(args.result).read_text())
     table = render(data)

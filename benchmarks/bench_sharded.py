@@ -36,7 +36,7 @@ import torch.multiprocessing as mp
 import aiosnap
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _harness import drop_cache, fsync_path, publish
+from _harness import drop_cache, file_store, fsync_path, publish
 from _peers import cpu_stager, timed_async_save
 
 MiB = 1 << 20
@@ -211,13 +211,8 @@ def _rank_main(rank: int, world: int, store: str, phase: str, args: argparse.Nam
 
 
 def _spawn(world: int, phase: str, args: argparse.Namespace) -> dict[str, Any]:
-    # A FileStore, not a free TCP port found beforehand, which another socket could take
-    # before rank 0 binds it.
-    store = Path(args.scratch) / f"{phase}.store"
-    store.unlink(missing_ok=True)
-    mp.start_processes(
-        _rank_main, args=(world, f"file://{store}", phase, args), nprocs=world, start_method="spawn"
-    )
+    store = file_store(Path(args.scratch) / f"{phase}.store")
+    mp.start_processes(_rank_main, args=(world, store, phase, args), nprocs=world, start_method="spawn")
     result: dict[str, Any] = json.loads(Path(args.result + f".{phase}").read_text())
     return result
 

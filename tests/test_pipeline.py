@@ -18,10 +18,12 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
+import numpy as np
 import pytest
 import torch
 
 import aiosnap
+from aiosnap import _stage
 
 from .faults import HookedPosix
 from .test_device import FakeDevice
@@ -221,10 +223,6 @@ async def test_large_copies_are_split_with_a_helper_thread_and_land_whole(
     # Sizes about the split threshold, odd ones, and a leaf copied in 64 MiB chunks when
     # pipelined. The copies are only watched (the real np.copyto does them): the second
     # half of every large one must be copied on the helper thread, and every byte land.
-    import numpy as np
-
-    from aiosnap import _stage
-
     threads: set[str] = set()
     copyto = np.copyto
 

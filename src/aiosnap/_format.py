@@ -20,7 +20,6 @@ import codecs
 import dataclasses
 import struct
 import zipfile
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -252,7 +251,7 @@ class _Parser:
             raise self.fail(f"header length {n} does not fit a file of {size} bytes")
         raw = bytearray(8 + n)
         self.f.readinto(0, memoryview(raw))
-        obj = self.json(_decode(memoryview(raw)[8:]), "header")
+        obj = self.json(memoryview(raw)[8:], "header")
         if not isinstance(obj, dict):
             raise self.fail("header is not a JSON object")
         entries = self.entries(obj, size - 8 - n)
@@ -267,11 +266,11 @@ class _Parser:
         release(entries)
         return dataclasses.replace(header, checksum=meta[CRC_KEY])
 
-    def json(self, data: Callable[[], str] | str, what: str) -> Any:
+    def json(self, data: memoryview | str, what: str) -> Any:
         # The metadata is text already, and may hold lone surrogates (JSON escapes can
         # write them): it is parsed as it is, never encoded again.
         try:
-            return _json.loads(data if isinstance(data, str) else data())
+            return _json.loads(data if isinstance(data, str) else _decode(data))
         except (UnicodeDecodeError, ValueError, RecursionError) as exc:
             raise self.fail(f"{what} is not valid JSON ({type(exc).__name__})") from None
 
@@ -457,17 +456,12 @@ class _Parser:
 _DECODE_SLICE = 1 << 20
 
 
-def _decode(data: memoryview) -> Callable[[], str]:
-    """``data`` decoded as UTF-8 a slice at a time, when called (a UnicodeDecodeError
-    is a malformed header)."""
-
-    def run() -> str:
-        decoder = codecs.getincrementaldecoder("utf-8")()
-        parts = [decoder.decode(data[i : i + _DECODE_SLICE]) for i in range(0, len(data), _DECODE_SLICE)]
-        parts.append(decoder.decode(b"", final=True))
-        return "".join(parts)
-
-    return run
+def _decode(data: memoryview) -> str:
+    """``data`` decoded as UTF-8 a slice at a time."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    parts = [decoder.decode(data[i : i + _DECODE_SLICE]) for i in range(0, len(data), _DECODE_SLICE)]
+    parts.append(decoder.decode(b"", final=True))
+    return "".join(parts)
 
 
 def nbytes(shape: list[int], itemsize: int) -> int | None:

@@ -211,8 +211,8 @@ def gc_paused(keep: bool = False) -> Iterator[None]:
 _RELEASE_SLICE = 1024
 
 
-def release(*containers: dict[Any, Any] | list[Any] | set[Any]) -> None:
-    """Empty large dicts, lists and sets a slice of items at a time, from a worker thread.
+def release(*containers: dict[Any, Any] | list[Any]) -> None:
+    """Empty large dicts and lists a slice of items at a time, from a worker thread.
 
     Freeing a 100,000-entry header at once is one cascade of deallocations in C: 20-40
     ms in which the thread keeps the GIL, so the event loop stalls. Between slices the
@@ -222,10 +222,6 @@ def release(*containers: dict[Any, Any] | list[Any] | set[Any]) -> None:
             while c:
                 for _ in range(min(len(c), _RELEASE_SLICE)):
                     c.popitem()
-        elif isinstance(c, set):
-            while c:
-                for _ in range(min(len(c), _RELEASE_SLICE)):
-                    c.pop()
         else:
             while c:
                 del c[-_RELEASE_SLICE:]
