@@ -25,6 +25,7 @@ import torch
 import aiosnap
 from aiosnap import _stage
 
+from .conftest import temp_files
 from .faults import HookedPosix
 from .test_device import FakeDevice
 
@@ -97,10 +98,6 @@ async def after_first_save(
         writer._copier = fake
         await (await writer("ckpt", str(tmp_path), next_state(1, fake, disk))).wait()
         yield writer, disk, fake
-
-
-def temp_files(directory: Path) -> list[str]:
-    return [p.name for p in directory.iterdir() if p.name.startswith(aiosnap.TEMP_PREFIX)]
 
 
 async def assert_step(path: Path, step: int) -> None:
@@ -243,3 +240,28 @@ async def test_large_copies_are_split_with_a_helper_thread_and_land_whole(
     loaded = await aiosnap.load(str(tmp_path / "ckpt"))
     assert loaded.keys() == state.keys()
     assert all(torch.equal(loaded[k], v) for k, v in state.items())
+
+
+@pytest.mark.parametrize("pipeline", [True, False])
+async def test_a_failed_copy_on_the_helper_fails_the_save_and_keeps_the_previous_checkpoint(
+    pipeline: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = {"w": torch.zeros(2 * _stage._SPLIT_MIN // 4)}  # split: its second half goes to the helper
+    copyto = np.copyto
+
+    def failing_on_the_helper(dst: Any, src: Any, *args: Any, **kwargs: Any) -> None:
+        if threading.current_thread().name.startswith("aiosnap-side"):
+            raise OSError(errno.EIO, "injected on the helper")
+        copyto(dst, src, *args, **kwargs)
+
+    async with aiosnap.QueueWriter(pipeline=pipeline) as writer:
+        await (await writer("ckpt", str(tmp_path), state)).wait()
+        state["w"] += 1
+        monkeypatch.setattr(np, "copyto", failing_on_the_helper)
+        with pytest.raises(OSError, match="injected on the helper"):
+            await (await writer("ckpt", str(tmp_path), state)).wait()
+        monkeypatch.undo()
+        await (await writer("next", str(tmp_path), state)).wait()  # the writer goes on
+    assert bool((await aiosnap.load(str(tmp_path / "ckpt")))["w"].eq(0).all())
+    assert bool((await aiosnap.load(str(tmp_path / "next")))["w"].eq(1).all())
+    assert temp_files(tmp_path) == []
