@@ -377,3 +377,106 @@ def test_hostile_external_entries(good_file: Path, external: Any, match: str) ->
 def test_a_sealed_header_passes_unchanged(good_file: Path) -> None:
     _rewrite_sealed(good_file, lambda meta: None)  # the helper itself is sound
     assert aiosnap.verify_sync(str(good_file)).tensors == 2
+
+
+def _reseal(path: Path, edit_text: Any, seal: bytes = b'"aiosnap_crc32c":"', occurrence: int = 0) -> None:
+    """Edit the header's text as bytes, then write a checksum computed as the format
+    computes it, at the given occurrence of ``seal``."""
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    text = edit_text(data[8 : 8 + n].rstrip(b" "))
+    assert len(text) <= n
+    raw = bytearray(data[:8] + text + b" " * (n - len(text)))
+    at = -1
+    for _ in range(occurrence + 1):
+        at = raw.find(seal, at + 1)
+    assert at >= 0
+    at += len(seal)
+    raw[at : at + 8] = b"00000000"
+    raw[at : at + 8] = f"{crc32c(raw):08x}".encode()
+    path.write_bytes(bytes(raw) + data[8 + n :])
+
+
+def test_the_header_checksum_is_read_where_the_format_puts_it(good_file: Path) -> None:
+    key = b'"aiosnap_crc32c":'
+    _reseal(good_file, lambda t: t)  # the writer's own seal, done again
+    assert aiosnap.verify_sync(str(good_file)).tensors == 2
+    # Valid JSON holding the right checksum, but not in the compact form the writer
+    # writes, or not once: refused before any of the document is trusted.
+    _reseal(good_file, lambda t: t.replace(key, key + b" "), seal=key + b' "')
+    _corrupt(good_file, "not where the format puts it")
+    _reseal(good_file, lambda t: t.replace(key + b' "', key + b'"'))  # back to the compact form
+    assert aiosnap.verify_sync(str(good_file)).tensors == 2
+    _reseal(good_file, lambda t: t.replace(key, key + b'"00000000",' + key), occurrence=1)
+    _corrupt(good_file, "not where the format puts it")  # JSON keeps the second: it passed before
+
+
+def test_an_altered_or_unsealed_header_is_refused(good_file: Path) -> None:
+    original = good_file.read_bytes()
+    data = bytearray(original)
+    at = data.find(b'"a":{')
+    data[at + 1 : at + 2] = b"z"  # an entry renamed: still valid JSON
+    good_file.write_bytes(data)
+    _corrupt(good_file, "header checksum mismatch")
+    good_file.write_bytes(original.replace(b'"aiosnap_crc32c":"', b'"aiosnap_crc32d":"'))
+    _corrupt(good_file, "header checksum is missing")
+
+
+def _padded(path: Path, chars: int) -> int:
+    """Put a long string, escaped twice over in the header, into the aiosnap document,
+    with a format version the reader refuses once it has parsed it all; the header size."""
+
+    def edit(meta: dict[str, Any]) -> None:
+        meta["padding"] = 'a"b\\' * (chars // 4)
+        meta["version"] = 99
+
+    n, header = _header(path)
+    meta = json.loads(header["__metadata__"]["aiosnap"])
+    edit(meta)
+    header["__metadata__"]["aiosnap"] = json.dumps(meta)
+    header["__metadata__"]["aiosnap_crc32c"] = "00000000"
+    text = json.dumps(header, separators=(",", ":")).encode()
+    data = path.read_bytes()
+    raw = struct.pack("<Q", len(text)) + text
+    raw = raw.replace(b'"00000000"', f'"{crc32c(raw):08x}"'.encode())
+    path.write_bytes(raw + data[8 + n :])  # the data section's offsets are relative to it
+    return len(text)
+
+
+def test_a_large_header_is_parsed_holding_few_copies_of_it(good_file: Path) -> None:
+    """The raw bytes, their text, the aiosnap document and the strings in it are never
+    all alive at once: a hostile 1 GiB header must not take 4-5 GiB to be refused."""
+    import tracemalloc
+
+    size = _padded(good_file, 4 << 20)
+    assert size > 8 << 20  # the 4M characters, escaped twice
+    tracemalloc.start()
+    try:
+        _corrupt(good_file, "format version 99")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # 2.2x here: the text, then the document's string with its decoded pieces. The raw
+    # bytes kept beside them and every string joined from pieces made it 5.2x.
+    assert peak < 3 * size, (peak / size, size)
+
+
+async def test_a_failed_load_keeps_nothing_of_its_file_alive(good_file: Path) -> None:
+    """An idle worker thread holds its last job's exception; the frames of that
+    exception's traceback must not hold the parsed header (tens of MB per thread)."""
+    import gc
+    import tracemalloc
+
+    size = _padded(good_file, 4 << 20)
+    tracemalloc.start()
+    try:
+        before, _ = tracemalloc.get_traced_memory()
+        for call in (aiosnap.load, aiosnap.verify):
+            with pytest.raises(aiosnap.CorruptCheckpointError, match="format version 99") as info:
+                await call(str(good_file))
+            del info
+        gc.collect()
+        after, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert after - before < size // 4, (after - before, size)

@@ -251,7 +251,11 @@ class _Parser:
             raise self.fail(f"header length {n} does not fit a file of {size} bytes")
         raw = bytearray(8 + n)
         self.f.readinto(0, memoryview(raw))
-        obj = self.json(memoryview(raw)[8:], "header")
+        # The checksum is taken before the text is decoded, so that the raw bytes are
+        # freed before the text is joined: the parse never holds more than two copies of
+        # the header (a hostile one can be 1 GiB).
+        seal = _seal(raw)
+        obj = self.json(raw, "header")
         if not isinstance(obj, dict):
             raise self.fail("header is not a JSON object")
         entries = self.entries(obj, size - 8 - n)
@@ -261,12 +265,12 @@ class _Parser:
             return Header(8 + n, self.plain(entries), None, None)
         if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
             raise self.fail("__metadata__ is not a map of strings")
-        self.check_header_crc(raw, meta)
+        self.check_header_crc(seal, meta)
         header = self.aiosnap(8 + n, entries, self.json(meta[META_KEY], "metadata"))
         release(entries)
         return dataclasses.replace(header, checksum=meta[CRC_KEY])
 
-    def json(self, data: memoryview | str, what: str) -> Any:
+    def json(self, data: bytearray | str, what: str) -> Any:
         # The metadata is text already, and may hold lone surrogates (JSON escapes can
         # write them): it is parsed as it is, never encoded again.
         try:
@@ -325,17 +329,13 @@ class _Parser:
             for name, (code, shape, start, end) in entries.items()
         }
 
-    def check_header_crc(self, raw: bytearray, meta: dict[str, str]) -> None:
+    def check_header_crc(self, seal: tuple[str, bool] | None, meta: dict[str, str]) -> None:
         stored = meta.get(CRC_KEY)
         if stored is None or len(stored) != 8 or not _is_hex(stored):
             raise self.fail("header checksum is missing or malformed")
-        needle = f'"{CRC_KEY}":"{stored}"'.encode()
-        at = raw.find(needle)
-        if at < 0 or raw.find(needle, at + 1) >= 0:
+        if seal is None or seal[0] != stored:
             raise self.fail("header checksum is not where the format puts it")
-        at += len(CRC_KEY) + 4
-        raw[at : at + 8] = CRC_ZERO.encode()
-        if f"{crc32c(raw):08x}" != stored:
+        if not seal[1]:
             raise self.fail("header checksum mismatch: the header was altered")
 
     def aiosnap(
@@ -456,12 +456,35 @@ class _Parser:
 _DECODE_SLICE = 1 << 20
 
 
-def _decode(data: memoryview) -> str:
-    """``data`` decoded as UTF-8 a slice at a time."""
+def _decode(raw: bytearray) -> str:
+    """The header text of ``raw`` (its length prefix, then UTF-8), decoded a slice at a
+    time. ``raw`` is emptied before the slices are joined, to hold two copies at most."""
     decoder = codecs.getincrementaldecoder("utf-8")()
-    parts = [decoder.decode(data[i : i + _DECODE_SLICE]) for i in range(0, len(data), _DECODE_SLICE)]
+    with memoryview(raw) as data:
+        parts = [decoder.decode(data[i : i + _DECODE_SLICE]) for i in range(8, len(data), _DECODE_SLICE)]
     parts.append(decoder.decode(b"", final=True))
+    raw.clear()
     return "".join(parts)
+
+
+_SEAL = f'"{CRC_KEY}":"'.encode()
+
+
+def _seal(raw: bytearray) -> tuple[str, bool] | None:
+    """The header checksum ``raw`` holds where the format puts it (the one value of
+    ``CRC_KEY``, in compact JSON), and whether it matches ``raw``; None if the key is
+    not there exactly once. ``raw`` is left as it was."""
+    at = raw.find(_SEAL)
+    if at < 0 or raw.find(_SEAL, at + 1) >= 0:
+        return None
+    at += len(_SEAL)
+    stored = bytes(raw[at : at + 8])
+    if len(stored) != 8 or raw[at + 8 : at + 9] != b'"':
+        return None
+    raw[at : at + 8] = CRC_ZERO.encode()
+    computed = f"{crc32c(raw):08x}"
+    raw[at : at + 8] = stored
+    return stored.decode("latin-1"), computed == stored.decode("latin-1")
 
 
 def nbytes(shape: list[int], itemsize: int) -> int | None:

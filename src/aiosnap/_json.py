@@ -180,19 +180,25 @@ class _Parser:
     def string(self, p: int) -> tuple[str, int]:
         """A string longer than a window, from just after its opening quote: decoded a
         slice at a time, each cut where no escape sequence (nor a surrogate pair of
-        them) is split."""
-        s, parts = self.s, []
+        them) is split. Slices without escapes (the common case) are not kept: they
+        are sliced out of the text once at the end, so a string of plain text costs one
+        copy of itself, not two."""
+        s, start, parts = self.s, p, list[str]()
         while True:
             q = min(p + WINDOW, len(s))
             if q < len(s):
                 q = _safe_cut(s, p, q)
             piece = '"' + s[p:q] + '"'
             text, end = _scanstring(piece, 1)  # raises on a control character or bad escape
-            parts.append(text)
+            stop = p + end - 2 if end < len(piece) else q  # where this slice's text ends in s
+            if parts or len(text) != stop - p:  # escapes decode shorter: keep the decoded text
+                if not parts:
+                    parts.append(s[start:p])
+                parts.append(text)
             if end < len(piece):  # the string's own closing quote is inside this slice
-                return "".join(parts), p + end - 1
+                return ("".join(parts) if parts else s[start:stop]), stop + 1
             if q == len(s):
-                raise json.JSONDecodeError("Unterminated string starting at", s, p - 1)
+                raise json.JSONDecodeError("Unterminated string starting at", s, start - 1)
             p = q
 
 

@@ -12,6 +12,7 @@ import contextlib
 import gc
 import os
 import threading
+import traceback
 import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -56,17 +57,41 @@ def _limiter(kind: str) -> anyio.CapacityLimiter:
 
 async def run_io(fn: Callable[..., T], *args: object) -> T:
     """Run blocking file I/O in a worker thread."""
-    return await anyio.to_thread.run_sync(fn, *args, limiter=_limiter("io"))
+    return await anyio.to_thread.run_sync(_unpinned, fn, *args, limiter=_limiter("io"))
 
 
 async def run_cpu(fn: Callable[..., T], *args: object) -> T:
     """Run a blocking copy, checksum or (un)pickle in a worker thread."""
-    return await anyio.to_thread.run_sync(fn, *args, limiter=_limiter("cpu"))
+    return await anyio.to_thread.run_sync(_unpinned, fn, *args, limiter=_limiter("cpu"))
 
 
 async def run_commit(fn: Callable[..., T], *args: object) -> T:
     """Run a pipelined commit, which waits for its staging, in a worker thread."""
-    return await anyio.to_thread.run_sync(fn, *args, limiter=_limiter("commit"))
+    return await anyio.to_thread.run_sync(_unpinned, fn, *args, limiter=_limiter("commit"))
+
+
+def _unpinned(fn: Callable[..., T], *args: object) -> T:
+    """``fn(*args)``, its failure raised with the local variables of its traceback's
+    frames cleared. An idle anyio worker thread holds its last job, and so that job's
+    exception and every frame the exception went through, until it takes another job:
+    a failed load of a 62 MB header kept two copies of it alive, per thread."""
+    try:
+        return fn(*args)
+    except BaseException as exc:
+        _clear_frames(exc)
+        raise
+
+
+def _clear_frames(exc: BaseException) -> None:
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)  # skips the frames still running
+        todo += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]
 
 
 def from_loop(fn: Callable[..., T], *args: object) -> T:
@@ -78,7 +103,9 @@ def from_loop(fn: Callable[..., T], *args: object) -> T:
 async def run_coord(fn: Callable[..., T], *args: object) -> T:
     """Run a blocking exchange with other ranks in a worker thread. Every such call has
     its own deadline; a cancelled caller abandons the thread to it."""
-    return await anyio.to_thread.run_sync(fn, *args, limiter=_limiter("coord"), abandon_on_cancel=True)
+    return await anyio.to_thread.run_sync(
+        _unpinned, fn, *args, limiter=_limiter("coord"), abandon_on_cancel=True
+    )
 
 
 #: Helper threads beside worker threads (``side_thread``): one core's worth each.
