@@ -128,32 +128,56 @@ def header_template(
 
     The per-tensor JSON is written directly: a generic encoder spends ~10 us on each
     small object (seconds for a state of 100,000 tensors), or holds the GIL for the
-    whole header if called once. Names go through the C string escaper."""
+    whole header if called once. Names go through the C string escaper. The aiosnap
+    document is a JSON string inside the header, so its pieces are written escaped:
+    a whole tensor's piece directly in that form (escaping it costs ~0.5 us), any other
+    text through the escaper."""
     pieces: list[str] = []
     holes: list[int] = []
     blocks: list[int] = []
     entries: list[str] = []
     dtypes: dict[str, str] = {}
-    text = f'{{"version":{FORMAT_VERSION},"checksum":"crc32c","tensors":{{'
+    plain: dict[str, tuple[str, str]] = {}  # dtype name: (its JSON, escaped; its safetensors code)
+    text = _escaped(f'{{"version":{FORMAT_VERSION},"checksum":"crc32c","tensors":{{')
     for t in tensors:
         name, shape = json_string(t.name), _int_list(t.shape)
+        if t.kind == "tensor" and t.shard is None:
+            # The common entry (a whole tensor) in fewer steps: ~1.5 us of 3 per tensor.
+            known = plain.get(t.dtype)
+            if known is None:
+                code, _ = st_entry("tensor", t.dtype, (), 0)
+                known = plain[t.dtype] = (_escaped(json_string(t.dtype)), code)
+            dtype, code = known
+            # A name whose JSON has no escape has none when escaped again but its quotes.
+            quoted = f'\\"{name[1:-1]}\\"' if "\\" not in name else _escaped(name)
+            pieces.append(
+                f'{text}{quoted}:{{\\"kind\\":\\"tensor\\",\\"dtype\\":{dtype},\\"shape\\":{shape},\\"crc32c\\":\\"'
+            )
+            holes.append(1)
+            blocks.append(0)
+            text = _CLOSE
+            st_shape_text = shape if code != "U8" or t.dtype == "uint8" else f"[{t.end - t.start}]"
+            entries.append(
+                f'{name}:{{"dtype":"{code}","shape":{st_shape_text},"data_offsets":[{t.start},{t.end}]}}'
+            )
+            continue
         dtype = dtypes.get(t.dtype) or dtypes.setdefault(t.dtype, json_string(t.dtype))
-        text += f'{name}:{{"kind":"{t.kind}","dtype":{dtype},"shape":{shape},{_shard_text(t)}'
+        text += _escaped(f'{name}:{{"kind":"{t.kind}","dtype":{dtype},"shape":{shape},{_shard_text(t)}')
         k = block_count(t.nbytes) if t.shard is not None and t.nbytes > BLOCK else 0
         if k:
-            pieces.append(text + '"blocks":"')
+            pieces.append(text + _escaped('"blocks":"'))
             holes.append(k)
-            text = '",'
-        pieces.append(text + '"crc32c":"')
+            text = _escaped('",')
+        pieces.append(text + _escaped('"crc32c":"'))
         holes.append(1)
         blocks.append(k)
-        text = '"},'
+        text = _CLOSE
         code, st_shape = st_entry(t.kind, t.dtype, t.shape, t.nbytes)
         st_shape_text = shape if st_shape == list(t.shape) else _int_list(st_shape)
         entries.append(
             f'{name}:{{"dtype":"{code}","shape":{st_shape_text},"data_offsets":[{t.start},{t.end}]}}'
         )
-    tail = [text[:-1] if tensors else text, '},"tree":', tree]
+    tail = ['},"tree":', tree]
     if external:
         described = (
             f'{json_string(t.name)}:{{"kind":"{t.kind}","dtype":{json_string(t.dtype)},'
@@ -161,8 +185,16 @@ def header_template(
             for t in external
         )
         tail += [',"external":{', ",".join(described), "}"]
-    pieces.append("".join(tail) + "}")
+    pieces.append((text[:-1] if tensors else text) + _escaped("".join(tail) + "}"))
     return HeaderTemplate(pieces, holes, blocks, ",".join(entries))
+
+
+def _escaped(text: str) -> str:
+    """``text`` as the inside of a JSON string."""
+    return json_string(text)[1:-1]
+
+
+_CLOSE = _escaped('"},')
 
 
 def _shard_text(t: TensorInfo) -> str:

@@ -7,7 +7,9 @@ shared memory, starts in a blink.
 from __future__ import annotations
 
 import array
+import itertools
 import json
+import operator
 import struct
 from collections.abc import Iterator, Sequence
 
@@ -98,7 +100,8 @@ def block_count(nbytes: int) -> int:
 class HeaderTemplate:
     """A header laid out before the checksums are known; ``render`` fills them in.
 
-    Built from ``pieces`` of the aiosnap metadata JSON with a *hole* for checksums
+    Built from ``pieces`` of the aiosnap metadata JSON, escaped as the inside of a JSON
+    string (ASCII), with a *hole* for checksums
     between each two (``holes[i]`` checksums of 8 hex digits between pieces i and i+1:
     an entry's whole checksum, or its block checksums), ``blocks`` (per entry, whether
     it has block checksums) and ``entries``, the safetensors entries without their
@@ -109,17 +112,27 @@ class HeaderTemplate:
     """
 
     def __init__(self, pieces: list[str], holes: list[int], blocks: list[int], entries: str) -> None:
-        # The metadata is stored as a JSON string inside the header: pieces are escaped.
-        # All of it is ASCII: offsets in the text are offsets in the bytes.
-        escaped = [json_string(p)[1:-1] for p in pieces]
+        # The metadata is stored as a JSON string inside the header: the pieces come
+        # escaped, so all of it is ASCII, and offsets in the text are offsets in the bytes.
+        escaped = pieces
         start = f'{{"__metadata__":{{"{META_KEY}":"'
         parts = [start]
         pos, at = 8 + len(start), array.array("q")
-        for piece, hole in zip(escaped, [*holes, 0], strict=True):
-            parts += [piece, CRC_ZERO * hole]
-            pos += len(piece)
-            at.extend(range(pos, pos + 8 * hole, 8))
-            pos += 8 * hole
+        if holes.count(1) == len(holes) == len(escaped) - 1:
+            # One checksum after each piece but the last (whole tensors only): laid out
+            # by C-level iteration, ~0.5 us less per tensor than the loop below.
+            ends = itertools.accumulate(map(len, escaped[:-1]), initial=pos)
+            at.extend(map(operator.add, itertools.islice(ends, 1, None), range(0, 8 * len(holes), 8)))
+            for i in range(0, len(holes), _JOINED):
+                parts += [CRC_ZERO.join(escaped[i : min(i + _JOINED, len(holes))]), CRC_ZERO]
+            parts.append(escaped[-1])
+            pos += sum(map(len, escaped)) + 8 * len(holes)
+        else:
+            for piece, hole in zip(escaped, [*holes, 0], strict=True):
+                parts += [piece, CRC_ZERO * hole]
+                pos += len(piece)
+                at.extend(range(pos, pos + 8 * hole, 8))
+                pos += 8 * hole
         self._holes = at  # where each checksum goes
         self._crc_at = pos + len(CRC_KEY) + 6  # after '","' CRC_KEY '":"'
         parts += [f'","{CRC_KEY}":"{CRC_ZERO}"}}', "," if entries else "", entries, "}"]
@@ -154,6 +167,8 @@ class HeaderTemplate:
 
 #: Bytes encoded or copied per C call while a header is laid out or rendered.
 _SLICE = 1 << 20
+#: Pieces joined per C call while a header is laid out: ~100 KB of text.
+_JOINED = 1024
 
 
 def _encoded(parts: list[str]) -> Iterator[bytes]:
@@ -183,8 +198,13 @@ def seal(image: memoryview, template: HeaderTemplate, spans: Sequence[int]) -> l
     has moved on."""
     start = template.size
     crcs: list[int] = []
-    for i in range(0, len(spans), 2):
-        crcs += entry_crcs(image[start + spans[i] : start + spans[i + 1]], template.blocks[i // 2])
+    whole = _crc32c.crc32c
+    for i, blocks in enumerate(template.blocks):
+        data = image[start + spans[2 * i] : start + spans[2 * i + 1]]
+        if blocks:
+            crcs += entry_crcs(data, blocks)
+        else:  # the common entry, inline: a call less per tensor
+            crcs.append(whole(data))
     template.render_into(image[:start], crcs)
     return crcs
 

@@ -13,8 +13,10 @@ from __future__ import annotations
 import array
 import ctypes
 import functools
+import itertools
 import json
 import mmap
+import operator
 import pickle
 import threading
 import time
@@ -229,7 +231,7 @@ def _describe(leaf: Leaf) -> tuple[str, tuple[int, ...], int]:
     """(file dtype, shape, nbytes) of a leaf; pickles must already be bytes."""
     value = leaf.value
     if leaf.kind == "tensor":
-        return _dtypes.torch_name(value.dtype), tuple(value.shape), value.numel() * value.itemsize
+        return _dtypes.torch_name(value.dtype), tuple(value.shape), value.nbytes
     if leaf.kind == "pickle":
         return "|u1", (len(value),), len(value)
     dtype = _dtypes.numpy_file_dtype(value.dtype)
@@ -258,9 +260,13 @@ class Plan:
 def plan(snapshot: Snapshot) -> Plan:
     """Pickle what must be pickled and lay the image out."""
     leaves = [_pickled(leaf) for leaf in snapshot.leaves]
-    infos, pos = [], 0
+    infos, pos, name_of = [], 0, _dtypes.torch_name
     for leaf in leaves:
-        dtype, shape, nbytes = _describe(leaf)
+        if leaf.kind == "tensor":  # _describe's common case, inline: ~0.3 us less per tensor
+            t = leaf.value
+            dtype, shape, nbytes = name_of(t.dtype), tuple(t.shape), t.nbytes
+        else:
+            dtype, shape, nbytes = _describe(leaf)
         infos.append(TensorInfo(leaf.name, leaf.kind, dtype, shape, pos, pos + nbytes, 0, leaf.shard))
         pos += nbytes
     external = [
@@ -300,7 +306,7 @@ def stage(
             pool.release(arena)
         raise
     infos = layout.tensors
-    spans = array.array("q", (x for t in infos for x in (t.start, t.end)))
+    spans = array.array("q", itertools.chain.from_iterable(map(_START_END, infos)))
     staged = StagedImage(arena, layout.size, layout.template, spans, time.perf_counter() - t0)
     if keep_tree:
         staged.tensors, staged.tree = infos, layout.tree
@@ -474,6 +480,10 @@ def _pickled(leaf: Leaf) -> Leaf:
     return Leaf(leaf.name, leaf.kind, pickle.dumps(leaf.value, protocol=pickle.HIGHEST_PROTOCOL))
 
 
+_memmove = ctypes.memmove
+_START_END = operator.attrgetter("start", "end")
+
+
 class _SmallCopy:
     """Small contiguous host tensors, each copied into the arena by one ``memmove``
     from its data pointer: per tensor, a NumPy view costs ~1.5 us more, and a torch
@@ -485,14 +495,15 @@ class _SmallCopy:
     def add(self, leaf: Leaf, info: TensorInfo) -> bool:
         """Copy ``leaf`` if it is a small tensor whose bytes lie contiguous in host
         memory, as they go to the file; False if it needs the general copy."""
-        t = leaf.value
-        if leaf.kind != "tensor" or not 0 < info.nbytes < _SMALL:
+        t, n = leaf.value, info.end - info.start
+        if leaf.kind != "tensor" or not 0 < n < _SMALL:
             return False
-        if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
+        # is_cpu, not device.type: 0.04 us against 0.25, per tensor.
+        if not t.is_cpu or not t.is_contiguous() or t.is_conj() or t.is_neg():
             return False
-        if t.numel() * t.itemsize != info.nbytes:  # resized since the plan: the general copy fails
+        if t.nbytes != n:  # resized since the plan: the general copy fails
             return False
-        ctypes.memmove(self.base + info.start, t.data_ptr(), info.nbytes)
+        _memmove(self.base + info.start, t.data_ptr(), n)
         return True
 
 
