@@ -11,7 +11,7 @@ import itertools
 import json
 import operator
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import crc32c as _crc32c
 
@@ -21,8 +21,9 @@ CRC_KEY = "aiosnap_crc32c"
 CRC_ZERO = "00000000"
 
 
-def crc32c(data: memoryview | bytes | bytearray, value: int = 0) -> int:
-    return int(_crc32c.crc32c(data, value))
+#: ``crc32c(data, value=0)``: the C function itself, called per tensor (a wrapper
+#: around it cost a Python call each).
+crc32c: Callable[..., int] = _crc32c.crc32c
 
 
 _ESCAPE = json.encoder.encode_basestring_ascii
@@ -198,7 +199,7 @@ def seal(image: memoryview, template: HeaderTemplate, spans: Sequence[int]) -> l
     has moved on."""
     start = template.size
     crcs: list[int] = []
-    whole = _crc32c.crc32c
+    whole = crc32c
     for i, blocks in enumerate(template.blocks):
         data = image[start + spans[2 * i] : start + spans[2 * i + 1]]
         if blocks:
