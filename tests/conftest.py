@@ -12,6 +12,8 @@ import pytest
 import torch
 
 import aiosnap
+from aiosnap import _format
+from aiosnap._local import LocalStorage
 
 WRITERS: list[tuple[str, Callable[[], Any]]] = [
     ("simple", lambda: aiosnap.SimpleWriter()),
@@ -90,6 +92,29 @@ def raw_bytes(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     t = t.view(_SAME_WIDTH.get(t.dtype.itemsize, t.dtype))
     return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def headers_both_ways(path: Path) -> tuple[Any, Any, bool]:
+    """The header of a file as read (and whether the shortcut for files as aiosnap
+    writes them took it), and as the general parse reads it."""
+    took: list[bool] = []
+    shortcut = _format._Parser.as_written
+
+    def spy(self: Any, *args: Any) -> Any:
+        found = shortcut(self, *args)
+        took.append(found is not None)
+        return found
+
+    f = LocalStorage().open_read(str(path))
+    try:
+        _format._Parser.as_written = spy  # type: ignore[method-assign]
+        fast = _format.read_header(f)
+        _format._Parser.as_written = lambda self, *args: None  # type: ignore[method-assign]
+        general = _format.read_header(f)
+    finally:
+        _format._Parser.as_written = shortcut  # type: ignore[method-assign]
+        f.close()
+    return fast, general, took == [True]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -22,7 +22,7 @@ import aiosnap
 from aiosnap._dtypes import TORCH_DTYPES
 from aiosnap._header import crc32c
 
-from .conftest import assert_tree_equal, raw_bytes
+from .conftest import assert_tree_equal, headers_both_ways, raw_bytes
 
 
 def _creatable(dtype: torch.dtype) -> bool:
@@ -480,3 +480,48 @@ async def test_a_failed_load_keeps_nothing_of_its_file_alive(good_file: Path) ->
     finally:
         tracemalloc.stop()
     assert after - before < size // 4, (after - before, size)
+
+
+def test_files_as_aiosnap_writes_them_are_read_without_parsing_their_entries(tmp_path: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # complex32 is "experimental"
+        odd = {
+            "c32": torch.zeros(2, dtype=torch.complex32),
+            "u16": torch.tensor([1, 2, 65535], dtype=torch.uint16),
+        }
+    states: dict[str, Any] = {
+        "empty": {},
+        "tensors": {f"t{i}": torch.randn(i % 5, 2) for i in range(50)},
+        "every kind": {
+            'na"me\\ü\U0001f600': torch.arange(3),
+            "x" * 70_000: torch.ones(1),
+            "np": np.arange(6, dtype=">i4").reshape(2, 3),
+            "npscalar": np.float32(1.5),
+            "u8": torch.arange(4, dtype=torch.uint8),
+            "bits": torch.zeros(2, dtype=torch.uint8).view(torch.bits8),
+            "pickled": {1, 2},
+            "zero-d": torch.tensor(2.0),
+            **odd,
+        },
+    }
+    for label, state in states.items():
+        path = tmp_path / label.replace(" ", "_")
+        aiosnap.save_sync(str(path), state, allow_pickle=True)
+        fast, general, took = headers_both_ways(path)
+        assert took, label
+        assert fast == general, label
+
+
+def test_a_header_written_otherwise_is_read_by_the_general_parse(good_file: Path) -> None:
+    want = aiosnap.load_sync(str(good_file))
+    data = good_file.read_bytes()
+    n, header = _header(good_file)
+    header = {k: header[k] for k in sorted(header, reverse=True)}  # entries first, reordered
+    header["__metadata__"]["aiosnap_crc32c"] = "00000000"
+    text = json.dumps(header, indent=1, separators=(",", ":")).encode()
+    assert len(text) <= n
+    raw = data[:8] + text + b" " * (n - len(text))
+    good_file.write_bytes(raw.replace(b'"00000000"', f'"{crc32c(raw):08x}"'.encode()) + data[8 + n :])
+    fast, general, took = headers_both_ways(good_file)
+    assert not took and fast == general
+    assert_tree_equal(aiosnap.load_sync(str(good_file)), want)

@@ -21,6 +21,7 @@ from aiosnap._catalog import INDEX_NAME
 from aiosnap._header import BLOCK
 from aiosnap._posix import Posix
 
+from .conftest import headers_both_ways
 from .test_distributed import ok, run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -209,6 +210,18 @@ def test_one_process_reads_a_group_checkpoint_whole_and_leaves_the_index_alone(s
     assert got["rank2"]["rank"] == 2 and got["loaded"]["step"] == 7
     assert got["report"].checksummed and got["report"].tensors > len(LAYOUTS)
     assert (saved_by_four / INDEX_NAME).read_bytes() == index  # byte for byte: no corrupt marks
+
+
+def test_rank_files_are_read_without_parsing_their_entries(saved_by_four: Path) -> None:
+    """Shards with block checksums and replicated (external) entries take the reader's
+    shortcut for files as aiosnap writes them, to the same header as the general parse."""
+    files = sorted((saved_by_four / "snapshot_iter_7").glob("rank_*"))
+    assert len(files) == 4
+    for path in files:
+        fast, general, took = headers_both_ways(path)
+        assert took and fast == general, path
+    assert any(h.external for h in (headers_both_ways(p)[0] for p in files))
+    assert any(i.blocks for p in files for i in headers_both_ways(p)[0].tensors.values())
 
 
 async def test_a_read_only_manager_works_while_a_writer_holds_the_directory(tmp_path: Path) -> None:

@@ -157,9 +157,7 @@ def header_template(
             blocks.append(0)
             text = _CLOSE
             st_shape_text = shape if code != "U8" or t.dtype == "uint8" else f"[{t.end - t.start}]"
-            entries.append(
-                f'{name}:{{"dtype":"{code}","shape":{st_shape_text},"data_offsets":[{t.start},{t.end}]}}'
-            )
+            entries.append(_entry_text(name, code, st_shape_text, t.start, t.end))
             continue
         dtype = dtypes.get(t.dtype) or dtypes.setdefault(t.dtype, json_string(t.dtype))
         text += _escaped(f'{name}:{{"kind":"{t.kind}","dtype":{dtype},"shape":{shape},{_shard_text(t)}')
@@ -174,9 +172,7 @@ def header_template(
         text = _CLOSE
         code, st_shape = st_entry(t.kind, t.dtype, t.shape, t.nbytes)
         st_shape_text = shape if st_shape == list(t.shape) else _int_list(st_shape)
-        entries.append(
-            f'{name}:{{"dtype":"{code}","shape":{st_shape_text},"data_offsets":[{t.start},{t.end}]}}'
-        )
+        entries.append(_entry_text(name, code, st_shape_text, t.start, t.end))
     tail = ['},"tree":', tree]
     if external:
         described = (
@@ -187,6 +183,12 @@ def header_template(
         tail += [',"external":{', ",".join(described), "}"]
     pieces.append((text[:-1] if tensors else text) + _escaped("".join(tail) + "}"))
     return HeaderTemplate(pieces, holes, blocks, ",".join(entries))
+
+
+def _entry_text(name: str, code: str, shape: str, start: int, end: int) -> str:
+    """A safetensors entry, as the writer writes it and the reader expects it (see
+    ``_Parser.as_written``); ``name`` and ``shape`` are JSON already."""
+    return f'{name}:{{"dtype":"{code}","shape":{shape},"data_offsets":[{start},{end}]}}'
 
 
 def _escaped(text: str) -> str:
@@ -287,7 +289,15 @@ class _Parser:
         # freed before the text is joined: the parse never holds more than two copies of
         # the header (a hostile one can be 1 GiB).
         seal = _seal(raw)
-        obj = self.json(raw, "header")
+        try:
+            text = _decode(raw)
+        except UnicodeDecodeError:
+            raise self.fail("header is not valid JSON (UnicodeDecodeError)") from None
+        written = self.as_written(text, seal, size - 8 - n, 8 + n)
+        if written is not None:
+            return written
+        obj = self.json(text, "header")
+        del text
         if not isinstance(obj, dict):
             raise self.fail("header is not a JSON object")
         entries = self.entries(obj, size - 8 - n)
@@ -302,13 +312,101 @@ class _Parser:
         release(entries)
         return dataclasses.replace(header, checksum=meta[CRC_KEY])
 
-    def json(self, data: bytearray | str, what: str) -> Any:
+    def json(self, text: str, what: str) -> Any:
         # The metadata is text already, and may hold lone surrogates (JSON escapes can
         # write them): it is parsed as it is, never encoded again.
         try:
-            return _json.loads(data if isinstance(data, str) else _decode(data))
-        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+            return _json.loads(text)
+        except (ValueError, RecursionError) as exc:
             raise self.fail(f"{what} is not valid JSON ({type(exc).__name__})") from None
+
+    def as_written(
+        self, text: str, seal: tuple[str, bool] | None, data_len: int, data_start: int
+    ) -> Header | None:
+        """The header of a file as aiosnap writes it, read without parsing its
+        safetensors entries: each is rendered from its description, as the writer
+        renders it, and found in the text (the entries' parse and checks cost ~2 us per
+        tensor). None for any other header: the general parse reads it, and says what
+        is wrong with it if anything is."""
+        if not text.startswith(_META_OPEN):
+            return None
+        try:
+            meta, at = _json.loads_at(text, len(_META_OPEN))
+            if type(meta) is not dict or meta.keys() != _META_KEYS or seal != (meta[CRC_KEY], True):
+                return None
+            doc = _json.loads(meta[META_KEY]) if type(meta[META_KEY]) is str else None
+        except (ValueError, RecursionError):
+            return None
+        if (
+            type(doc) is not dict
+            or type(doc.get("tensors")) is not dict
+            or doc.get("version") != FORMAT_VERSION
+        ):
+            return None
+        described: dict[str, Any] = doc["tensors"]
+        tensors = self.entries_at(text, at, described, data_len)
+        release(described)
+        if tensors is None:
+            return None
+        try:
+            _tree.check(doc.get("tree"))
+            external = self.external(doc, tensors)
+        except (ValueError, CorruptCheckpointError):
+            return None
+        return Header(data_start, tensors, doc.get("tree"), FORMAT_VERSION, external, meta[CRC_KEY])
+
+    def entries_at(
+        self, text: str, at: int, described: dict[str, Any], data_len: int
+    ) -> dict[str, TensorInfo] | None:
+        """The described tensors, if the text from ``at`` holds exactly their
+        safetensors entries (in file order, from offset 0 to ``data_len``) as the writer
+        writes them, then the header's end and its padding; else None."""
+        tensors: dict[str, TensorInfo] = {}
+        pos = 0
+        for name, d in described.items():
+            if type(d) is dict and d.keys() == _WHOLE_TENSOR_KEYS and d["kind"] == "tensor":
+                # The common entry, checked as info() checks it, in fewer steps.
+                dtype, shape, crc = d["dtype"], d["shape"], d["crc32c"]
+                code = _dtypes.native_st_code(dtype) if type(dtype) is str else None
+                size = None if code is None or not _ints(shape) else nbytes(shape, _dtypes.ST_ITEMSIZE[code])
+                if code and size is not None and type(crc) is str and len(crc) == 8 and _is_hex(crc):
+                    end = pos + size
+                    entry = "," + _entry_text(json_string(name), code, _int_list(shape), pos, end)
+                    if not text.startswith(entry, at) or name == "__metadata__":
+                        return None
+                    tensors[name] = TensorInfo(name, "tensor", dtype, tuple(shape), pos, end, int(crc, 16))
+                    pos, at = end, at + len(entry)
+                    continue
+            found = self.entry_at(text, at, name, d, pos)
+            if found is None:
+                return None
+            info, at = found
+            tensors[name], pos = info, info.end
+        if pos != data_len or text[at : at + 1] != "}" or text.count(" ", at + 1) != len(text) - at - 1:
+            return None
+        return tensors
+
+    def entry_at(self, text: str, at: int, name: str, d: Any, pos: int) -> tuple[TensorInfo, int] | None:
+        """Any other description (an array, a pickle, a shard, a dtype without its own
+        safetensors code) at ``pos``, checked by info(), with where its entry ends."""
+        if type(d) is not dict or d.get("kind") not in KINDS or type(d.get("dtype")) is not str:
+            return None
+        kind, dtype, shape, size = d["kind"], d["dtype"], d.get("shape"), itemsize(d["kind"], d["dtype"])
+        if size is None or not _ints(shape) or name == "__metadata__":
+            return None
+        assert isinstance(shape, list)
+        extent = nbytes(shape, size)
+        if extent is None:
+            return None
+        code, st_shape = st_entry(kind, dtype, tuple(shape), extent)
+        end = pos + extent
+        entry = "," + _entry_text(json_string(name), code, _int_list(st_shape), pos, end)
+        if not text.startswith(entry, at):
+            return None
+        try:
+            return self.info(name, d, (code, st_shape, pos, end)), at + len(entry)
+        except CorruptCheckpointError:
+            return None
 
     def entries(self, obj: dict[str, Any], data_len: int) -> dict[str, tuple[str, list[int], int, int]]:
         found: dict[str, tuple[str, list[int], int, int]] = {}
@@ -551,5 +649,7 @@ def _is_hex(s: str) -> bool:
 
 
 _INT_ONLY = {int}
+_META_OPEN = '{"__metadata__":'
+_META_KEYS = frozenset((META_KEY, CRC_KEY))
 _ENTRY_KEYS = frozenset(("dtype", "shape", "data_offsets"))
 _WHOLE_TENSOR_KEYS = frozenset(("kind", "dtype", "shape", "crc32c"))

@@ -34,6 +34,13 @@ def loads(text: str) -> Any:
     return _Parser(text).parse()
 
 
+def loads_at(text: str, i: int) -> tuple[Any, int]:
+    """The JSON value that starts at ``text[i]`` (after any whitespace) and the index
+    just after it, as ``json.JSONDecoder().raw_decode(text, i)`` gives them."""
+    parser = _Parser(text)
+    return parser.value(parser.ws(i), 0)
+
+
 class _Parser:
     def __init__(self, text: str) -> None:
         self.s = text
