@@ -121,13 +121,16 @@ class HeaderTemplate:
         pos, at = 8 + len(start), array.array("q")
         if holes.count(1) == len(holes) == len(escaped) - 1:
             # One checksum after each piece but the last (whole tensors only): laid out
-            # by C-level iteration, ~0.5 us less per tensor than the loop below.
-            ends = itertools.accumulate(map(len, escaped[:-1]), initial=pos)
-            at.extend(map(operator.add, itertools.islice(ends, 1, None), range(0, 8 * len(holes), 8)))
+            # by C-level iteration, ~0.5 us less per tensor than the loop below; a batch
+            # per C call, as one over 100,000 pieces held the GIL for 9 ms.
             for i in range(0, len(holes), _JOINED):
-                parts += [CRC_ZERO.join(escaped[i : min(i + _JOINED, len(holes))]), CRC_ZERO]
+                batch = escaped[i : min(i + _JOINED, len(holes))]
+                ends = itertools.islice(itertools.accumulate(map(len, batch), initial=pos), 1, None)
+                at.extend(map(operator.add, ends, range(0, 8 * len(batch), 8)))
+                pos += sum(map(len, batch)) + 8 * len(batch)
+                parts += [CRC_ZERO.join(batch), CRC_ZERO]
             parts.append(escaped[-1])
-            pos += sum(map(len, escaped)) + 8 * len(holes)
+            pos += len(escaped[-1])
         else:
             for piece, hole in zip(escaped, [*holes, 0], strict=True):
                 parts += [piece, CRC_ZERO * hole]
