@@ -342,9 +342,11 @@ def test_o_direct_falls_back_to_buffered_writes_on_tmpfs() -> None:
         assert os.path.getsize(path) == aiosnap.verify_sync(path).bytes + 4096
 
 
-def _rewrite_sealed(path: Path, edit_meta: Any) -> None:
+def _rewrite_sealed(path: Path, edit_meta: Any, *, grow: bool = False) -> int:
     """Edit the aiosnap metadata and seal the header again with a valid checksum: what a
-    hostile writer can do, so only the reader's own checks stand in its way."""
+    hostile writer can do, so only the reader's own checks stand in its way. With
+    ``grow``, the header may get longer (the data section's offsets are relative to it).
+    The header's new length."""
     data = path.read_bytes()
     n, header = _header(path)
     meta = json.loads(header["__metadata__"]["aiosnap"])
@@ -352,10 +354,12 @@ def _rewrite_sealed(path: Path, edit_meta: Any) -> None:
     header["__metadata__"]["aiosnap"] = json.dumps(meta)
     header["__metadata__"]["aiosnap_crc32c"] = "00000000"
     text = json.dumps(header, separators=(",", ":")).encode()
-    assert len(text) <= n
-    raw = data[:8] + text + b" " * (n - len(text))
+    size = len(text) if grow else n
+    assert len(text) <= size
+    raw = struct.pack("<Q", size) + text + b" " * (size - len(text))
     sealed = raw.replace(b'"00000000"', f'"{crc32c(raw):08x}"'.encode())
     path.write_bytes(sealed + data[8 + n :])
+    return size
 
 
 @pytest.mark.parametrize(
@@ -430,17 +434,7 @@ def _padded(path: Path, chars: int) -> int:
         meta["padding"] = 'a"b\\' * (chars // 4)
         meta["version"] = 99
 
-    n, header = _header(path)
-    meta = json.loads(header["__metadata__"]["aiosnap"])
-    edit(meta)
-    header["__metadata__"]["aiosnap"] = json.dumps(meta)
-    header["__metadata__"]["aiosnap_crc32c"] = "00000000"
-    text = json.dumps(header, separators=(",", ":")).encode()
-    data = path.read_bytes()
-    raw = struct.pack("<Q", len(text)) + text
-    raw = raw.replace(b'"00000000"', f'"{crc32c(raw):08x}"'.encode())
-    path.write_bytes(raw + data[8 + n :])  # the data section's offsets are relative to it
-    return len(text)
+    return _rewrite_sealed(path, edit, grow=True)
 
 
 def test_a_large_header_is_parsed_holding_few_copies_of_it(good_file: Path) -> None:
