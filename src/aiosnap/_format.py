@@ -348,11 +348,13 @@ class _Parser:
         release(described)
         if tensors is None:
             return None
+        # Every check the general parse makes before these has passed: it would raise
+        # what these raise, after parsing the header again.
         try:
             _tree.check(doc.get("tree"))
-            external = self.external(doc, tensors)
-        except (ValueError, CorruptCheckpointError):
-            return None
+        except ValueError as exc:
+            raise self.fail(f"bad tree: {exc}") from None
+        external = self.external(doc, tensors)
         return Header(data_start, tensors, doc.get("tree"), FORMAT_VERSION, external, meta[CRC_KEY])
 
     def entries_at(
