@@ -366,19 +366,17 @@ class _Parser:
         tensors: dict[str, TensorInfo] = {}
         pos = 0
         for name, d in described.items():
-            if type(d) is dict and d.keys() == _WHOLE_TENSOR_KEYS and d["kind"] == "tensor":
-                # The common entry, checked as info() checks it, in fewer steps.
-                dtype, shape, crc = d["dtype"], d["shape"], d["crc32c"]
-                code = _dtypes.native_st_code(dtype) if type(dtype) is str else None
-                size = None if code is None or not _ints(shape) else nbytes(shape, _dtypes.ST_ITEMSIZE[code])
-                if code and size is not None and type(crc) is str and len(crc) == 8 and _is_hex(crc):
-                    end = pos + size
-                    entry = "," + _entry_text(json_string(name), code, _int_list(shape), pos, end)
-                    if not text.startswith(entry, at) or name == "__metadata__":
-                        return None
-                    tensors[name] = TensorInfo(name, "tensor", dtype, tuple(shape), pos, end, int(crc, 16))
-                    pos, at = end, at + len(entry)
-                    continue
+            whole = _whole_tensor(d)
+            size = None if whole is None else nbytes(whole[0], _dtypes.ST_ITEMSIZE[whole[1]])
+            if whole is not None and size is not None:  # the common entry, as info() takes it
+                shape, code, crc = whole
+                end = pos + size
+                entry = "," + _entry_text(json_string(name), code, _int_list(shape), pos, end)
+                if not text.startswith(entry, at) or name == "__metadata__":
+                    return None
+                tensors[name] = TensorInfo(name, "tensor", d["dtype"], tuple(shape), pos, end, crc)
+                pos, at = end, at + len(entry)
+                continue
             found = self.entry_at(text, at, name, d, pos)
             if found is None:
                 return None
@@ -537,21 +535,11 @@ class _Parser:
 
     def info(self, name: str, d: Any, entry: tuple[str, list[int], int, int]) -> TensorInfo:
         code, st_shape, start, end = entry
-        if type(d) is dict and d.keys() == _WHOLE_TENSOR_KEYS and d["kind"] == "tensor":
-            # The common entry: a whole tensor of a dtype safetensors has a code for. Its
-            # safetensors entry, checked already, vouches for the size of this shape, so
-            # the checks below reduce to these (1 us less per entry).
-            dtype, shape, crc = d["dtype"], d["shape"], d["crc32c"]
-            if (
-                type(dtype) is str
-                and _dtypes.native_st_code(dtype) == code
-                and shape == st_shape
-                and _ints(shape)
-                and type(crc) is str
-                and len(crc) == 8
-                and _is_hex(crc)
-            ):
-                return TensorInfo(name, "tensor", dtype, tuple(shape), start, end, int(crc, 16))
+        whole = _whole_tensor(d)
+        # Its safetensors entry, checked already, vouches for the size of this shape, so
+        # the checks below reduce to these (1 us less per entry).
+        if whole is not None and whole[1] == code and d["shape"] == st_shape:
+            return TensorInfo(name, "tensor", d["dtype"], tuple(st_shape), start, end, whole[2])
         if not isinstance(d, dict) or d.get("kind") not in KINDS or not isinstance(d.get("dtype"), str):
             raise self.fail(f"tensor {name!r}: malformed description")
         kind, dtype, shape, crc = d["kind"], d["dtype"], d.get("shape"), d.get("crc32c")
@@ -644,6 +632,18 @@ def _short(value: Any) -> str:
 def _ints(value: Any) -> bool:
     # map(type, ...) and min in C: a generator expression costs twice as much per shape.
     return type(value) is list and (not value or (set(map(type, value)) == _INT_ONLY and min(value) >= 0))
+
+
+def _whole_tensor(d: Any) -> tuple[list[int], str, int] | None:
+    """The shape, safetensors code and checksum of the common description: a whole
+    tensor of a dtype safetensors has a code for, well formed; None for any other."""
+    if type(d) is not dict or d.keys() != _WHOLE_TENSOR_KEYS or d["kind"] != "tensor":
+        return None
+    dtype, shape, crc = d["dtype"], d["shape"], d["crc32c"]
+    code = _dtypes.native_st_code(dtype) if type(dtype) is str else None
+    if code is None or not _ints(shape) or type(crc) is not str or len(crc) != 8 or not _is_hex(crc):
+        return None
+    return shape, code, int(crc, 16)
 
 
 def _is_hex(s: str) -> bool:

@@ -260,13 +260,9 @@ class Plan:
 def plan(snapshot: Snapshot) -> Plan:
     """Pickle what must be pickled and lay the image out."""
     leaves = [_pickled(leaf) for leaf in snapshot.leaves]
-    infos, pos, name_of = [], 0, _dtypes.torch_name
+    infos, pos = [], 0
     for leaf in leaves:
-        if leaf.kind == "tensor":  # _describe's common case, inline: ~0.3 us less per tensor
-            t = leaf.value
-            dtype, shape, nbytes = name_of(t.dtype), tuple(t.shape), t.nbytes
-        else:
-            dtype, shape, nbytes = _describe(leaf)
+        dtype, shape, nbytes = _describe(leaf)
         infos.append(TensorInfo(leaf.name, leaf.kind, dtype, shape, pos, pos + nbytes, 0, leaf.shard))
         pos += nbytes
     external = [

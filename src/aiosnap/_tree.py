@@ -180,11 +180,9 @@ class _Capture:
         return f"[{self.node(key, path)},{self.node(value, (*path, key))}]"
 
     def tensor(self, t: torch.Tensor, path: tuple[object, ...]) -> str:
-        plain = type(t) in _PLAIN_TENSORS and t.layout is torch.strided and not t.is_meta
-        if not plain or not is_storable_torch(t.dtype):  # the common case decided in fewer calls
-            problem = _tensor_problem(t)
-            if problem:
-                return self.other(t, path, problem)
+        problem = _tensor_problem(t)
+        if problem:
+            return self.other(t, path, problem)
         key = (
             "tensor",
             t.device,
