@@ -390,21 +390,19 @@ def _groups(infos: list[TensorInfo], most: int, iovecs: int) -> Iterator[list[Te
     round trip, its GETs run in parallel); entries under SMALL bytes in runs of their
     own, of at most SMALL_GROUP bytes, each one read into a scratch buffer."""
     group: list[TensorInfo] = []
-    small, first, last = False, 0, 0
+    small = False
     for info in infos:
-        start, end = info.start, info.end
         if group and (
-            start != last
-            or (end - start < SMALL) != small
-            or (end - first > SMALL_GROUP if small else len(group) >= iovecs)
-            or end - first > most
+            info.start != group[-1].end
+            or (info.nbytes < SMALL) != small
+            or (info.end - group[0].start > SMALL_GROUP if small else len(group) >= iovecs)
+            or info.end - group[0].start > most
         ):
             yield group
             group = []
         if not group:
-            small, first = end - start < SMALL, start
+            small = info.nbytes < SMALL
         group.append(info)
-        last = end
     if group:
         yield group
 
