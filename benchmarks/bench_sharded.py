@@ -208,6 +208,13 @@ def _rank_main(rank: int, world: int, store: str, phase: str, args: argparse.Nam
         }
         Path(args.result + f".{phase}").write_text(json.dumps(summary))
     dist.destroy_process_group()
+    # Everything is measured and written: leave without the interpreter's finalization.
+    # A rank aborted there once ("terminate called without an active exception", SIGABRT
+    # in a clean-clone CI run of test_sharded_benchmark_runs_small, 2026-11-25), a known
+    # torch hazard of gloo's C++ threads still holding work at exit (pytorch PR 179291).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _spawn(world: int, phase: str, args: argparse.Namespace) -> dict[str, Any]:
