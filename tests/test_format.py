@@ -22,6 +22,7 @@ import aiosnap
 from aiosnap._dtypes import TORCH_DTYPES
 from aiosnap._header import crc32c
 
+from . import hostile
 from .conftest import assert_tree_equal, headers_both_ways, raw_bytes
 
 
@@ -504,6 +505,20 @@ def test_files_as_aiosnap_writes_them_are_read_without_parsing_their_entries(tmp
         fast, general, took = headers_both_ways(path)
         assert took, label
         assert fast == general, label
+
+
+@pytest.mark.parametrize("spelled", [[2.0], [True, 2], ["2"], [[2]], [-2]])
+def test_a_shape_seen_before_vouches_only_for_the_same_spelling(tmp_path: Path, spelled: list[Any]) -> None:
+    # The shortcut checks each (dtype, shape) once and finds it again by the shape's
+    # repr: a later description whose shape is no list of ints (its safetensors entry
+    # left as written) must not pass for the checked one.
+    path = tmp_path / "f"
+    aiosnap.save_sync(str(path), {"a": torch.ones(2), "b": torch.ones(2), "c": torch.ones(2)})
+    parts = hostile.parse(path.read_bytes())
+    parts.meta["tensors"]["b"]["shape"] = spelled
+    path.write_bytes(hostile.render(parts))
+    with pytest.raises(aiosnap.CorruptCheckpointError, match="'b'"):
+        aiosnap.load_sync(str(path))
 
 
 def test_a_header_written_otherwise_is_read_by_the_general_parse(good_file: Path) -> None:

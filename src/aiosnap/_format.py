@@ -365,18 +365,27 @@ class _Parser:
         writes them, then the header's end and its padding; else None."""
         tensors: dict[str, TensorInfo] = {}
         pos = 0
+        # Shapes repeat (every layer of a model, every bias): each (dtype, shape) is
+        # checked and rendered once, found again by the shape's repr (which no other JSON
+        # value shares with a list of ints): 2 us less per entry.
+        common: dict[tuple[str, str], Any] = {}
         for name, d in described.items():
-            whole = _whole_tensor(d)
-            size = None if whole is None else nbytes(whole[0], _dtypes.ST_ITEMSIZE[whole[1]])
-            if whole is not None and size is not None:  # the common entry, as info() takes it
-                shape, code, crc = whole
-                end = pos + size
-                entry = "," + _entry_text(json_string(name), code, _int_list(shape), pos, end)
-                if not text.startswith(entry, at) or name == "__metadata__":
-                    return None
-                tensors[name] = TensorInfo(name, "tensor", d["dtype"], tuple(shape), pos, end, crc)
-                pos, at = end, at + len(entry)
-                continue
+            if type(d) is dict and len(d) == 4 and d.get("kind") == "tensor":
+                dtype, shape, crc = d.get("dtype"), d.get("shape"), d.get("crc32c")
+                if type(dtype) is str and type(shape) is list and type(crc) is str:
+                    key = (dtype, repr(shape))
+                    spec = common.get(key, _MISS)
+                    if spec is _MISS:
+                        spec = common[key] = _common(dtype, shape)
+                    if spec is not None and len(crc) == 8 and not crc.strip(_HEX):
+                        st_shape, code, shape_text, size = spec
+                        end = pos + size
+                        entry = "," + _entry_text(json_string(name), code, shape_text, pos, end)
+                        if not text.startswith(entry, at) or name == "__metadata__":
+                            return None
+                        tensors[name] = TensorInfo(name, "tensor", dtype, st_shape, pos, end, int(crc, 16))
+                        pos, at = end, at + len(entry)
+                        continue
             found = self.entry_at(text, at, name, d, pos)
             if found is None:
                 return None
@@ -634,6 +643,18 @@ def _ints(value: Any) -> bool:
     return type(value) is list and (not value or (set(map(type, value)) == _INT_ONLY and min(value) >= 0))
 
 
+#: A whole tensor's (dtype, shape) as entries_at takes it: the shape, the dtype's
+#: safetensors code, the shape's JSON and the entry's bytes.
+_Common = tuple[tuple[int, ...], str, str, int]
+
+
+def _common(dtype: str, shape: list[Any]) -> _Common | None:
+    """None if the dtype has no safetensors code of its own or the shape is not one."""
+    code = _dtypes.native_st_code(dtype)
+    size = None if code is None or not _ints(shape) else nbytes(shape, _dtypes.ST_ITEMSIZE[code])
+    return None if size is None or code is None else (tuple(shape), code, _int_list(shape), size)
+
+
 def _whole_tensor(d: Any) -> tuple[list[int], str, int] | None:
     """The shape, safetensors code and checksum of the common description: a whole
     tensor of a dtype safetensors has a code for, well formed; None for any other."""
@@ -647,10 +668,12 @@ def _whole_tensor(d: Any) -> tuple[list[int], str, int] | None:
 
 
 def _is_hex(s: str) -> bool:
-    return not s.strip("0123456789abcdef")
+    return not s.strip(_HEX)
 
 
 _INT_ONLY = {int}
+_MISS: Any = object()
+_HEX = "0123456789abcdef"
 _META_OPEN = '{"__metadata__":'
 _META_KEYS = frozenset((META_KEY, CRC_KEY))
 _ENTRY_KEYS = frozenset(("dtype", "shape", "data_offsets"))
