@@ -521,6 +521,54 @@ def test_a_shape_seen_before_vouches_only_for_the_same_spelling(tmp_path: Path, 
         aiosnap.load_sync(str(path))
 
 
+_T = '"kind":"tensor","dtype":"float32","shape":[2,3],"crc32c":"0123abcd"'
+_OPEN = '{"version":1,"checksum":"crc32c","tensors":{'
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        _OPEN + '},"tree":null}',
+        _OPEN + '"a":{' + _T + '},"b":{' + _T + '}},"tree":{"$":"dict","items":[]}}',
+        _OPEN + '"a\\u00e9":{' + _T + '},"n":{"kind":"ndarray","dtype":"<f4","shape":[1],'
+        '"crc32c":"00000000"}},"tree":[1,2],"external":{"x":{"kind":"tensor","dtype":"float32","shape":[]}}}',
+        _OPEN + '"a":{' + _T.replace("[2,3]", "[]") + '},"b":{' + _T.replace("2,3", "0,1") + '}},"tree":1}',
+        _OPEN + '"a":{' + _T.replace("[2,3]", "[01]") + '}},"tree":1}',  # not JSON
+        _OPEN + '"a":{' + _T.replace("[2,3]", "[2, 3]") + '}},"tree":1}',
+        _OPEN + '"a":{' + _T.replace("[2,3]", "[" + "9" * 30 + "]") + '}},"tree":1}',
+        _OPEN + '"a":{' + _T.replace("0123abcd", "0123ABCD") + '}},"tree":1}',
+        _OPEN + '"a":{' + _T + ',"shard":{}}},"tree":1}',
+        _OPEN + '"a":{' + _T + '},"a":{' + _T.replace("[2,3]", "[1]") + '}},"tree":1}',  # a name twice
+        _OPEN + '"a":{' + _T + '},},"tree":1}',  # a trailing comma
+        _OPEN + '"a":{' + _T + '} },"tree":1}',
+        _OPEN + '"a":{' + _T + '}},"tree":1,"tree":2}',
+        _OPEN + '"a":{' + _T + '}},"tree":1} ',
+        _OPEN + '"a":{' + _T + '}},"tree":1,"external":{},"x":1}',
+        _OPEN + "1:{" + _T + '}},"tree":1}',
+        '{"version":1, "checksum":"crc32c","tensors":{},"tree":1}',
+    ],
+)
+def test_the_document_shortcut_reads_what_json_reads_or_nothing(text: str) -> None:
+    from aiosnap._format import _document, _ints_of
+
+    try:
+        want = json.loads(text)
+    except ValueError:
+        want = None
+    try:
+        got = _document(text)
+    except ValueError:
+        got = None
+        assert want is None
+    if got is None:
+        return
+    for name, d in got["tensors"].items():
+        if type(d) is tuple:
+            got["tensors"][name] = {"kind": "tensor", "dtype": d[0], "shape": _ints_of(d[1]), "crc32c": d[2]}
+    assert got == want
+    assert list(got["tensors"]) == list(want["tensors"])
+
+
 def test_a_header_written_otherwise_is_read_by_the_general_parse(good_file: Path) -> None:
     want = aiosnap.load_sync(str(good_file))
     data = good_file.read_bytes()
