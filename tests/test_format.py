@@ -564,7 +564,7 @@ def test_the_document_shortcut_reads_what_json_reads_or_nothing(text: str) -> No
         return
     for name, d in got["tensors"].items():
         if type(d) is tuple:
-            got["tensors"][name] = {"kind": "tensor", "dtype": d[0], "shape": _ints_of(d[1]), "crc32c": d[2]}
+            got["tensors"][name] = {"kind": "tensor", "dtype": d[1], "shape": _ints_of(d[2]), "crc32c": d[3]}
     assert got == want
     assert list(got["tensors"]) == list(want["tensors"])
 

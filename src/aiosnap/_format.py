@@ -374,8 +374,8 @@ class _Parser:
         common: dict[tuple[str, str], Any] = {}
         for name, d in described.items():
             key = None
-            if type(d) is tuple:  # as _document found it: (dtype, the shape's JSON, crc)
-                dtype, shape, crc = d
+            if type(d) is tuple:  # as _document found it: (name, dtype, the shape's JSON, crc, ...)
+                dtype, shape, crc = d[1:4]
                 key = (dtype, shape)
             elif type(d) is dict and len(d) == 4 and d.get("kind") == "tensor":
                 dtype, shape, crc = d.get("dtype"), d.get("shape"), d.get("crc32c")
@@ -395,7 +395,7 @@ class _Parser:
                     pos, at = end, at + len(entry)
                     continue
             if type(d) is tuple:
-                d = {"kind": "tensor", "dtype": d[0], "shape": _ints_of(d[1]), "crc32c": d[2]}
+                d = {"kind": "tensor", "dtype": d[1], "shape": _ints_of(d[2]), "crc32c": d[3]}
             found = self.entry_at(text, at, name, d, pos)
             if found is None:
                 return None
@@ -659,13 +659,14 @@ _DOCUMENT_OPEN = f'{{"version":{FORMAT_VERSION},"checksum":"crc32c","tensors":{{
 #: and checksum.
 _DESCRIPTION = re.compile(
     r'"([^"\\\x00-\x1f]{0,4096})":\{"kind":"tensor","dtype":"([0-9a-z_]{1,32})",'
-    r'"shape":(\[(?:(?:0|[1-9][0-9]{0,18})(?:,(?:0|[1-9][0-9]{0,18}))*)?\]),"crc32c":"([0-9a-f]{8})"\}'
+    r'"shape":(\[(?:(?:0|[1-9][0-9]{0,18})(?:,(?:0|[1-9][0-9]{0,18}))*)?\]),"crc32c":"([0-9a-f]{8})"\}([,}])'
 )
 
 
 def _document(text: str) -> dict[str, Any] | None:
     """The aiosnap document, as ``json.loads`` reads it, if the text is as the writer
-    writes it; but each common description is (dtype, the shape's JSON, checksum), found
+    writes it; but each common description is (name, dtype, the shape's JSON, checksum,
+    and the character after it), found
     by one match of a pattern instead of a dict of four keys built by the JSON parser
     (~2 us per entry). Any other description is parsed as JSON; None for a text written
     otherwise (a name twice, whitespace between the parts): the JSON parser reads it."""
@@ -676,19 +677,20 @@ def _document(text: str) -> dict[str, Any] | None:
     more = not text.startswith("}", pos)
     while more:
         m = match(text, pos)
-        if m is not None:
-            name, value, pos = m[1], (m[2], m[3], m[4]), m.end()
+        if m is not None:  # (name, dtype, shape, crc, the "," or "}" after it)
+            found = m.groups()
+            name, value, pos, more = found[0], found, m.end() - 1, found[4] == ","
         else:
             name, pos = _json.loads_at(text, pos)
             if type(name) is not str or not text.startswith(":", pos):
                 return None
             value, pos = _json.loads_at(text, pos + 1)
+            more = text.startswith(",", pos)
+            if not more and not text.startswith("}", pos):
+                return None
         if name in tensors:
             return None
         tensors[name] = value
-        more = text.startswith(",", pos)
-        if not more and not text.startswith("}", pos):
-            return None
         pos += more
     if not text.startswith(',"tree":', pos + 1):
         return None
