@@ -377,10 +377,9 @@ class _Parser:
             if type(d) is tuple:  # as _document found it: (name, dtype, the shape's JSON, crc, ...)
                 dtype, shape, crc = d[1:4]
                 key = (dtype, shape)
-            elif type(d) is dict and len(d) == 4 and d.get("kind") == "tensor":
-                dtype, shape, crc = d.get("dtype"), d.get("shape"), d.get("crc32c")
-                if type(dtype) is str and type(shape) is list and type(crc) is str and len(crc) == 8:
-                    key = None if crc.strip(_HEX) else (dtype, repr(shape))
+            elif (whole := _whole_description(d)) is not None:
+                dtype, shape, crc = whole
+                key = (dtype, repr(shape)) if type(shape) is list else None
             if key is not None:
                 spec = common.get(key, _MISS)
                 if spec is _MISS:
@@ -718,25 +717,37 @@ def _common(dtype: str, shape: list[Any]) -> _Common | None:
     return None if size is None or code is None else (tuple(shape), code, _int_list(shape), size)
 
 
-def _whole_tensor(d: Any) -> tuple[list[int], str, int] | None:
-    """The shape, safetensors code and checksum of the common description: a whole
-    tensor of a dtype safetensors has a code for, well formed; None for any other."""
+def _whole_description(d: Any) -> tuple[str, Any, str] | None:
+    """The dtype, shape and checksum of a whole tensor's description whose keys, dtype and
+    checksum are well formed; None for any other. The shape is the caller's to check:
+    ``_ints``, or ``_common`` once per shape."""
     if type(d) is not dict or d.keys() != _WHOLE_TENSOR_KEYS or d["kind"] != "tensor":
         return None
     dtype, shape, crc = d["dtype"], d["shape"], d["crc32c"]
-    code = _dtypes.native_st_code(dtype) if type(dtype) is str else None
-    if code is None or not _ints(shape) or type(crc) is not str or len(crc) != 8 or not _is_hex(crc):
+    if type(dtype) is not str or type(crc) is not str or len(crc) != 8 or not _is_hex(crc):
+        return None
+    return dtype, shape, crc
+
+
+def _whole_tensor(d: Any) -> tuple[list[int], str, int] | None:
+    """The shape, safetensors code and checksum of the common description: a whole
+    tensor of a dtype safetensors has a code for, well formed; None for any other."""
+    whole = _whole_description(d)
+    if whole is None:
+        return None
+    dtype, shape, crc = whole
+    code = _dtypes.native_st_code(dtype)
+    if code is None or not _ints(shape):
         return None
     return shape, code, int(crc, 16)
 
 
 def _is_hex(s: str) -> bool:
-    return not s.strip(_HEX)
+    return not s.strip("0123456789abcdef")
 
 
 _INT_ONLY = {int}
 _MISS: Any = object()
-_HEX = "0123456789abcdef"
 _META_OPEN = '{"__metadata__":'
 _META_KEYS = frozenset((META_KEY, CRC_KEY))
 _ENTRY_KEYS = frozenset(("dtype", "shape", "data_offsets"))
