@@ -121,11 +121,42 @@ def st_entry(kind: str, dtype: str, shape: tuple[int, ...], nbytes: int) -> tupl
     return (code, list(shape)) if native else ("U8", [nbytes])
 
 
+@dataclass(frozen=True, slots=True)
+class EntryPieces:
+    """The part of a header that depends on its entries alone (see header_template):
+    all of it but the skeleton and the external entries, which end the last piece."""
+
+    pieces: list[str]  # every piece but the last, each followed by its hole
+    holes: list[int]
+    blocks: list[int]
+    entries: str  # the safetensors entries, joined
+    last: str  # the start of the last piece
+
+
 def header_template(
-    tensors: list[TensorInfo], tree: str, external: list[TensorInfo] | None = None
+    tensors: list[TensorInfo],
+    tree: str,
+    external: list[TensorInfo] | None = None,
+    laid: EntryPieces | None = None,
 ) -> HeaderTemplate:
     """Lay out the header of these entries around the skeleton's JSON text; the
-    checksums are filled in at the commit.
+    checksums are filled in at the commit. ``laid``: ``entry_pieces(tensors)``, if
+    known already (a plan of the same entries with another skeleton)."""
+    laid = laid or entry_pieces(tensors)
+    tail = ['},"tree":', tree]
+    if external:
+        described = (
+            f'{json_string(t.name)}:{{"kind":"{t.kind}","dtype":{json_string(t.dtype)},'
+            f'"shape":{_int_list(t.shape)}{"," + _shard_text(t)[:-1] if t.shard else ""}}}'
+            for t in external
+        )
+        tail += [',"external":{', ",".join(described), "}"]
+    last = (laid.last[:-1] if tensors else laid.last) + _escaped("".join(tail) + "}")
+    return HeaderTemplate([*laid.pieces, last], laid.holes, laid.blocks, laid.entries)
+
+
+def entry_pieces(tensors: list[TensorInfo]) -> EntryPieces:
+    """The header's pieces that describe ``tensors``.
 
     The per-tensor JSON is written directly: a generic encoder spends ~10 us on each
     small object (seconds for a state of 100,000 tensors), or holds the GIL for the
@@ -174,16 +205,7 @@ def header_template(
         code, st_shape = st_entry(t.kind, t.dtype, t.shape, t.nbytes)
         st_shape_text = shape if st_shape == list(t.shape) else _int_list(st_shape)
         entries.append(_entry_text(name, code, st_shape_text, t.start, t.end))
-    tail = ['},"tree":', tree]
-    if external:
-        described = (
-            f'{json_string(t.name)}:{{"kind":"{t.kind}","dtype":{json_string(t.dtype)},'
-            f'"shape":{_int_list(t.shape)}{"," + _shard_text(t)[:-1] if t.shard else ""}}}'
-            for t in external
-        )
-        tail += [',"external":{', ",".join(described), "}"]
-    pieces.append((text[:-1] if tensors else text) + _escaped("".join(tail) + "}"))
-    return HeaderTemplate(pieces, holes, blocks, ",".join(entries))
+    return EntryPieces(pieces, holes, blocks, ",".join(entries), text)
 
 
 def _entry_text(name: str, code: str, shape: str, start: int, end: int) -> str:

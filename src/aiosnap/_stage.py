@@ -28,14 +28,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _dtypes, _format, _offload
+from . import _dtypes, _offload
 from ._device import DeviceCopier, as_copyable, host_view
 from ._errors import WriterClosedError
 from ._format import TensorInfo
 from ._header import ALIGN, EntryCrc, HeaderTemplate
 from ._pipeline import PIECE, Pipe
+from ._plans import Plan, PlanCache, plan
 from ._storage import Upload
-from ._tree import Leaf, Snapshot, capture
+from ._tree import Leaf, capture
 
 _SMALL = 256 << 10
 #: A huge leaf is copied in chunks of this size when its commit is pipelined (glibc's
@@ -227,51 +228,6 @@ class StagedImage:
         return self.arena.view(0, -(-self.size // ALIGN) * ALIGN)
 
 
-def _describe(leaf: Leaf) -> tuple[str, tuple[int, ...], int]:
-    """(file dtype, shape, nbytes) of a leaf; pickles must already be bytes."""
-    value = leaf.value
-    if leaf.kind == "tensor":
-        return _dtypes.torch_name(value.dtype), tuple(value.shape), value.nbytes
-    if leaf.kind == "pickle":
-        return "|u1", (len(value),), len(value)
-    dtype = _dtypes.numpy_file_dtype(value.dtype)
-    assert dtype is not None
-    return dtype.str, tuple(value.shape), value.nbytes
-
-
-@dataclass(slots=True)
-class Plan:
-    """The layout of a file image, fixed before any byte is copied."""
-
-    leaves: list[Leaf]
-    tensors: list[TensorInfo]
-    template: HeaderTemplate
-    tree: str
-
-    @property
-    def data_start(self) -> int:
-        return self.template.size
-
-    @property
-    def size(self) -> int:
-        return self.template.size + (self.tensors[-1].end if self.tensors else 0)
-
-
-def plan(snapshot: Snapshot) -> Plan:
-    """Pickle what must be pickled and lay the image out."""
-    leaves = [_pickled(leaf) for leaf in snapshot.leaves]
-    infos, pos = [], 0
-    for leaf in leaves:
-        dtype, shape, nbytes = _describe(leaf)
-        infos.append(TensorInfo(leaf.name, leaf.kind, dtype, shape, pos, pos + nbytes, 0, leaf.shard))
-        pos += nbytes
-    external = [
-        TensorInfo(leaf.name, leaf.kind, *_describe(leaf)[:2], 0, 0, None, leaf.shard)
-        for leaf in snapshot.external
-    ]
-    return Plan(leaves, infos, _format.header_template(infos, snapshot.tree, external), snapshot.tree)
-
-
 def stage(
     layout: Plan,
     pool: ArenaPool,
@@ -377,14 +333,15 @@ def stage_or_plan(
     producers: Any = None,
     keep_tree: bool = False,
     begin: Callable[[Pipe], bool] | None = None,
+    plans: PlanCache | None = None,
 ) -> StagedImage | Plan:
     """Capture and stage ``target``; or, if its image is larger than the pool's budget,
     only plan it. Runs in a worker thread: a state of 100,000 tensors takes a second to
     walk, which the event loop must not wait for. The collector is held off meanwhile,
     and what capture built is freed (by reference counting) before it resumes.
-    ``begin``: see ``stage``."""
+    ``begin``: see ``stage``; ``plans``: see ``plan``."""
     with _offload.gc_paused():
-        layout = plan(capture(target, allow_pickle=allow_pickle))
+        layout = plan(capture(target, allow_pickle=allow_pickle), plans)
         if pool.budget is not None and layout.size > pool.budget:
             return layout
         staged = stage(layout, pool, copier, producers, keep_tree, begin)
@@ -472,12 +429,6 @@ def _start_device_copies(
             dst, src = host_view(arena.tensor[start : start + info.nbytes], leaf.value.detach())
             started[i] = copier.start(src, dst, producers)
     return started
-
-
-def _pickled(leaf: Leaf) -> Leaf:
-    if leaf.kind != "pickle":
-        return leaf
-    return Leaf(leaf.name, leaf.kind, pickle.dumps(leaf.value, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 _memmove = ctypes.memmove

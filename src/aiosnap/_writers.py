@@ -37,7 +37,8 @@ from ._errors import WriterClosedError
 from ._handle import Failures, SaveFailure, SaveHandle, SaveStats, raise_first
 from ._header import seal
 from ._pipeline import CaptureEnded, Pipe, commit_pipelined
-from ._stage import Arena, ArenaPool, Plan, StagedImage, stage_or_plan, write_in_pieces
+from ._plans import Plan, PlanCache
+from ._stage import Arena, ArenaPool, StagedImage, stage_or_plan, write_in_pieces
 from ._storage import CommitTimes, Storage
 
 logger = logging.getLogger(__name__)
@@ -140,6 +141,7 @@ class _WriterBase(abc.ABC):
         self._failures = Failures()
         self._hooks: list[PostSaveHook] = []
         self._capture_lock = anyio.Lock()
+        self._plans = PlanCache()  # used under the capture lock
         self._copier = default_copier()
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -192,6 +194,7 @@ class _WriterBase(abc.ABC):
             # Unmapping hundreds of MiB takes ~100 ms: not on the event loop.
             with anyio.CancelScope(shield=True):
                 await _offload.run_io(self._pool.close)
+                await _offload.run_cpu(self._plans.clear)
             self._state = "closed"
         raise_first(self._failures.take())
 
@@ -292,6 +295,7 @@ class _WriterBase(abc.ABC):
                     save.producers,
                     save.savefun is not None,
                     begin,
+                    self._plans,
                 )
                 if isinstance(staged, Plan):
                     save.stats = await self._commit_in_pieces(save, staged)

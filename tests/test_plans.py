@@ -1,0 +1,81 @@
+"""A writer reuses the layout of its last save while the state keeps its structure.
+
+The layout is the file's header with the checksums left out: whatever a writer kept from
+an earlier save, each file must be what a fresh writer writes for the same state, byte
+for byte, through every kind of change a state can go through between two saves.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import aiosnap
+from aiosnap._plans import PlanCache, plan
+from aiosnap._tree import capture
+
+
+def _state() -> dict[str, Any]:
+    return {
+        "w": torch.arange(12, dtype=torch.float32).reshape(4, 3),
+        "b": torch.ones(3, dtype=torch.float16),
+        "opt": {"lr": 0.1, "step": torch.tensor(1), "tag": {1, 2}},
+        "arr": np.arange(5, dtype=np.int32),
+    }
+
+
+def _states() -> list[dict[str, Any]]:
+    """A state, then each change a training run's state may go through between saves."""
+    states = [_state()]
+
+    def then(change: Any) -> None:
+        state = copy.deepcopy(states[-1])
+        change(state)
+        states.append(state)
+
+    then(lambda s: s["w"].add_(1))  # new values only
+    then(lambda s: s["opt"].update(lr=0.05))  # a plain value of the skeleton
+    then(lambda s: s["b"].mul_(2))  # new values of that skeleton
+    then(lambda s: s.update(w=s["w"].reshape(3, 4).clone()))  # a shape, same bytes
+    then(lambda s: s.update(b=s["b"].to(torch.bfloat16)))  # a dtype, same bytes
+    then(lambda s: s.update(v=s.pop("w")))  # a name, same place in the file
+    then(lambda s: s["opt"].update(tag={1, 2, 3, 4, 5}))  # a pickle's length
+    then(lambda s: s.update(extra=torch.zeros(2)))  # one more tensor
+    then(lambda s: s.update(arr=s["arr"].astype(np.float32)))  # an array's dtype
+    states.append(_state())  # back to the first structure
+    return states
+
+
+async def test_each_save_is_what_a_fresh_writer_writes(tmp_path: Path) -> None:
+    states = _states()
+    async with aiosnap.QueueWriter(allow_pickle=True) as writer:
+        for i, state in enumerate(states):
+            await (await writer(f"kept{i}", str(tmp_path), state)).wait()
+    for i, state in enumerate(states):
+        await aiosnap.save(str(tmp_path / f"fresh{i}"), state, allow_pickle=True)
+        kept, fresh = (tmp_path / f"kept{i}").read_bytes(), (tmp_path / f"fresh{i}").read_bytes()
+        assert kept == fresh, f"save {i}"
+        loaded = await aiosnap.load(str(tmp_path / f"kept{i}"), allow_pickle=True)
+        assert loaded.keys() == state.keys()
+
+
+def test_an_unchanged_structure_gets_the_last_layout() -> None:
+    cache, state = PlanCache(), _state()
+    first = plan(capture(state, allow_pickle=True), cache)
+    state["w"].add_(1)
+    again = plan(capture(state, allow_pickle=True), cache)
+    assert again.template is first.template
+    assert all(a is b for a, b in zip(again.tensors, first.tensors, strict=True))
+    assert again.tensors is not first.tensors  # each plan's own list: a stage empties it
+    first.tensors.clear()
+    state["opt"]["lr"] = 0.5  # the skeleton changes, the entries do not
+    moved = plan(capture(state, allow_pickle=True), cache)
+    assert moved.template is not first.template
+    assert all(a is b for a, b in zip(moved.tensors, again.tensors, strict=True))
+    assert moved.template.size == plan(capture(state, allow_pickle=True)).template.size
+    cache.clear()
+    assert plan(capture(state, allow_pickle=True), cache).template is not moved.template
