@@ -338,9 +338,11 @@ def stage_or_plan(
     """Capture and stage ``target``; or, if its image is larger than the pool's budget,
     only plan it. Runs in a worker thread: a state of 100,000 tensors takes a second to
     walk, which the event loop must not wait for. The collector is held off meanwhile,
-    and what capture built is freed (by reference counting) before it resumes.
-    ``begin``: see ``stage``; ``plans``: see ``plan``."""
-    with _offload.gc_paused():
+    and what capture built is freed (by reference counting) before it resumes; what
+    ``plans`` keeps of a new layout joins the oldest generation (``gc_paused(keep=True)``):
+    left young, 100,000 entries cost the next young collections 40-50 ms each, in
+    whichever thread set them off. ``begin``: see ``stage``; ``plans``: see ``plan``."""
+    with _offload.gc_paused(keep=plans is not None):
         layout = plan(capture(target, allow_pickle=allow_pickle), plans)
         if pool.budget is not None and layout.size > pool.budget:
             return layout
