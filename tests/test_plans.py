@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 import aiosnap
@@ -62,6 +63,20 @@ async def test_each_save_is_what_a_fresh_writer_writes(tmp_path: Path) -> None:
         assert kept == fresh, f"save {i}"
         loaded = await aiosnap.load(str(tmp_path / f"kept{i}"), allow_pickle=True)
         assert loaded.keys() == state.keys()
+
+
+async def test_a_save_that_fails_in_its_plan_leaves_the_next_ones_right(tmp_path: Path) -> None:
+    state, unpicklable = _state(), _state()
+    unpicklable["opt"]["tag"] = lambda: None  # pickling it fails while the save is planned
+    async with aiosnap.QueueWriter(allow_pickle=True) as writer:
+        await (await writer("a", str(tmp_path), state)).wait()
+        with pytest.raises(AttributeError, match="pickle"):
+            await (await writer("bad", str(tmp_path), unpicklable)).wait()
+        state["w"].add_(1)
+        await (await writer("b", str(tmp_path), state)).wait()
+    await aiosnap.save(str(tmp_path / "fresh"), state, allow_pickle=True)
+    assert (tmp_path / "b").read_bytes() == (tmp_path / "fresh").read_bytes()
+    assert not (tmp_path / "bad").exists()
 
 
 def test_an_unchanged_structure_gets_the_last_layout() -> None:
