@@ -62,6 +62,11 @@ async def load(
     ``progress(done, total)`` is told the bytes read so far, from the reading thread
     (``total``: the bytes of the files opened so far); its last call says ``total`` of
     ``total``.
+
+    Entries under 64 KiB are read with their neighbours into one buffer of at most
+    4 MiB and returned as views of it, each with a storage of its own bytes that cannot
+    be resized (as ``torch.load(mmap=True)`` returns its tensors); the buffer lives while
+    any of them does.
     """
     storage, path = resolve(path, storage)
     storage, finished = counted(storage, progress)

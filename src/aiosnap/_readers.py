@@ -42,8 +42,9 @@ SCRATCH = 64 << 20
 
 MapLocation = str | torch.device | None
 #: What a load made or found for each entry: the object, and where its bytes go: a flat
-#: uint8 array, or for a tensor under SMALL bytes the address of its data.
-Made = dict[str, tuple[Any, Any]]
+#: uint8 array, or for a tensor under SMALL bytes the address of its data; None for an
+#: entry under SMALL bytes that is made as it is read (``_in_buffer``).
+Made = dict[str, Any]
 #: Opens rank file ``i`` of the step (cached by the caller), checked against the manifest.
 OpenRank = Callable[[int], tuple[Reader, Header]]
 
@@ -175,7 +176,11 @@ class EntryReader:
             by_source[src].append(info)
         _offload.release(leaves)  # not at once: see release
         direct = dests.direct
-        made = {name: direct.get(name) or _allocate(info) for name, info in wanted.items()}
+        # None: an entry under SMALL bytes, made where its group is read (see _read_small).
+        made: Made = {
+            name: direct.get(name) or (_allocate(info) if info.end - info.start >= SMALL else None)
+            for name, info in wanted.items()
+        }
         fresh = wanted.keys() - direct.keys()
         for (f, header), infos in zip(self.sources, by_source, strict=True):
             self.read_all(f, header, sorted(infos, key=_start), made, fresh)
@@ -199,20 +204,24 @@ class EntryReader:
         page) and checks the previous group's checksums."""
         most, iovecs = getattr(f, "batch_bytes", READ_GROUP), getattr(f, "batch_iovecs", READ_IOVECS)
         groups = list(_groups(infos, most, iovecs))
+        ahead = _buffer(groups[0], made) if groups else None
         if groups:
-            _populate(made, groups[0], fresh)
+            _populate(made, groups[0], fresh, ahead)
         behind: list[tuple[TensorInfo, memoryview]] = []
         scratch = None
         with _offload.side_thread() as side:
             for k, group in enumerate(groups):
                 side.wait()
-                side.submit(_side_work, f.path, behind, made, groups[k + 1 : k + 2], fresh)
+                buffer, ahead = ahead, _buffer(groups[k + 1], made) if k + 1 < len(groups) else None
+                side.submit(_side_work, f.path, behind, made, groups[k + 1 : k + 2], fresh, ahead)
                 behind = []
                 start = header.data_start + group[0].start
                 if group[0].nbytes < SMALL:
-                    if scratch is None:
-                        scratch = np.empty(min(SMALL_GROUP, infos[-1].end - group[0].start), np.uint8)
-                    _read_small(f, start, group, made, scratch)
+                    if buffer is None:  # every entry has its place already: read through scratch
+                        if scratch is None:
+                            scratch = np.empty(min(SMALL_GROUP, infos[-1].end - group[0].start), np.uint8)
+                        buffer = scratch
+                    _read_small(f, start, group, made, buffer)
                     continue
                 views = [memoryview(made[info.name][1]) for info in group]
                 f.read_batch([(start, views)])
@@ -408,24 +417,98 @@ def _groups(infos: list[TensorInfo], most: int, iovecs: int) -> Iterator[list[Te
 
 
 def _read_small(
-    f: Reader, start: int, group: list[TensorInfo], made: Made, scratch: np.ndarray[Any, np.dtype[np.uint8]]
+    f: Reader, start: int, group: list[TensorInfo], made: Made, buffer: np.ndarray[Any, np.dtype[np.uint8]]
 ) -> None:
-    """Read a run of small entries into ``scratch`` at once, check each there and copy
-    it to where it goes."""
+    """Read a run of small entries into ``buffer`` at once and check each there. An
+    entry that has a place (a target's memory) is copied to it; one that has none (None
+    in ``made``) becomes a view of the buffer (``_in_buffer``)."""
     base = group[0].start
-    buf = scratch[: group[-1].end - base]
+    buf = buffer[: group[-1].end - base]
     raw, address = buf.data, buf.ctypes.data
     f.read_batch([(start, [raw])])
-    check, move = crc32c, ctypes.memmove  # per entry, a global looked up costs
+    check, move, view = crc32c, ctypes.memmove, _in_buffer  # per entry, a global looked up costs
     for info in group:
         at, end = info.start - base, info.end - base
         if info.crc is not None and check(raw[at:end]) != info.crc:
             raise CorruptCheckpointError(f.path, f"checksum mismatch in tensor {info.name!r}")
-        dest = made[info.name][1]
+        pair = made[info.name]
+        if pair is None:
+            made[info.name] = view(info, buf, at)
+            continue
+        dest = pair[1]
         if type(dest) is int:
             move(dest, address + at, end - at)
         else:
             dest[:] = buf[at:end]
+
+
+def _buffer(group: list[TensorInfo], made: Made) -> np.ndarray[Any, np.dtype[np.uint8]] | None:
+    """The memory a run of small entries is read into, if some of them have no place
+    yet: its own, which their objects then share (see ``_in_buffer``); else None."""
+    if group[0].nbytes >= SMALL or all(made[info.name] is not None for info in group):
+        return None
+    nbytes = group[-1].end - group[0].start
+    raw = np.empty(nbytes + _ALIGNMENT, np.uint8)
+    skip = -raw.ctypes.data % _ALIGNMENT  # as torch aligns what it allocates
+    return raw[skip : skip + nbytes]
+
+
+#: Where a buffer of small entries starts (torch's CPU allocator aligns to 64 bytes).
+_ALIGNMENT = 64
+
+
+def _in_buffer(info: TensorInfo, buf: np.ndarray[Any, np.dtype[np.uint8]], at: int) -> tuple[Any, Any]:
+    """What a small entry becomes, made on its bytes at ``buf[at:]`` (a buffer of its
+    group alone) where its alignment allows: a tensor or array that is a view of them,
+    with a storage of its own bytes (``torch.save`` writes those alone; the buffer lives
+    while any of its views does). Made so, an entry costs no allocation and no copy;
+    the buffer's pages were faulted in beside the read, where fresh memory's faults
+    cost most (see ``_populate``). Otherwise a copy in memory of its own."""
+    nbytes = info.end - info.start
+    if info.kind == "tensor":
+        carrier = _carrier(info.dtype)
+        if carrier is not None and nbytes and at % carrier[0].itemsize == 0:
+            tensor = torch.from_numpy(np.ndarray(info.shape, carrier[0], buf, at))
+            return (tensor if carrier[1] is None else tensor.view(carrier[1])), None
+    else:
+        dtype = np.dtype(info.dtype)
+        if nbytes and at % dtype.itemsize == 0:
+            return np.ndarray(info.shape, dtype, buf, at), None
+    obj, dest = _allocate(info)
+    if type(dest) is int:
+        ctypes.memmove(dest, buf.ctypes.data + at, nbytes)
+    else:
+        dest[:] = buf[at : at + nbytes]
+    return obj, None
+
+
+#: torch dtype name -> (the NumPy dtype its elements are read as, the torch dtype to
+#: view the result as when NumPy has no such dtype), or None: made by copying.
+_CARRIERS: dict[str, tuple[np.dtype[Any], torch.dtype | None] | None] = {}
+
+
+def _carrier(name: str) -> tuple[np.dtype[Any], torch.dtype | None] | None:
+    if name not in _CARRIERS:
+        _CARRIERS[name] = _find_carrier(_dtypes.TORCH_DTYPES[name])
+    return _CARRIERS[name]
+
+
+def _find_carrier(dtype: torch.dtype) -> tuple[np.dtype[Any], torch.dtype | None] | None:
+    try:
+        same = torch.empty(1, dtype=dtype).numpy().dtype
+        if torch.from_numpy(np.empty(1, same)).dtype == dtype:
+            return same, None
+    except (TypeError, RuntimeError):  # no NumPy dtype: bfloat16, float8, complex32, ...
+        pass
+    size = dtype.itemsize
+    if (dtype.is_floating_point or dtype.is_complex) and size in (1, 2, 4, 8):
+        try:  # bfloat16, float8 and complex32 read as unsigned ints of their size
+            carrier = np.dtype(f"<u{size}")
+            if torch.from_numpy(np.empty(1, carrier)).view(dtype).dtype == dtype:
+                return carrier, dtype
+        except (TypeError, RuntimeError):
+            pass
+    return None  # sub-byte and bit types: copied
 
 
 def _side_work(
@@ -434,10 +517,11 @@ def _side_work(
     made: Made,
     ahead: list[list[TensorInfo]],
     fresh: set[str],
+    buffer: np.ndarray[Any, np.dtype[np.uint8]] | None,
 ) -> None:
     _verify(path, behind)
     for group in ahead:
-        _populate(made, group, fresh)
+        _populate(made, group, fresh, buffer)
 
 
 def _verify(path: str, read: list[tuple[TensorInfo, memoryview]]) -> None:
@@ -450,7 +534,12 @@ def _verify(path: str, read: list[tuple[TensorInfo, memoryview]]) -> None:
 _POPULATE_MIN = 1 << 20
 
 
-def _populate(made: Made, group: list[TensorInfo], fresh: set[str]) -> None:
+def _populate(
+    made: Made, group: list[TensorInfo], fresh: set[str], buffer: np.ndarray[Any, np.dtype[np.uint8]] | None
+) -> None:
+    if buffer is not None:  # small entries' own buffer: fresh memory, all of it
+        populate(buffer.ctypes.data, buffer.nbytes)
+        return
     for info in group:
         if info.nbytes >= _POPULATE_MIN and info.name in fresh:
             array = made[info.name][1]
