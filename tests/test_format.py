@@ -546,6 +546,11 @@ _OPEN = '{"version":1,"checksum":"crc32c","tensors":{'
         _OPEN + '"a":{' + _T + '}},"tree":1,"external":{},"x":1}',
         _OPEN + "1:{" + _T + '}},"tree":1}',
         '{"version":1, "checksum":"crc32c","tensors":{},"tree":1}',
+        # A ,"tree": inside a description, and one not common between common ones:
+        _OPEN + '"a":{' + _T + '},"n":{"kind":"x","tree":{"b":{' + _T + '}}},"c":{' + _T + '}},"tree":1}',
+        _OPEN + '"a":{' + _T + '},"n":{"kind":"x"},"c":{' + _T + '}},"tree":1}',
+        _OPEN + '"a":{' + _T + '}, "c":{' + _T + '}},"tree":1}',  # a space between common ones
+        _OPEN + '"a":{' + _T + '},"c":{' + _T + '},"tree":1}',  # the tensors never closed
     ],
 )
 def test_the_document_shortcut_reads_what_json_reads_or_nothing(text: str) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
+import operator
 import re
 import struct
 import zipfile
@@ -693,9 +694,14 @@ def _document(text: str) -> dict[str, Any] | None:
     the parts): the JSON parser reads it whole."""
     if not text.startswith(_DOCUMENT_OPEN):
         return None
-    tensors: dict[str, Any] = {}
     pos, match = len(_DOCUMENT_OPEN), _DESCRIPTION.match
-    more = not text.startswith("}", pos)
+    common = _all_common(text, pos)
+    if common is not None:
+        (tensors, end), more = common, False
+        pos = end - 1  # at the brace that closes them, as the loop leaves it
+    else:
+        tensors = {}
+        more = not text.startswith("}", pos)
     while more:
         m = match(text, pos)
         if m is not None:  # (name, dtype, shape, crc, the "," or "}" after it)
@@ -720,6 +726,32 @@ def _document(text: str) -> dict[str, Any] | None:
     if text.startswith(',"external":', pos):
         doc["external"], pos = _json.loads_at(text, pos + 12)
     return doc if text[pos:] == "}" else None
+
+
+def _all_common(text: str, pos: int) -> tuple[dict[str, Any], int] | None:
+    """The descriptions from ``pos``, as _document gives them, if all are common ones:
+    matched by one C call, not a call per description (~1 us each). The matches must tile
+    the text up to the first ``,"tree":`` (which in JSON only ever follows a value at a
+    key's place: never inside a string): each ends with a comma, the last with the brace
+    that closes the tensors, their lengths add up to the span, no name comes twice.
+    With them, where the text after them starts. Else None (the caller matches one
+    description at a time)."""
+    end = text.find(',"tree":', pos)
+    found = _DESCRIPTION.findall(text, pos, end) if end > pos else None
+    if not found or found[-1][4] != "}" or list(map(_LAST, found)).count(",") != len(found) - 1:
+        return None
+    # A match is its name, dtype and shape, and _FIXED characters more.
+    varying = sum(map(len, map(_NAME, found))) + sum(map(len, map(_DTYPE, found)))
+    if varying + sum(map(len, map(_SHAPE, found))) + _FIXED * len(found) != end - pos:
+        return None
+    tensors = dict(zip(map(_NAME, found), found, strict=True))
+    return (tensors, end) if len(tensors) == len(found) else None
+
+
+_NAME, _DTYPE, _SHAPE, _LAST = (operator.itemgetter(i) for i in (0, 1, 2, 4))
+#: The characters of a _DESCRIPTION match beside its name, dtype and shape: quotes,
+#: keys, the checksum's 8 digits, and the comma or brace after it.
+_FIXED = len('"":{"kind":"tensor","dtype":"","shape":,"crc32c":"01234567"}}')
 
 
 def _ints_of(shape: str) -> list[int]:
