@@ -11,6 +11,7 @@ against the checksums of the blocks it lies in.
 from __future__ import annotations
 
 import ctypes
+import operator
 import pickle
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -134,6 +135,7 @@ class EntryReader:
         own = self.sources[0][1]
         stored, plain = own.tensors, by_source[0]
         leaves = walk_leaves(tree)
+        others = 0  # leaves that are not the common one: made objects to finish
         for path, kind, name in leaves:
             info = stored.get(name)
             if kind == "tensor" and info is not None and info.kind == "tensor" and not info.shard:
@@ -144,6 +146,7 @@ class EntryReader:
                     wanted[name] = info
                     plain.append(info)
                 continue
+            others += 1
             if kind == "dtensor" and self.shards is not None:
                 where = format_path(path)
                 saved = self.shards.saved(where, own.tensors.get(name) or own.external.get(name))
@@ -183,8 +186,10 @@ class EntryReader:
         }
         fresh = wanted.keys() - direct.keys()
         for (f, header), infos in zip(self.sources, by_source, strict=True):
-            self.read_all(f, header, sorted(infos, key=_start), made, fresh)
-        if self.map_location is None:  # a tensor is what was made: only the others change
+            self.read_all(f, header, sorted(infos, key=_START), made, fresh)
+        if self.map_location is None and not others:  # only tensors, as they were made
+            self.made = dict(zip(made, map(_OBJECT, made.values()), strict=True))
+        elif self.map_location is None:  # a tensor is what was made: only the others change
             self.made = {
                 name: obj if wanted[name].kind == "tensor" else self.finish(wanted[name], obj)
                 for name, (obj, _) in made.items()
@@ -385,8 +390,7 @@ def split(run: Run, limit: int, itemsize: int) -> Iterator[Run]:
         yield from split(Run(run.src + i * row_bytes, row_bytes, dst, run.shape[1:]), limit, itemsize)
 
 
-def _start(info: TensorInfo) -> int:
-    return info.start
+_START, _OBJECT = operator.attrgetter("start"), operator.itemgetter(0)
 
 
 def _spec(info: TensorInfo) -> tuple[str, str, tuple[int, ...]]:

@@ -21,7 +21,7 @@ from . import _dtypes
 from ._errors import CheckpointError, StateMismatchError
 from ._format import TensorInfo
 from ._shards import is_dtensor
-from ._tree import PLAIN_KEYS, decode_key, dict_items, format_path, is_stateful, sequence_values
+from ._tree import PLAIN_KEYS, decode_key, format_path, is_stateful, sequence_values
 
 #: Entries under this many bytes are read with their neighbours into a scratch buffer,
 #: checked there and copied to their tensor's address (``memmove``, 0.3 us for 1 KiB):
@@ -54,13 +54,20 @@ def find(target: Any, node: Any, lookup: Any, out: Destinations, path: tuple[obj
         find(state_of(target, out), node, lookup, out, path)
         return
     if tag == "dict" and isinstance(target, dict):
-        for key_node, value in dict_items(node):
+        direct = out.direct
+        for key_node, value in node["items"]:  # pairs: the tree was checked (see dict_items)
             key = key_node if type(key_node) in PLAIN_KEYS else decode_key(key_node)
             if key not in target:
                 continue
             sub = target[key]
             if type(sub) in _PLAIN_TENSORS and type(value) is dict and value.get("$") == "tensor":
-                _leaf(sub, value, lookup, out, (*path, key))  # the common leaf, without a call of find
+                # The common leaf, as _leaf takes it, without a call of find or of _leaf.
+                out.held.append((*path, key))
+                info = lookup(value.get("n"))
+                if info is not None and info.kind == "tensor" and info.name not in direct:
+                    flat = direct_view(sub, info)
+                    if flat is not None:
+                        direct[info.name] = (sub, flat)
             else:
                 find(sub, value, lookup, out, (*path, key))
         return
@@ -122,7 +129,7 @@ def direct_view(target: Any, info: TensorInfo) -> np.ndarray[Any, np.dtype[np.ui
         if (
             (type(target) not in _PLAIN_TENSORS and is_dtensor(target))
             or target.shape != info.shape
-            or _dtypes.torch_name(target.dtype) != info.dtype
+            or target.dtype is not _dtypes.TORCH_DTYPES.get(info.dtype)  # by name: a dtype hashes slowly
             or not target.is_cpu
             or not target.is_contiguous()
             or target.is_conj()

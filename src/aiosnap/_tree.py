@@ -431,7 +431,7 @@ def _walk(node: Node, path: tuple[object, ...], out: list[Any], refs: bool) -> N
         return
     tag = node.get("$") if isinstance(node, dict) else None
     if tag == "dict":
-        for key_node, value in dict_items(node, path):
+        for key_node, value in node["items"]:  # pairs, as check found them (dict_items)
             key = key_node if type(key_node) in PLAIN_KEYS else decode_key(key_node, path)
             if not _is_reference(value):
                 _walk(value, (*path, key), out, refs)
