@@ -351,7 +351,11 @@ async def sweep_counts(directory: Path, counts: list[int], reps: int) -> list[di
                 "stall": statistics.median(stalls),
                 "total_minus_fsync": statistics.median(totals),
                 "load": statistics.median(loads),
+                "load_min": min(loads),
+                "load_max": max(loads),
                 "load_into": statistics.median(intos),
+                "load_into_min": min(intos),
+                "load_into_max": max(intos),
             }
         )
         _clean(directory)
@@ -521,7 +525,9 @@ async def main_async(args: argparse.Namespace) -> None:
             f"raw write {slope([r['bytes'] for r in rows], [r['raw'] for r in rows]) * GiB:.3f} s/GiB"
         )
         counts = [int(c) for c in args.sweep_counts.split(",")]
-        extra["counts"] = await sweep_counts(directory, counts, max(1, args.reps // 2))
+        # All the repetitions (a 100,000-tensor load takes ~1 s): with 2, the median was
+        # the mean of the process's first load into fresh memory and one after it.
+        extra["counts"] = await sweep_counts(directory, counts, args.reps)
         rows = extra["counts"]
         per = slope([r["tensors"] for r in rows], [r["total_minus_fsync"] for r in rows])
         counted = [r["tensors"] for r in rows]

@@ -523,6 +523,7 @@ def test_a_shape_seen_before_vouches_only_for_the_same_spelling(tmp_path: Path, 
 
 _T = '"kind":"tensor","dtype":"float32","shape":[2,3],"crc32c":"0123abcd"'
 _OPEN = '{"version":1,"checksum":"crc32c","tensors":{'
+_UNCOMMON = '"u":{"kind":"x","a":{"b":"c"},"d":1}'
 
 
 @pytest.mark.parametrize(
@@ -551,6 +552,14 @@ _OPEN = '{"version":1,"checksum":"crc32c","tensors":{'
         _OPEN + '"a":{' + _T + '},"n":{"kind":"x"},"c":{' + _T + '}},"tree":1}',
         _OPEN + '"a":{' + _T + '}, "c":{' + _T + '}},"tree":1}',  # a space between common ones
         _OPEN + '"a":{' + _T + '},"c":{' + _T + '},"tree":1}',  # the tensors never closed
+        # Longer than a window of _all_common's, all common; then with an uncommon one
+        # (holding what a window's cut looks for) in the second window.
+        _OPEN + ",".join(f'"t{i}":{{{_T}}}' for i in range(2000)) + '},"tree":1}',
+        _OPEN
+        + ",".join(
+            f'"t{i}":{{{_T}}}' if i != 1500 else '"u":{"kind":"x","a":{"b":"c"},"d":1}' for i in range(2000)
+        )
+        + '},"tree":1}',
     ],
 )
 def test_the_document_shortcut_reads_what_json_reads_or_nothing(text: str) -> None:
@@ -572,6 +581,17 @@ def test_the_document_shortcut_reads_what_json_reads_or_nothing(text: str) -> No
             got["tensors"][name] = {"kind": "tensor", "dtype": d[1], "shape": _ints_of(d[2]), "crc32c": d[3]}
     assert got == want
     assert list(got["tensors"]) == list(want["tensors"])
+
+
+def test_a_document_of_common_descriptions_is_matched_in_windows() -> None:
+    from aiosnap._format import _WINDOW, _all_common
+
+    names = [f"t{i}" for i in range(3 * _WINDOW // len(_T))]
+    text = _OPEN + ",".join(f'"{n}":{{{_T}}}' for n in names) + '},"tree":1}'
+    found = _all_common(text, len(_OPEN))
+    assert found is not None and list(found[0]) == names and text[found[1] :] == ',"tree":1}'
+    twice = text.replace('"t7":', '"t6":')
+    assert _all_common(twice, len(_OPEN)) is None
 
 
 def test_a_header_written_otherwise_is_read_by_the_general_parse(good_file: Path) -> None:

@@ -37,7 +37,7 @@ from ._header import (
     crc32c,
     json_string,
 )
-from ._offload import gc_paused, release
+from ._offload import gc_paused, release, zip_dict
 from ._storage import Reader, ReaderFile
 
 FORMAT_VERSION = 1
@@ -730,22 +730,39 @@ def _document(text: str) -> dict[str, Any] | None:
 
 def _all_common(text: str, pos: int) -> tuple[dict[str, Any], int] | None:
     """The descriptions from ``pos``, as _document gives them, if all are common ones:
-    matched by one C call, not a call per description (~1 us each). The matches must tile
-    the text up to the first ``,"tree":`` (which in JSON only ever follows a value at a
-    key's place: never inside a string): each ends with a comma, the last with the brace
-    that closes the tensors, their lengths add up to the span, no name comes twice.
-    With them, where the text after them starts. Else None (the caller matches one
-    description at a time)."""
+    matched by a C call per window of text, not a call per description (~1 us each).
+    The matches must tile the text up to the first ``,"tree":`` (which in JSON only ever
+    follows a value at a key's place: never inside a string): each ends with a comma,
+    the last with the brace that closes the tensors, their lengths add up to the span,
+    no name comes twice. With them, where the text after them starts. Else None (the
+    caller matches one description at a time)."""
     end = text.find(',"tree":', pos)
-    found = _DESCRIPTION.findall(text, pos, end) if end > pos else None
+    if end <= pos:
+        return None
+    found: list[tuple[str, ...]] = []
+    at, findall = pos, _DESCRIPTION.findall
+    while at < end:
+        # A window ends after a description's comma, where the next name's quote opens:
+        # one C call holds the GIL, and over 100,000 descriptions stalled the event
+        # loop for 50 ms. A cut elsewhere (inside an uncommon description) leaves some
+        # text unmatched, which the lengths below find.
+        cut = text.find('"},"', at + _WINDOW, end)
+        cut = end if cut < 0 else cut + 3
+        found += findall(text, at, cut)
+        at = cut
     if not found or found[-1][4] != "}" or list(map(_LAST, found)).count(",") != len(found) - 1:
         return None
-    # A match is its name, dtype and shape, and _FIXED characters more.
+    # A match is its name, dtype and shape, and _FIXED characters more; matches lie
+    # within their window, apart, so the lengths add up to the span only if they tile it.
     varying = sum(map(len, map(_NAME, found))) + sum(map(len, map(_DTYPE, found)))
     if varying + sum(map(len, map(_SHAPE, found))) + _FIXED * len(found) != end - pos:
         return None
-    tensors = dict(zip(map(_NAME, found), found, strict=True))
+    tensors = zip_dict(list(map(_NAME, found)), found)
     return (tensors, end) if len(tensors) == len(found) else None
+
+
+#: Characters of text matched per C call (~700 descriptions, ~0.3 ms).
+_WINDOW = 1 << 16
 
 
 _NAME, _DTYPE, _SHAPE, _LAST = (operator.itemgetter(i) for i in (0, 1, 2, 4))

@@ -14,7 +14,7 @@ import os
 import threading
 import traceback
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -23,6 +23,8 @@ import anyio.from_thread
 import anyio.to_thread
 
 T = TypeVar("T")
+K = TypeVar("K")
+V = TypeVar("V")
 
 #: Bulk writes and fsyncs: the disk is the bottleneck, a few threads keep it busy.
 IO_THREADS = 4
@@ -252,6 +254,22 @@ def release(*containers: dict[Any, Any] | list[Any]) -> None:
         else:
             while c:
                 del c[-_RELEASE_SLICE:]
+
+
+#: Items ``zip_dict`` inserts per C call: ~0.4 ms of work.
+_BUILD_SLICE = 4096
+
+
+def zip_dict(keys: Sequence[K], values: Sequence[V]) -> dict[K, V]:
+    """``dict(zip(keys, values))``, a slice at a time: one C call over 100,000 items
+    holds the GIL for ~9 ms, a stall of the event loop as long. Between slices the
+    interpreter can hand the GIL over."""
+    if len(keys) != len(values):
+        raise ValueError(f"{len(keys)} keys for {len(values)} values")
+    out: dict[K, V] = {}
+    for i in range(0, len(keys), _BUILD_SLICE):
+        out.update(zip(keys[i : i + _BUILD_SLICE], values[i : i + _BUILD_SLICE], strict=True))
+    return out
 
 
 async def warm() -> None:

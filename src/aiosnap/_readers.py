@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 import operator
 import pickle
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -184,11 +184,10 @@ class EntryReader:
             name: direct.get(name) or (_allocate(info) if info.end - info.start >= SMALL else None)
             for name, info in wanted.items()
         }
-        fresh = wanted.keys() - direct.keys()
         for (f, header), infos in zip(self.sources, by_source, strict=True):
-            self.read_all(f, header, sorted(infos, key=_START), made, fresh)
+            self.read_all(f, header, sorted(infos, key=_START), made, direct)
         if self.map_location is None and not others:  # only tensors, as they were made
-            self.made = dict(zip(made, map(_OBJECT, made.values()), strict=True))
+            self.made = _offload.zip_dict(list(made), list(map(_OBJECT, made.values())))
         elif self.map_location is None:  # a tensor is what was made: only the others change
             self.made = {
                 name: obj if wanted[name].kind == "tensor" else self.finish(wanted[name], obj)
@@ -201,24 +200,25 @@ class EntryReader:
             self.made[name] = self.read_dtensor(saved, dests.shards.get(name), where)
 
     def read_all(
-        self, f: Reader, header: Header, infos: list[TensorInfo], made: Made, fresh: set[str]
+        self, f: Reader, header: Header, infos: list[TensorInfo], made: Made, placed: Mapping[str, Any]
     ) -> None:
         """Read ``infos`` (in file order) into ``made``, verified. A helper thread works
-        beside the reads: it faults in the pages of the next group's ``fresh`` buffers
-        (memory allocated for this load; the faults would otherwise stop the read at every
-        page) and checks the previous group's checksums."""
+        beside the reads: it faults in the pages of the next group's buffers that are not
+        ``placed`` in a target's memory (those were allocated for this load; the faults
+        would otherwise stop the read at every page) and checks the previous group's
+        checksums."""
         most, iovecs = getattr(f, "batch_bytes", READ_GROUP), getattr(f, "batch_iovecs", READ_IOVECS)
         groups = list(_groups(infos, most, iovecs))
         ahead = _buffer(groups[0], made) if groups else None
         if groups:
-            _populate(made, groups[0], fresh, ahead)
+            _populate(made, groups[0], placed, ahead)
         behind: list[tuple[TensorInfo, memoryview]] = []
         scratch = None
         with _offload.side_thread() as side:
             for k, group in enumerate(groups):
                 side.wait()
                 buffer, ahead = ahead, _buffer(groups[k + 1], made) if k + 1 < len(groups) else None
-                side.submit(_side_work, f.path, behind, made, groups[k + 1 : k + 2], fresh, ahead)
+                side.submit(_side_work, f.path, behind, made, groups[k + 1 : k + 2], placed, ahead)
                 behind = []
                 start = header.data_start + group[0].start
                 if group[0].nbytes < SMALL:
@@ -520,12 +520,12 @@ def _side_work(
     behind: list[tuple[TensorInfo, memoryview]],
     made: Made,
     ahead: list[list[TensorInfo]],
-    fresh: set[str],
+    placed: Mapping[str, Any],
     buffer: np.ndarray[Any, np.dtype[np.uint8]] | None,
 ) -> None:
     _verify(path, behind)
     for group in ahead:
-        _populate(made, group, fresh, buffer)
+        _populate(made, group, placed, buffer)
 
 
 def _verify(path: str, read: list[tuple[TensorInfo, memoryview]]) -> None:
@@ -539,13 +539,16 @@ _POPULATE_MIN = 1 << 20
 
 
 def _populate(
-    made: Made, group: list[TensorInfo], fresh: set[str], buffer: np.ndarray[Any, np.dtype[np.uint8]] | None
+    made: Made,
+    group: list[TensorInfo],
+    placed: Mapping[str, Any],
+    buffer: np.ndarray[Any, np.dtype[np.uint8]] | None,
 ) -> None:
     if buffer is not None:  # small entries' own buffer: fresh memory, all of it
         populate(buffer.ctypes.data, buffer.nbytes)
         return
     for info in group:
-        if info.nbytes >= _POPULATE_MIN and info.name in fresh:
+        if info.nbytes >= _POPULATE_MIN and info.name not in placed:
             array = made[info.name][1]
             populate(array.ctypes.data, array.nbytes)
 
