@@ -145,9 +145,8 @@ async def loop_gaps() -> AsyncIterator[list[float]]:
         await tick
 
 
-def _run_bytecode(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
+def _run_bytecode(ticks: list[float], count: int) -> None:
+    while len(ticks) < count:
         sum(range(1000))
 
 
@@ -158,19 +157,19 @@ STALL_RATIO = 4.0
 async def assert_loop_never_stalls(work: Callable[[int], Awaitable[object]], attempts: int = 3) -> None:
     """``work(i)`` must never stall the event loop. The bound is a ratio to a baseline
     measured right after each attempt, on whatever machine this runs: the longest gap
-    while a worker thread runs Python bytecode for as long as the work took -- the GIL
-    hand-over and the scheduler's noise, with no long C call and nothing on the loop.
+    while a worker thread runs Python bytecode for as many of the loop's ticks as the
+    work lasted (counted, not timed: on a fast machine a timed baseline got too few) --
+    the GIL hand-over and the scheduler's noise, with no long C call and nothing on the
+    loop.
     A real stall (blocking work on the loop, a long C call holding the GIL) shows in
     every attempt; noise seldom twice, so an attempt within the bound passes."""
     seen = []
     for i in range(attempts):
         async with loop_gaps() as gaps:
-            t0 = time.perf_counter()
             await work(i)
-            took = time.perf_counter() - t0
+        assert len(gaps) > 20
         async with loop_gaps() as baseline:
-            await asyncio.to_thread(_run_bytecode, took)
-        assert len(gaps) > 20 and len(baseline) > 20
+            await asyncio.to_thread(_run_bytecode, baseline, len(gaps))
         seen.append((max(gaps) * 1000, max(baseline) * 1000))
         if max(gaps) <= STALL_RATIO * max(baseline):
             return

@@ -39,7 +39,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rank_main(rank: int, world: int, port: int, scenario: Scenario, args: tuple[Any, ...], out: Any) -> None:
+def _rank_main(
+    rank: int, world: int, port: int, scenario: Scenario, args: tuple[Any, ...], out: Any, done: Any
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
@@ -56,6 +58,10 @@ def _rank_main(rank: int, world: int, port: int, scenario: Scenario, args: tuple
     out.put((rank, result))
     out.close()
     out.join_thread()
+    if rank == 0:
+        # Rank 0 hosts the group's store: gone, it resets the connections of ranks still
+        # working (those of another subgroup, which never wait for it).
+        done.wait()
     os._exit(0)  # skip the teardown of a group whose peers may be dead
 
 
@@ -63,16 +69,20 @@ def run_ranks(world: int, scenario: Scenario, *args: Any, limit: float = 120) ->
     """Run ``scenario(rank, world, *args)`` in ``world`` fresh processes; their results."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["aiosnap", "torch.distributed", "tests.test_distributed"])
-    out = ctx.Queue()
+    out, done = ctx.Queue(), ctx.Event()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, scenario, args, out)) for r in range(world)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world, port, scenario, args, out, done)) for r in range(world)
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
     deadline = time.monotonic() + limit
     try:
         while len(results) < world and time.monotonic() < deadline:
-            if all(not p.is_alive() for p in procs) and out.empty():
+            # Rank 0 lives on once it has reported (see _rank_main): only the others count.
+            pending = [p for r, p in enumerate(procs) if r not in results]
+            if all(not p.is_alive() for p in pending) and out.empty():
                 break
             try:
                 rank, result = out.get(timeout=0.2)
@@ -80,6 +90,7 @@ def run_ranks(world: int, scenario: Scenario, *args: Any, limit: float = 120) ->
                 continue
             results[rank] = result
     finally:
+        done.set()
         for p in procs:
             p.join(timeout=max(0.1, deadline - time.monotonic()))
             if p.is_alive():
