@@ -260,7 +260,7 @@ def load_file(
     records them) refuses a file that is not the one committed; ``shards`` and
     ``refuse`` come with a step of a group (``load_step``). Blocking."""
     files: list[Reader] = [storage.open_read(path)]
-    dests = Destinations()
+    dests = Destinations(track_held=refuse is not None)
     try:
         # A step's file must be the aiosnap file its manifest vouches for: never sniffed
         # as another format (a torch.save file there would be unpickled).
@@ -285,7 +285,10 @@ def load_file(
                 files.append(storage.open_read(replicas))
                 reader.add_replicas(files[1], _read_checked(files[1], checksums))
             if target is not None:
-                find(target, tree, reader.lookup, dests)
+                # An entry of this file, or (with replicas) of theirs: with none, a lookup
+                # in its own table is the same, without a method call a tensor.
+                one = len(reader.sources) == 1 and not header.external
+                find(target, tree, header.tensors.get if one else reader.lookup, dests)
             if refuse is not None:
                 asked = (
                     held_paths(dests) if target is not None else {format_path(p) for p, _ in walk_nodes(tree)}
