@@ -122,3 +122,91 @@ async def test_matching_tensors_are_read_straight_into_the_target(tmp_path: Path
     assert torch.equal(target["odd"], torch.ones(4, 4)) and torch.equal(
         target["b"], torch.ones(3, dtype=torch.int8)
     )
+
+
+# -- dicts of tensors read in place: nothing rebuilt ------------------------------------
+def _saved(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
+    opt = {"m": torch.ones(100_000), "v": torch.full((3,), 2.0)}
+    state = {"w": torch.arange(6.0).reshape(2, 3), "opt": opt}
+    path = tmp_path / "ckpt"
+    aiosnap.save_sync(str(path), state)
+    return path, state
+
+
+def _rebuilds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    from aiosnap import _load
+
+    calls: list[int] = []
+    real = _load.rebuild
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_load, "rebuild", counted)
+    return calls
+
+
+def test_a_dict_of_tensors_read_in_place_is_neither_rebuilt_nor_assigned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, state = _saved(tmp_path)
+    target = {"w": torch.zeros(2, 3), "opt": {"m": torch.zeros(100_000), "v": torch.zeros(3)}}
+    tensors = [target["w"], target["opt"]["m"], target["opt"]["v"]]
+    calls = _rebuilds(monkeypatch)
+    assert aiosnap.load_into_sync(str(path), target) is target
+    assert not calls
+    assert_tree_equal(target, state)
+    assert [target["w"], target["opt"]["m"], target["opt"]["v"]] == tensors  # the same objects
+
+
+@pytest.mark.parametrize(
+    ("case", "strict"),
+    [
+        ("a key the file lacks", False),
+        ("a key the target lacks", False),
+        ("a tensor of another layout", True),
+        ("a plain value", True),
+        ("one tensor twice", True),
+    ],
+)
+def test_anything_else_is_rebuilt_and_assigned(
+    case: str, strict: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, state = _saved(tmp_path)
+    if case == "a plain value":
+        state["step"] = 7
+        aiosnap.save_sync(str(path), state)
+    target: dict[str, Any] = {"w": torch.zeros(2, 3), "opt": {"m": torch.zeros(100_000), "v": torch.zeros(3)}}
+    want: dict[str, Any] = {"w": state["w"], "opt": dict(state["opt"])}
+    if case == "a key the file lacks":
+        target["extra"] = torch.zeros(2)
+        want["extra"] = torch.zeros(2)
+    elif case == "a key the target lacks":
+        del target["opt"]["v"], want["opt"]["v"]
+    elif case == "a tensor of another layout":
+        target["w"] = torch.zeros(3, 2).t()  # not contiguous: copied in by assign
+    elif case == "a plain value":
+        target["step"], want["step"] = 0, 7
+    elif case == "one tensor twice":
+        state["opt"]["v"] = state["w"]  # saved once, under both names
+        aiosnap.save_sync(str(path), state)
+        target["opt"]["v"] = torch.zeros(2, 3)
+        want["opt"]["v"] = state["w"]
+    calls = _rebuilds(monkeypatch)
+    aiosnap.load_into_sync(str(path), target, strict=strict)
+    assert calls == [1]
+    assert_tree_equal(target, want)
+
+
+def test_a_key_saved_twice_is_not_taken_for_two(tmp_path: Path) -> None:
+    from .hostile import parse, render
+
+    path = tmp_path / "ckpt"
+    aiosnap.save_sync(str(path), {"a": torch.ones(2), "b": torch.ones(2)})
+    parts = parse(path.read_bytes())
+    items = parts.meta["tree"]["items"]
+    items[1][0] = "a"  # the dict's keys "a" and "a": as many as the target's, one of them missing
+    path.write_bytes(render(parts))
+    with pytest.raises(aiosnap.StateMismatchError, match="missing keys \\['b'\\]"):
+        aiosnap.load_into_sync(str(path), {"a": torch.zeros(2), "b": torch.zeros(2)})

@@ -44,6 +44,10 @@ class Destinations:
     track_held: bool = True
     #: The state dicts of Stateful targets, taken once (id of the object -> its state).
     states: dict[int, Any] = field(default_factory=dict)
+    #: Whether the target is dicts of tensors alone, with the saved tree's keys exactly,
+    #: each tensor read into in place: then there is nothing left to assign (see
+    #: ``is_filled``).
+    whole: bool = True
 
 
 def find(target: Any, node: Any, lookup: Any, out: Destinations, path: tuple[object, ...] = ()) -> None:
@@ -53,27 +57,36 @@ def find(target: Any, node: Any, lookup: Any, out: Destinations, path: tuple[obj
     # Plain containers and tensors are never Stateful: is_stateful's two failed getattr
     # were a fifth of the walk.
     if type(target) not in _NOT_STATEFUL and not isinstance(target, torch.Tensor) and is_stateful(target):
+        out.whole = False  # its load_state_dict is still to be called
         find(state_of(target, out), node, lookup, out, path)
         return
     if tag == "dict" and isinstance(target, dict):
-        direct = out.direct
-        for key_node, value in node["items"]:  # pairs: the tree was checked (see dict_items)
+        direct, items, keys = out.direct, node["items"], set()
+        whole = len(items) == len(target)
+        for key_node, value in items:  # pairs: the tree was checked (see dict_items)
             key = key_node if type(key_node) in PLAIN_KEYS else decode_key(key_node)
             if key not in target:
+                whole = False
                 continue
+            keys.add(key)
             sub = target[key]
             if type(sub) in _PLAIN_TENSORS and type(value) is dict and value.get("$") == "tensor":
                 # The common leaf, as _leaf takes it, without a call of find or of _leaf.
                 if out.track_held:
                     out.held.append((*path, key))
                 info = lookup(value.get("n"))
+                flat = None
                 if info is not None and info.kind == "tensor" and info.name not in direct:
                     flat = direct_view(sub, info)
                     if flat is not None:
                         direct[info.name] = (sub, flat)
+                whole = whole and flat is not None
             else:
                 find(sub, value, lookup, out, (*path, key))
+        # A key twice in the saved dict leaves one of the target's without a value.
+        out.whole = out.whole and whole and len(keys) == len(target)
         return
+    out.whole = False  # a list, a tuple, a value or a leaf of another kind: assigned
     if isinstance(target, (list, tuple)) and (isinstance(node, list) or tag == "tuple"):
         values = sequence_values(node)
         if len(values) == len(target):
@@ -101,6 +114,13 @@ def _leaf(target: Any, node: Any, lookup: Any, out: Destinations, path: tuple[ob
 
 _NOT_STATEFUL = (dict, list, tuple)
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def is_filled(target: Any, out: Destinations) -> bool:
+    """Whether reading the saved leaves into ``out.direct`` (done) left the target as
+    ``assign`` would: every leaf was read into its own tensor, and every dict has the
+    saved dict's keys, no more, no fewer. Then the tree need not be rebuilt."""
+    return out.whole and isinstance(target, dict)
 
 
 def held_paths(out: Destinations) -> set[str]:

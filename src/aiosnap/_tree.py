@@ -360,6 +360,16 @@ def _rebuild(
     raise ValueError(f"unknown node type {tag!r:.40} at {format_path(path)}")
 
 
+def release_dicts(node: Node) -> None:
+    """Free a checked tree's dict nodes a slice of items at a time, deepest first, as
+    ``rebuild(consume=True)`` does (freed at once, 100,000 leaves held the GIL 20 ms)."""
+    if type(node) is dict and node.get("$") == "dict":
+        for _, value in node["items"]:
+            if type(value) is dict and value.get("$") == "dict":
+                release_dicts(value)
+        release(node["items"])
+
+
 def dict_items(node: dict[str, Any], path: tuple[object, ...] = ()) -> Iterator[tuple[Node, Node]]:
     """The (key node, value node) pairs of a dict node, checked."""
     items = node.get("items")
