@@ -555,11 +555,7 @@ _UNCOMMON = '"u":{"kind":"x","a":{"b":"c"},"d":1}'
         # Longer than a window of _all_common's, all common; then with an uncommon one
         # (holding what a window's cut looks for) in the second window.
         _OPEN + ",".join(f'"t{i}":{{{_T}}}' for i in range(2000)) + '},"tree":1}',
-        _OPEN
-        + ",".join(
-            f'"t{i}":{{{_T}}}' if i != 1500 else '"u":{"kind":"x","a":{"b":"c"},"d":1}' for i in range(2000)
-        )
-        + '},"tree":1}',
+        _OPEN + ",".join(f'"t{i}":{{{_T}}}' if i != 1500 else _UNCOMMON for i in range(2000)) + '},"tree":1}',
     ],
 )
 def test_the_document_shortcut_reads_what_json_reads_or_nothing(text: str) -> None:

@@ -32,7 +32,7 @@ from ._group import MANIFEST_NAME, Manifest, read_manifest
 from ._progress import counted
 from ._readers import EntryReader, MapLocation, Shards
 from ._storage import Reader, ReaderFile, Storage, exists
-from ._targets import Destinations, assign, find, held_paths, is_filled
+from ._targets import Destinations, assign, find, held_paths
 from ._tree import (
     decode_key,
     dict_items,
@@ -304,7 +304,7 @@ def load_file(
                 )
                 refuse(asked)
             reader.prefetch(tree, dests)
-            if target is not None and is_filled(target, dests):
+            if target is not None and dests.whole:
                 # Read in place, every leaf: rebuilt and assigned, the tree would be
                 # the target's own tensors, each already where it belongs.
                 filled, loaded = True, target

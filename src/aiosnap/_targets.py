@@ -44,9 +44,9 @@ class Destinations:
     track_held: bool = True
     #: The state dicts of Stateful targets, taken once (id of the object -> its state).
     states: dict[int, Any] = field(default_factory=dict)
-    #: Whether the target is dicts of tensors alone, with the saved tree's keys exactly,
-    #: each tensor read into in place: then there is nothing left to assign (see
-    #: ``is_filled``).
+    #: Whether ``find`` found the target to be dicts of tensors alone, with the saved
+    #: dicts' keys, no more, no fewer, and every tensor to be read into in place: once
+    #: read, the target is what rebuilding the tree and assigning it would leave.
     whole: bool = True
 
 
@@ -114,13 +114,6 @@ def _leaf(target: Any, node: Any, lookup: Any, out: Destinations, path: tuple[ob
 
 _NOT_STATEFUL = (dict, list, tuple)
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
-
-
-def is_filled(target: Any, out: Destinations) -> bool:
-    """Whether reading the saved leaves into ``out.direct`` (done) left the target as
-    ``assign`` would: every leaf was read into its own tensor, and every dict has the
-    saved dict's keys, no more, no fewer. Then the tree need not be rebuilt."""
-    return out.whole and isinstance(target, dict)
 
 
 def held_paths(out: Destinations) -> set[str]:
