@@ -61,7 +61,7 @@ def _rank_main(
     if rank == 0:
         # Rank 0 hosts the group's store: gone, it resets the connections of ranks still
         # working (those of another subgroup, which never wait for it).
-        done.wait()
+        done.wait(timeout=600)  # a bound only for a parent killed before it could set it
     os._exit(0)  # skip the teardown of a group whose peers may be dead
 
 
