@@ -210,3 +210,14 @@ def test_a_key_saved_twice_is_not_taken_for_two(tmp_path: Path) -> None:
     path.write_bytes(render(parts))
     with pytest.raises(aiosnap.StateMismatchError, match="missing keys \\['b'\\]"):
         aiosnap.load_into_sync(str(path), {"a": torch.zeros(2), "b": torch.zeros(2)})
+
+
+@pytest.mark.parametrize(("back", "entry"), [(1, "opt.v"), (12 + 1000, "opt.m")])
+def test_a_damaged_tensor_read_in_place_is_refused(tmp_path: Path, back: int, entry: str) -> None:
+    path, _ = _saved(tmp_path)
+    raw = bytearray(path.read_bytes())
+    raw[-back] ^= 0xFF  # the data section ends with opt.m's 400,000 bytes, then opt.v's 12
+    path.write_bytes(bytes(raw))
+    target = {"w": torch.zeros(2, 3), "opt": {"m": torch.zeros(100_000), "v": torch.zeros(3)}}
+    with pytest.raises(aiosnap.CorruptCheckpointError, match=f"checksum mismatch in tensor '{entry}'"):
+        aiosnap.load_into_sync(str(path), target)
