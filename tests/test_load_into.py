@@ -221,3 +221,32 @@ def test_a_damaged_tensor_read_in_place_is_refused(tmp_path: Path, back: int, en
     target = {"w": torch.zeros(2, 3), "opt": {"m": torch.zeros(100_000), "v": torch.zeros(3)}}
     with pytest.raises(aiosnap.CorruptCheckpointError, match=f"checksum mismatch in tensor '{entry}'"):
         aiosnap.load_into_sync(str(path), target)
+
+
+def test_a_tree_in_another_order_than_the_file_is_read_in_file_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from .hostile import parse, render
+
+    path = tmp_path / "ckpt"
+    aiosnap.save_sync(str(path), {"a": torch.ones(2), "b": torch.full((2,), 2.0), "c": torch.full((3,), 3.0)})
+    parts = parse(path.read_bytes())
+    parts.meta["tree"]["items"].reverse()  # c, b, a: the file holds a, b, c
+    path.write_bytes(render(parts))
+    target = {"a": torch.zeros(2), "b": torch.zeros(2), "c": torch.zeros(3)}
+    calls = _rebuilds(monkeypatch)
+    aiosnap.load_into_sync(str(path), target)
+    assert not calls  # read in place: the path that takes the leaves from the walk of the target
+    assert_tree_equal(target, {"a": torch.ones(2), "b": torch.full((2,), 2.0), "c": torch.full((3,), 3.0)})
+
+
+def test_a_tensor_leaf_naming_a_shard_is_refused_in_a_dict_of_tensors(tmp_path: Path) -> None:
+    from .hostile import parse, render
+
+    path = tmp_path / "ckpt"
+    aiosnap.save_sync(str(path), {"a": torch.ones(2), "b": torch.full((2,), 2.0)})
+    parts = parse(path.read_bytes())
+    parts.meta["tensors"]["b"]["shard"] = {"shape": [4], "offset": [2]}  # a box of a DTensor
+    path.write_bytes(render(parts))
+    with pytest.raises(aiosnap.CorruptCheckpointError, match="bad tree: b is a tensor but 'b' is not"):
+        aiosnap.load_into_sync(str(path), {"a": torch.zeros(2), "b": torch.zeros(2)})

@@ -269,7 +269,7 @@ def load_file(
     records them) refuses a file that is not the one committed; ``shards`` and
     ``refuse`` come with a step of a group (``load_step``). Blocking."""
     files: list[Reader] = [storage.open_read(path)]
-    dests = Destinations(track_held=refuse is not None)
+    dests = Destinations(track_held=refuse is not None, whole=target is not None)
     try:
         # A step's file must be the aiosnap file its manifest vouches for: never sniffed
         # as another format (a torch.save file there would be unpickled).
@@ -304,7 +304,7 @@ def load_file(
                 )
                 refuse(asked)
             reader.prefetch(tree, dests)
-            if target is not None and dests.whole:
+            if dests.whole:
                 # Read in place, every leaf: rebuilt and assigned, the tree would be
                 # the target's own tensors, each already where it belongs.
                 filled, loaded = True, target

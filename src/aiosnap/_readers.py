@@ -128,6 +128,12 @@ class EntryReader:
         Neighbouring entries are read with one scattered read each, straight into the
         memory of the tensors and arrays that will be returned; checksums follow.
         """
+        if dests.whole and len(self.sources) == 1:
+            # Dicts of tensors alone, each read into its target in place (see find): the
+            # leaves are checked and nothing is made, so the tree is not walked again.
+            source = self.sources[0]
+            self.read_all(source[0], source[1], sorted(dests.infos, key=_START), dests.direct, dests.direct)
+            return
         wanted: dict[str, TensorInfo] = {}
         sharded: dict[str, tuple[str, SavedTensor]] = {}
         by_source: list[list[TensorInfo]] = [[] for _ in self.sources]

@@ -46,8 +46,12 @@ class Destinations:
     states: dict[int, Any] = field(default_factory=dict)
     #: Whether ``find`` found the target to be dicts of tensors alone, with the saved
     #: dicts' keys, no more, no fewer, and every tensor to be read into in place: once
-    #: read, the target is what rebuilding the tree and assigning it would leave.
-    whole: bool = True
+    #: read, the target is what rebuilding the tree and assigning it would leave. A load
+    #: into a target starts it True, and ``find`` can only take it back.
+    whole: bool = False
+    #: The entries in ``direct`` that ``find`` took as common leaves (plain tensors,
+    #: tensor entries of this file): while ``whole`` holds, they are every leaf.
+    infos: list[TensorInfo] = field(default_factory=list)
 
 
 def find(target: Any, node: Any, lookup: Any, out: Destinations, path: tuple[object, ...] = ()) -> None:
@@ -76,10 +80,11 @@ def find(target: Any, node: Any, lookup: Any, out: Destinations, path: tuple[obj
                     out.held.append((*path, key))
                 info = lookup(value.get("n"))
                 flat = None
-                if info is not None and info.kind == "tensor" and info.name not in direct:
+                if info is not None and info.kind == "tensor" and not info.shard and info.name not in direct:
                     flat = direct_view(sub, info)
                     if flat is not None:
                         direct[info.name] = (sub, flat)
+                        out.infos.append(info)
                 whole = whole and flat is not None
             else:
                 find(sub, value, lookup, out, (*path, key))
