@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _harness import RssSampler, drop_cache, fsync_path
+from _harness import RssSampler, cold_start, fsync_path
 
 Result = dict[str, float]
 
@@ -30,7 +30,7 @@ def torch_save(state: dict[str, Any], directory: Path, rss: RssSampler) -> Resul
 def torch_load(state: dict[str, Any], directory: Path, rss: RssSampler) -> Result:
     path = directory / "load.pt"
     torch.save(state, path)
-    drop_cache(path)
+    cold_start(path)
     with rss:
         t0 = time.perf_counter()
         torch.load(path, weights_only=True)
