@@ -160,13 +160,45 @@ def test_a_dict_of_tensors_read_in_place_is_neither_rebuilt_nor_assigned(
     assert [target["w"], target["opt"]["m"], target["opt"]["v"]] == tensors  # the same objects
 
 
+def test_plain_values_beside_the_tensors_are_set_without_a_rebuild(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "ckpt"
+    values = {"step": 7, "lr": 0.5, "name": "adam", "done": True, "none": None}
+    saved = {i: {"exp_avg": torch.full((3,), float(i)), **values} for i in range(3)}
+    aiosnap.save_sync(str(path), saved)
+    target = {
+        i: {"exp_avg": torch.zeros(3), "step": 0, "lr": 1.0, "name": "", "done": False, "none": 1}
+        for i in range(3)
+    }
+    tensors = [target[i]["exp_avg"] for i in range(3)]
+    calls = _rebuilds(monkeypatch)
+    aiosnap.load_into_sync(str(path), target)
+    assert not calls
+    assert_tree_equal(target, saved)
+    assert [target[i]["exp_avg"] for i in range(3)] == tensors  # the same objects
+    assert type(target[0]["step"]) is int and type(target[0]["lr"]) is float
+
+
+def test_plain_values_are_left_alone_when_a_checksum_fails(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    aiosnap.save_sync(str(path), {"w": torch.ones(4), "step": 7})
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF  # the data section is w's 16 bytes
+    path.write_bytes(bytes(raw))
+    target = {"w": torch.zeros(4), "step": 0}
+    with pytest.raises(aiosnap.CorruptCheckpointError, match="checksum mismatch in tensor 'w'"):
+        aiosnap.load_into_sync(str(path), target)
+    assert target["step"] == 0
+
+
 @pytest.mark.parametrize(
     ("case", "strict"),
     [
         ("a key the file lacks", False),
         ("a key the target lacks", False),
         ("a tensor of another layout", True),
-        ("a plain value", True),
+        ("a plain value where the target holds a list", True),
         ("one tensor twice", True),
     ],
 )
@@ -174,7 +206,7 @@ def test_anything_else_is_rebuilt_and_assigned(
     case: str, strict: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path, state = _saved(tmp_path)
-    if case == "a plain value":
+    if case == "a plain value where the target holds a list":
         state["step"] = 7
         aiosnap.save_sync(str(path), state)
     target: dict[str, Any] = {"w": torch.zeros(2, 3), "opt": {"m": torch.zeros(100_000), "v": torch.zeros(3)}}
@@ -186,8 +218,8 @@ def test_anything_else_is_rebuilt_and_assigned(
         del target["opt"]["v"], want["opt"]["v"]
     elif case == "a tensor of another layout":
         target["w"] = torch.zeros(3, 2).t()  # not contiguous: copied in by assign
-    elif case == "a plain value":
-        target["step"], want["step"] = 0, 7
+    elif case == "a plain value where the target holds a list":
+        target["step"], want["step"] = [0], 7
     elif case == "one tensor twice":
         state["opt"]["v"] = state["w"]  # saved once, under both names
         aiosnap.save_sync(str(path), state)

@@ -32,7 +32,7 @@ from ._group import MANIFEST_NAME, Manifest, read_manifest
 from ._progress import counted
 from ._readers import EntryReader, MapLocation, Shards
 from ._storage import Reader, ReaderFile, Storage, exists
-from ._targets import Destinations, assign, find, held_paths
+from ._targets import Destinations, assign, find, held_paths, set_values
 from ._tree import (
     decode_key,
     dict_items,
@@ -305,8 +305,10 @@ def load_file(
                 refuse(asked)
             reader.prefetch(tree, dests)
             if dests.whole:
-                # Read in place, every leaf: rebuilt and assigned, the tree would be
-                # the target's own tensors, each already where it belongs.
+                # Read in place, every tensor: rebuilt and assigned, the tree would be
+                # the target's own tensors, each already where it belongs, and its
+                # plain values, which assign would have put where set_values does.
+                set_values(dests)
                 filled, loaded = True, target
                 release_dicts(tree)
             else:
@@ -323,7 +325,7 @@ def load_file(
     if target is not None:
         if not filled:
             assign(target, loaded, (), strict, dests)
-        _offload.release(dests.direct, dests.held)
+        _offload.release(dests.direct, dests.held, dests.values)
     return loaded
 
 

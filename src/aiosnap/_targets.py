@@ -50,8 +50,11 @@ class Destinations:
     #: into a target starts it True, and ``find`` can only take it back.
     whole: bool = False
     #: The entries in ``direct`` that ``find`` took as common leaves (plain tensors,
-    #: tensor entries of this file): while ``whole`` holds, they are every leaf.
+    #: tensor entries of this file): while ``whole`` holds, they are every tensor leaf.
     infos: list[TensorInfo] = field(default_factory=list)
+    #: (dict, key, value): a plain value saved where the target's dict holds a plain
+    #: value, which assign would replace with the saved one (``set_values``).
+    values: list[tuple[dict[Any, Any], Any, Any]] = field(default_factory=list)
 
 
 def find(target: Any, node: Any, lookup: Any, out: Destinations, path: tuple[object, ...] = ()) -> None:
@@ -86,6 +89,12 @@ def find(target: Any, node: Any, lookup: Any, out: Destinations, path: tuple[obj
                         direct[info.name] = (sub, flat)
                         out.infos.append(info)
                 whole = whole and flat is not None
+            elif type(value) in PLAIN_KEYS and type(sub) in PLAIN_KEYS:
+                # A plain value for a plain value (a step count, a learning rate): what
+                # rebuild makes of the node is the node; assign puts it in the dict.
+                if out.track_held:
+                    out.held.append((*path, key))
+                out.values.append((target, key, value))
             else:
                 find(sub, value, lookup, out, (*path, key))
         # A key twice in the saved dict leaves one of the target's without a value.
@@ -101,6 +110,13 @@ def find(target: Any, node: Any, lookup: Any, out: Destinations, path: tuple[obj
     if tag in ("dict", "tuple") or isinstance(node, list):
         return  # a container where the target has none: assign reports it
     _leaf(target, node, lookup, out, path)
+
+
+def set_values(out: Destinations) -> None:
+    """Put the plain values ``find`` found into the target's dicts (once every tensor
+    was read and checked: a load that fails leaves them as they were)."""
+    for container, key, value in out.values:
+        container[key] = value
 
 
 def _leaf(target: Any, node: Any, lookup: Any, out: Destinations, path: tuple[object, ...]) -> None:
