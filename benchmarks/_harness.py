@@ -86,9 +86,9 @@ def cold_start(path: Path | str) -> None:
     what the load returns), so that what the load allocates is memory the VM backs.
 
     These Firecracker guests hand memory that has been free for more than ~2 s back to
-    the host (as free page reporting does); faulting it in again cost 0.6-2.3 s per GiB against
-    0.05 s for memory freed just before, serialised in the host (two threads took as
-    long as one). Without this, a load's time depended on which row ran before it and
+    the host (as free page reporting does); faulting it in again cost 0.6-2.3 s per GiB
+    against 0.05 s for memory freed just before, serialised in the host (two threads
+    took as long as one). Without this, a load's time depended on which row ran before it and
     how long ago: the same aiosnap load measured 0.29 s and 2.28 s in one run. Every
     cold-load row, peers included, starts from here. It narrows the spread; it does not
     remove it (docs/performance.md: "Cold loads: memory the VM has taken back").

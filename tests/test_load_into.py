@@ -282,3 +282,61 @@ def test_a_tensor_leaf_naming_a_shard_is_refused_in_a_dict_of_tensors(tmp_path: 
     path.write_bytes(render(parts))
     with pytest.raises(aiosnap.CorruptCheckpointError, match="bad tree: b is a tensor but 'b' is not"):
         aiosnap.load_into_sync(str(path), {"a": torch.zeros(2), "b": torch.zeros(2)})
+
+
+def _resolved(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    from aiosnap._readers import EntryReader
+
+    names: list[str] = []
+    real = EntryReader.resolve
+
+    def counted(self: EntryReader, kind: str, name: str, path: tuple[object, ...]) -> object:
+        names.append(name)
+        return real(self, kind, name, path)
+
+    monkeypatch.setattr(EntryReader, "resolve", counted)
+    return names
+
+
+def test_whole_dicts_beside_a_list_come_back_as_they_are(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "ckpt"
+    moments = {
+        i: {"step": torch.tensor(float(i)), "exp_avg": torch.full((4,), float(i)), "n": i} for i in range(3)
+    }
+    saved = {"state": moments, "param_groups": [{"lr": 0.1, "params": [0, 1, 2]}]}
+    aiosnap.save_sync(str(path), saved)
+    target = {
+        "state": {i: {"step": torch.tensor(0.0), "exp_avg": torch.zeros(4), "n": -1} for i in range(3)},
+        "param_groups": [{"lr": 1.0, "params": [0, 1, 2]}],
+    }
+    inner = [target["state"][i] for i in range(3)]
+    resolved = _resolved(monkeypatch)
+    aiosnap.load_into_sync(str(path), target)
+    assert resolved == []  # every tensor is in a dict read whole: none was rebuilt
+    assert_tree_equal(target, saved)
+    assert all(target["state"][i] is inner[i] for i in range(3))
+
+
+class _HandsOutItsDict:
+    """A Stateful object whose state_dict is its own dict, and whose load_state_dict
+    empties that dict before it takes what it is given."""
+
+    def __init__(self) -> None:
+        self.sd: dict[str, Any] = {"w": torch.zeros(3), "n": 0}
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sd
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.sd.clear()
+        self.sd.update(sd)
+
+
+def test_a_stateful_object_gets_a_dict_of_its_own_even_when_read_whole(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    aiosnap.save_sync(str(path), {"h": {"w": torch.ones(3), "n": 5}})
+    holder = _HandsOutItsDict()
+    aiosnap.load_into_sync(str(path), {"h": holder})
+    assert_tree_equal(holder.sd, {"w": torch.ones(3), "n": 5})

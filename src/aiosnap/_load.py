@@ -269,7 +269,7 @@ def load_file(
     records them) refuses a file that is not the one committed; ``shards`` and
     ``refuse`` come with a step of a group (``load_step``). Blocking."""
     files: list[Reader] = [storage.open_read(path)]
-    dests = Destinations(track_held=refuse is not None, whole=target is not None)
+    dests = Destinations(track_held=refuse is not None)
     try:
         # A step's file must be the aiosnap file its manifest vouches for: never sniffed
         # as another format (a torch.save file there would be unpickled).
@@ -297,22 +297,23 @@ def load_file(
                 # An entry of this file, or (with replicas) of theirs: with none, a lookup
                 # in its own table is the same, without a method call a tensor.
                 one = len(reader.sources) == 1 and not header.external
-                find(target, tree, header.tensors.get if one else reader.lookup, dests)
+                dests.whole = find(target, tree, header.tensors.get if one else reader.lookup, dests)
             if refuse is not None:
                 asked = (
                     held_paths(dests) if target is not None else {format_path(p) for p, _ in walk_nodes(tree)}
                 )
                 refuse(asked)
             reader.prefetch(tree, dests)
+            set_values(dests)
             if dests.whole:
                 # Read in place, every tensor: rebuilt and assigned, the tree would be
                 # the target's own tensors, each already where it belongs, and its
-                # plain values, which assign would have put where set_values does.
-                set_values(dests)
+                # plain values, which assign would have put where set_values did.
                 filled, loaded = True, target
                 release_dicts(tree)
             else:
-                filled, loaded = False, rebuild(tree, reader.resolve, consume=True)
+                # What is known (see Destinations) comes back as the target's own dicts.
+                filled, loaded = False, rebuild(tree, reader.resolve, consume=True, known=dests.known)
             # Not at once: see release. The tree goes whole (~20 ms per 100,000 leaves).
             _offload.release(header.tensors)
         except CheckpointError:
@@ -325,7 +326,7 @@ def load_file(
     if target is not None:
         if not filled:
             assign(target, loaded, (), strict, dests)
-        _offload.release(dests.direct, dests.held, dests.values)
+        _offload.release(dests.direct, dests.held, dests.values, dests.known)
     return loaded
 
 

@@ -129,8 +129,9 @@ class EntryReader:
         memory of the tensors and arrays that will be returned; checksums follow.
         """
         if dests.whole and len(self.sources) == 1:
-            # Dicts of tensors alone, each read into its target in place (see find): the
-            # leaves are checked and nothing is made, so the tree is not walked again.
+            # Dicts of tensors (and plain values) alone, each tensor read into its target
+            # in place (see find): the leaves are checked and nothing is made, so the
+            # tree is not walked again.
             source = self.sources[0]
             self.read_all(source[0], source[1], sorted(dests.infos, key=_START), dests.direct, dests.direct)
             return

@@ -44,31 +44,45 @@ class Destinations:
     track_held: bool = True
     #: The state dicts of Stateful targets, taken once (id of the object -> its state).
     states: dict[int, Any] = field(default_factory=dict)
-    #: Whether ``find`` found the target to be dicts of tensors alone, with the saved
-    #: dicts' keys, no more, no fewer, and every tensor to be read into in place: once
-    #: read, the target is what rebuilding the tree and assigning it would leave. A load
-    #: into a target starts it True, and ``find`` can only take it back.
+    #: The saved tree's dict nodes where the target is whole (id of the node -> the node
+    #: and the target's dict): dicts of tensors and plain values alone, with the saved
+    #: dict's keys, no more, no fewer, every tensor read into in place and every plain
+    #: value saved as one. Once read and ``values`` set, such a dict is what rebuilding
+    #: its node and assigning it would leave: rebuild returns it as it is, and assign
+    #: leaves it (each would take ~1 us a tensor to arrive there).
+    known: dict[int, tuple[Any, Any]] = field(default_factory=dict)
+    #: Whether the whole target is such a dict (the caller sets it from ``find``).
     whole: bool = False
+    #: How many Stateful objects ``find`` is inside (nothing under one is ``known``).
+    stateful: int = 0
     #: The entries in ``direct`` that ``find`` took as common leaves (plain tensors,
     #: tensor entries of this file): while ``whole`` holds, they are every tensor leaf.
     infos: list[TensorInfo] = field(default_factory=list)
-    #: (dict, key, value): a plain value saved where the target's dict holds a plain
-    #: value, which assign would replace with the saved one (``set_values``).
+    #: (dict, key, value): a plain value saved where a ``known`` dict holds a plain
+    #: value, which assign would have replaced with the saved one (``set_values``).
     values: list[tuple[dict[Any, Any], Any, Any]] = field(default_factory=list)
 
 
-def find(target: Any, node: Any, lookup: Any, out: Destinations, path: tuple[object, ...] = ()) -> None:
+def find(target: Any, node: Any, lookup: Any, out: Destinations, path: tuple[object, ...] = ()) -> bool:
     """Walk ``target`` and the saved ``node`` together, filling ``out``. ``lookup(name)``
-    is the TensorInfo of an entry (or None)."""
+    is the TensorInfo of an entry (or None). True if the target is whole here: a dict
+    that, once read (and its plain values set), is what rebuilding ``node`` and
+    assigning it would leave (see ``Destinations.known``)."""
     tag = node.get("$") if isinstance(node, dict) else None
     # Plain containers and tensors are never Stateful: is_stateful's two failed getattr
     # were a fifth of the walk.
     if type(target) not in _NOT_STATEFUL and not isinstance(target, torch.Tensor) and is_stateful(target):
-        out.whole = False  # its load_state_dict is still to be called
-        find(state_of(target, out), node, lookup, out, path)
-        return
+        # Its load_state_dict is still to be called, with containers of its own: what
+        # it does with them is its business (its state_dict may have handed out its
+        # own dicts), so nothing under it is known.
+        out.stateful += 1
+        try:
+            find(state_of(target, out), node, lookup, out, path)
+        finally:
+            out.stateful -= 1
+        return False
     if tag == "dict" and isinstance(target, dict):
-        direct, items, keys = out.direct, node["items"], set()
+        direct, items, keys, values = out.direct, node["items"], set(), []
         whole = len(items) == len(target)
         for key_node, value in items:  # pairs: the tree was checked (see dict_items)
             key = key_node if type(key_node) in PLAIN_KEYS else decode_key(key_node)
@@ -94,27 +108,30 @@ def find(target: Any, node: Any, lookup: Any, out: Destinations, path: tuple[obj
                 # rebuild makes of the node is the node; assign puts it in the dict.
                 if out.track_held:
                     out.held.append((*path, key))
-                out.values.append((target, key, value))
+                values.append((target, key, value))
             else:
-                find(sub, value, lookup, out, (*path, key))
+                whole = find(sub, value, lookup, out, (*path, key)) and whole
         # A key twice in the saved dict leaves one of the target's without a value.
-        out.whole = out.whole and whole and len(keys) == len(target)
-        return
-    out.whole = False  # a list, a tuple, a value or a leaf of another kind: assigned
+        if not whole or len(keys) != len(target) or out.stateful:
+            return False
+        out.values += values
+        out.known[id(node)] = (node, target)
+        return True
     if isinstance(target, (list, tuple)) and (isinstance(node, list) or tag == "tuple"):
-        values = sequence_values(node)
-        if len(values) == len(target):
-            for i, (sub_target, sub_node) in enumerate(zip(target, values, strict=True)):
+        sequence = sequence_values(node)
+        if len(sequence) == len(target):
+            for i, (sub_target, sub_node) in enumerate(zip(target, sequence, strict=True)):
                 find(sub_target, sub_node, lookup, out, (*path, i))
-        return
+        return False  # assigned: a tuple's items are compared, a list's set
     if tag in ("dict", "tuple") or isinstance(node, list):
-        return  # a container where the target has none: assign reports it
+        return False  # a container where the target has none: assign reports it
     _leaf(target, node, lookup, out, path)
+    return False
 
 
 def set_values(out: Destinations) -> None:
-    """Put the plain values ``find`` found into the target's dicts (once every tensor
-    was read and checked: a load that fails leaves them as they were)."""
+    """Put the plain values of the ``known`` dicts into them (once every tensor was read
+    and checked: a load whose read fails leaves them as they were)."""
     for container, key, value in out.values:
         container[key] = value
 
@@ -192,8 +209,8 @@ def direct_view(target: Any, info: TensorInfo) -> np.ndarray[Any, np.dtype[np.ui
 
 def assign(target: Any, value: Any, path: tuple[object, ...], strict: bool, out: Destinations) -> Any:
     """Update ``target`` in place from ``value``; return what the parent should hold."""
-    if value is target and isinstance(target, (torch.Tensor, np.ndarray)):
-        return target  # read in place
+    if value is target and isinstance(target, (torch.Tensor, np.ndarray, dict)):
+        return target  # read in place (a dict: one of Destinations.known, filled)
     if isinstance(target, torch.Tensor):
         _check_like(value, torch.Tensor, target.shape, target.dtype, format_path(path))
         with torch.no_grad():

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import base64
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -308,14 +308,19 @@ def _is_reference(node: Node) -> bool:
 
 
 def rebuild(
-    node: Node, resolve: Callable[[str, str, tuple[object, ...]], object], consume: bool = False
+    node: Node,
+    resolve: Callable[[str, str, tuple[object, ...]], object],
+    consume: bool = False,
+    known: Mapping[int, tuple[Any, Any]] | None = None,
 ) -> object:
     """Turn a skeleton back into objects; ``resolve(kind, name, path)`` gives leaves.
 
     ``consume``: the skeleton is not used again, and its large lists are emptied a
     slice at a time once rebuilt (``release``), deepest first: freeing a tree of
-    100,000 leaves at once held the GIL for 20 ms."""
-    return _rebuild(node, resolve, (), consume)
+    100,000 leaves at once held the GIL for 20 ms. ``known``: dict nodes already made
+    (id of the node -> the node and the object it is: see ``_targets.Destinations``),
+    returned as they are."""
+    return _rebuild(node, resolve, (), consume, known)
 
 
 def _rebuild(
@@ -323,11 +328,12 @@ def _rebuild(
     resolve: Callable[[str, str, tuple[object, ...]], object],
     path: tuple[object, ...],
     consume: bool = False,
+    known: Mapping[int, tuple[Any, Any]] | None = None,
 ) -> object:
     if node is None or isinstance(node, (bool, int, float, str)):
         return node
     if isinstance(node, list):
-        out_list = [_rebuild(v, resolve, (*path, i), consume) for i, v in enumerate(node)]
+        out_list = [_rebuild(v, resolve, (*path, i), consume, known) for i, v in enumerate(node)]
         if consume:
             release(node)
         return out_list
@@ -335,19 +341,24 @@ def _rebuild(
         raise ValueError(f"bad node at {format_path(path)}")
     tag = node.get("$")
     if tag == "dict":
+        made = known.get(id(node)) if known else None
+        if made is not None and made[0] is node:
+            if consume:
+                release_dicts(node)
+            return made[1]
         out: dict[object, object] = {}
         for key_node, value in dict_items(node, path):
             key = key_node if type(key_node) in PLAIN_KEYS else _rebuild(key_node, resolve, path)
             if _is_reference(value):
                 out[key] = resolve(value["$"], value["n"], (*path, key))
             else:
-                out[key] = _rebuild(value, resolve, (*path, key), consume)
+                out[key] = _rebuild(value, resolve, (*path, key), consume, known)
         if consume:
             release(node["items"])
         return out
     if tag == "tuple":
         values = sequence_values(node, path)
-        out_tuple = tuple(_rebuild(v, resolve, (*path, i), consume) for i, v in enumerate(values))
+        out_tuple = tuple(_rebuild(v, resolve, (*path, i), consume, known) for i, v in enumerate(values))
         if consume:
             release(values)
         return out_tuple
