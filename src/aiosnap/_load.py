@@ -326,7 +326,7 @@ def load_file(
     if target is not None:
         if not filled:
             assign(target, loaded, (), strict, dests)
-        _offload.release(dests.direct, dests.held, dests.values, dests.known)
+        _offload.release(dests.direct, dests.held, dests.values, dests.known, dests.infos)
     return loaded
 
 
