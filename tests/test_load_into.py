@@ -133,18 +133,24 @@ def _saved(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
     return path, state
 
 
-def _rebuilds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    from aiosnap import _load
-
+def _calls(monkeypatch: pytest.MonkeyPatch, owner: object, attr: str) -> list[int]:
+    """A 1 for every call of ``owner.attr`` from here on (a function of a module, or a
+    method of a class)."""
     calls: list[int] = []
-    real = _load.rebuild
+    real = getattr(owner, attr)
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(_load, "rebuild", counted)
+    monkeypatch.setattr(owner, attr, counted)
     return calls
+
+
+def _rebuilds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    from aiosnap import _load
+
+    return _calls(monkeypatch, _load, "rebuild")
 
 
 def test_a_dict_of_tensors_read_in_place_is_neither_rebuilt_nor_assigned(
@@ -284,18 +290,10 @@ def test_a_tensor_leaf_naming_a_shard_is_refused_in_a_dict_of_tensors(tmp_path: 
         aiosnap.load_into_sync(str(path), {"a": torch.zeros(2), "b": torch.zeros(2)})
 
 
-def _resolved(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+def _resolved(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     from aiosnap._readers import EntryReader
 
-    names: list[str] = []
-    real = EntryReader.resolve
-
-    def counted(self: EntryReader, kind: str, name: str, path: tuple[object, ...]) -> object:
-        names.append(name)
-        return real(self, kind, name, path)
-
-    monkeypatch.setattr(EntryReader, "resolve", counted)
-    return names
+    return _calls(monkeypatch, EntryReader, "resolve")
 
 
 def test_whole_dicts_beside_a_list_come_back_as_they_are(
