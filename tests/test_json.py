@@ -135,6 +135,14 @@ def test_runs_of_members_are_parsed_a_window_at_a_time(monkeypatch: pytest.Monke
     numbers = "[" + ",".join(["0"] * 500_000) + "]"
     assert _json.loads(numbers) == [0] * 500_000
     assert calls < 4 * len(numbers) // _json.WINDOW  # not one a member
+    # Members that hold lists of their own (an optimizer's state in a tree): a cut is
+    # looked for by how members end ("]]}],["), not by a "],[" found inside each of them.
+    calls = 0
+    leaves = [[key, {"$": "tensor", "n": key}] for key in ("step", "exp_avg", "exp_avg_sq")]
+    state = [[i, {"$": "dict", "items": leaves}] for i in range(20_000)]
+    nested = json.dumps(state, separators=(",", ":"))
+    assert _json.loads(nested) == state
+    assert calls < 4 * len(nested) // _json.WINDOW, calls
     monkeypatch.setattr(_json, "WINDOW", 16)
     for value in [
         ["a,b", "c],[d", "e},{f", '\\",', '",', 1, 2],

@@ -19,6 +19,8 @@ from typing import Any
 
 #: Characters one C call may parse: a few milliseconds.
 WINDOW = 1 << 16
+#: Characters of a member's end that a run's cut is looked for by (see ``_gap``).
+GAP = 16
 #: Containers larger than a window nested deeper than this are refused (json.loads
 #: itself stops at the interpreter's recursion limit).
 MAX_DEPTH = 200
@@ -138,23 +140,24 @@ class _Parser:
         i = self.ws(i)
         if s[i : i + 1] == close:
             return i + 1
-        retry, gap = i, ""
+        retry, gap, last, end = i, "", -1, -1
         while True:
-            if gap and i >= retry:
+            if last >= 0 and i >= retry:  # two members: their ends make the gap
+                gap = gap or _gap(s, last, end, i)
                 cut = self.run(i, close, merge, gap)
                 if cut is not None:
                     i = self.ws(cut + 1)
                     continue
-                # A failed run costs a few scans of a window: try again half a window on.
-                retry = i + WINDOW // 2
-            end = member(i)
+                # A failed run costs a few scans of a window: try again half a window
+                # on, with the gap of the members there.
+                retry, gap = i + WINDOW // 2, ""
+            last, end = end, member(i)
             i = self.ws(end)
             if s[i : i + 1] == close:
                 return i + 1
             if s[i : i + 1] != ",":
                 raise json.JSONDecodeError("Expecting ',' delimiter", s, i)
             i = self.ws(i + 1)
-            gap = s[end - 1 : i + 1]  # how this member ends and the next begins: "},{"
 
     def run(self, i: int, close: str, merge: Callable[[Any], None], gap: str) -> int | None:
         """Parse the members from ``i`` up to a comma inside a window in one C call, as
@@ -164,10 +167,9 @@ class _Parser:
         text), a cut inside a member leaves a bracket unclosed.
 
         The commas tried are those in the last two places that look like the ``gap``
-        between the last two members (a comma inside a member seldom does), then the
-        last comma of all."""
+        between the last two members (see ``_gap``), then the last comma of all."""
         s = self.s
-        end, comma = min(i + WINDOW, len(s)), gap.index(",")
+        end, comma = min(i + WINDOW, len(s)), gap.rindex(",")
         found = s.rfind(gap, i, end)
         cuts = [found, s.rfind(gap, i, found + len(gap) - 1) if found > i else -1]
         cuts = [c + comma for c in cuts if c > i]
@@ -207,6 +209,23 @@ class _Parser:
             if q == len(s):
                 raise json.JSONDecodeError("Unterminated string starting at", s, start - 1)
             p = q
+
+
+def _gap(s: str, last: int, end: int, start: int) -> str:
+    """How the member that ends at ``end`` ends and the next (at ``start``) begins: the
+    comma between them, with the next one's first character and the closing quotes
+    and brackets that the end shares with the end of the member before (at ``last``),
+    up to ``GAP`` of them. Where members hold containers of their own, a short gap is
+    found inside them too (``],[`` in ``[0,{"items":[["a",1],["b",2],["c",3]]}]``);
+    a run cut there fails, and each member then costs a call (~2 us a tensor of an
+    optimizer's state). ``]]}],[`` is found only between such members."""
+    k = 1
+    while k < GAP and last - k > 0 and s[end - k - 1] == s[last - k - 1] and s[last - k - 1] in _CLOSERS:
+        k += 1
+    return s[end - k : start + 1]
+
+
+_CLOSERS = frozenset('"]}')
 
 
 def _safe_cut(s: str, p: int, q: int) -> int:
