@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import aiosnap
+from aiosnap._tree import format_path
 
 from .conftest import assert_tree_equal, training_state
 
@@ -310,11 +311,64 @@ def test_whole_dicts_beside_a_list_come_back_as_they_are(
         "param_groups": [{"lr": 1.0, "params": [0, 1, 2]}],
     }
     inner = [target["state"][i] for i in range(3)]
-    resolved = _resolved(monkeypatch)
+    resolved, walked = _resolved(monkeypatch), _walked(monkeypatch)
     aiosnap.load_into_sync(str(path), target)
     assert resolved == []  # every tensor is in a dict read whole: none was rebuilt
+    assert walked == [[]]  # nor walked again to be read: find listed them
     assert_tree_equal(target, saved)
     assert all(target["state"][i] is inner[i] for i in range(3))
+
+
+def _walked(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """The dotted paths of the leaves each walk of a tree before a read returns."""
+    from aiosnap import _readers
+
+    walks: list[list[str]] = []
+    real = _readers.walk_leaves
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        leaves = real(*args, **kwargs)
+        walks.append([format_path(p) for p, _, _ in leaves])
+        return leaves
+
+    monkeypatch.setattr(_readers, "walk_leaves", recorded)
+    return walks
+
+
+def test_a_tensor_in_a_whole_dict_and_elsewhere_is_read_once_for_both(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "ckpt"
+    tied = torch.arange(4.0)
+    moments = {"exp_avg": tied, "exp_avg_sq": torch.ones(4), "n": 1}
+    saved = {"state": {0: moments}, "tied": [tied, 2, torch.arange(6.0).reshape(2, 3)]}
+    aiosnap.save_sync(str(path), saved)
+    # The last has no place to be read into (not contiguous): it is made, then copied.
+    target = {
+        "state": {0: {"exp_avg": torch.zeros(4), "exp_avg_sq": torch.zeros(4), "n": 0}},
+        "tied": [torch.zeros(4), 0, torch.zeros(3, 2).t()],
+    }
+    inner, other = target["state"][0], target["tied"][0]
+    walked = _walked(monkeypatch)
+    aiosnap.load_into_sync(str(path), target)
+    assert walked == [["tied.0", "tied.2"]]  # the whole dict's leaf is not walked, the others are
+    assert_tree_equal(target, saved)
+    assert target["state"][0] is inner and target["tied"][0] is other
+
+
+def test_an_entry_of_a_whole_dict_used_elsewhere_as_another_kind_is_refused(tmp_path: Path) -> None:
+    from .hostile import parse, render
+
+    path = tmp_path / "ckpt"
+    aiosnap.save_sync(str(path), {"state": {0: {"m": torch.ones(2)}}, "x": [np.zeros(2)]})
+    parts = parse(path.read_bytes())
+    name = parts.meta["tree"]["items"][0][1]["items"][0][1]["items"][0][1]["n"]
+    parts.meta["tree"]["items"][1][1][0]["n"] = name  # the list's ndarray names the dict's tensor
+    path.write_bytes(render(parts))
+    target = {"state": {0: {"m": torch.zeros(2)}}, "x": [np.zeros(2)]}
+    refused = f"bad tree: x.0 is a ndarray but {name!r} is a tensor"
+    with pytest.raises(aiosnap.CorruptCheckpointError, match=refused):
+        aiosnap.load_into_sync(str(path), target)
 
 
 class _HandsOutItsDict:

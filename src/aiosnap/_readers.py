@@ -141,7 +141,16 @@ class EntryReader:
         seen: dict[str, str] = {}  # name -> the kind the tree first called it
         own = self.sources[0][1]
         stored, plain = own.tensors, by_source[0]
-        leaves = walk_leaves(tree)
+        skip = None
+        if dests.known and len(self.sources) == 1:
+            # Every tensor leaf under a known dict (see Destinations.known) is one that
+            # find took as a common leaf of this file, read in place: taken from its
+            # list, those subtrees are not walked again (~1 us a tensor), and as
+            # nothing resolves them, they are in no table of what was made. Each is
+            # still a tensor to any other reference the walk meets.
+            skip = dests.known
+            seen.update((known.name, "tensor") for known in dests.infos)
+        leaves = walk_leaves(tree, skip=skip)
         others = 0  # leaves that are not the common one: made objects to finish
         for path, kind, name in leaves:
             info = stored.get(name)
@@ -191,8 +200,16 @@ class EntryReader:
             name: direct.get(name) or (_allocate(info) if info.end - info.start >= SMALL else None)
             for name, info in wanted.items()
         }
+        reading = made
+        if skip is not None:
+            unwalked = [info for info in dests.infos if info.name not in wanted]
+            if unwalked:
+                plain += unwalked
+                reading = {**direct, **made}
         for (f, header), infos in zip(self.sources, by_source, strict=True):
-            self.read_all(f, header, sorted(infos, key=_START), made, direct)
+            self.read_all(f, header, sorted(infos, key=_START), reading, direct)
+        if reading is not made:  # what read_all made of small entries is in reading
+            made = {name: reading[name] for name in made}
         if self.map_location is None and not others:  # only tensors, as they were made
             self.made = _offload.zip_dict(list(made), list(map(_OBJECT, made.values())))
         elif self.map_location is None:  # a tensor is what was made: only the others change

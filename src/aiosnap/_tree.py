@@ -437,32 +437,44 @@ def walk_nodes(node: Node, path: tuple[object, ...] = ()) -> list[tuple[tuple[ob
     return out
 
 
-def walk_leaves(node: Node, path: tuple[object, ...] = ()) -> list[tuple[tuple[object, ...], str, str]]:
-    """(path, kind, name) of every reference to a stored value."""
+def walk_leaves(
+    node: Node, path: tuple[object, ...] = (), skip: Mapping[int, tuple[Any, Any]] | None = None
+) -> list[tuple[tuple[object, ...], str, str]]:
+    """(path, kind, name) of every reference to a stored value; none under the dict
+    nodes in ``skip`` (id of the node -> the node and anything: see
+    ``_targets.Destinations.known``)."""
     out: list[Any] = []
-    _walk(node, path, out, True)
+    _walk(node, path, out, True, skip)
     return out
 
 
-def _walk(node: Node, path: tuple[object, ...], out: list[Any], refs: bool) -> None:
+def _walk(
+    node: Node,
+    path: tuple[object, ...],
+    out: list[Any],
+    refs: bool,
+    skip: Mapping[int, tuple[Any, Any]] | None = None,
+) -> None:
     # A checked tree is nested at most MAX_DEPTH deep: the recursion is bounded.
     if isinstance(node, list):
         for i, v in enumerate(node):
-            _walk(v, (*path, i), out, refs)
+            _walk(v, (*path, i), out, refs, skip)
         return
     tag = node.get("$") if isinstance(node, dict) else None
     if tag == "dict":
+        if skip and (known := skip.get(id(node))) is not None and known[0] is node:
+            return
         for key_node, value in node["items"]:  # pairs, as check found them (dict_items)
             key = key_node if type(key_node) in PLAIN_KEYS else decode_key(key_node, path)
             if not _is_reference(value):
-                _walk(value, (*path, key), out, refs)
+                _walk(value, (*path, key), out, refs, skip)
             elif refs:
                 out.append(((*path, key), value["$"], value["n"]))
             else:
                 out.append(((*path, key), value))
     elif tag == "tuple":
         for i, v in enumerate(sequence_values(node, path)):
-            _walk(v, (*path, i), out, refs)
+            _walk(v, (*path, i), out, refs, skip)
     elif not refs:
         out.append((path, node))
     elif type(tag) is str and tag in LEAF_TAGS:
