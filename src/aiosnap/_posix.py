@@ -16,12 +16,35 @@ import stat
 import sys
 from typing import NamedTuple
 
+_MADV_HUGEPAGE = 14
 _MADV_POPULATE_WRITE = 23  # Linux 5.14
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 if _libc is not None:
     _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _populate_ok = _libc is not None
+#: NumPy's switch for the huge pages of its own large arrays, which ``huge_pages``
+#: follows: unset, they are asked for.
+_huge_ok = _libc is not None and os.environ.get("NUMPY_MADVISE_HUGEPAGE", "1").strip() != "0"
+#: Fresh memory of at least this many bytes is worth huge pages (NumPy's threshold).
+HUGE_MIN = 4 << 20
+
+
+def huge_pages(address: int, nbytes: int) -> None:
+    """Ask for transparent huge pages in the whole pages of fresh memory at ``[address,
+    address + nbytes)``, before anything touches them, as NumPy does for its arrays of
+    ``HUGE_MIN`` or more (glibc's ``malloc``, under torch's tensors, does not). In 4 KiB
+    pages, 1 GiB is 262,144 faults, each a trap and a page zeroed: a cold ``load`` of
+    1 GiB in the benchmark took 0.41 s with them and 0.31 s with huge pages, as long as
+    ``load_into`` into the caller's memory. Best effort: a no-op where the kernel has
+    no transparent huge pages (in their ``never`` mode the advice is kept, unused)."""
+    global _huge_ok
+    start, end = -(-address // _PAGE) * _PAGE, (address + nbytes) // _PAGE * _PAGE
+    if not _huge_ok or end <= start:
+        return
+    assert _libc is not None
+    if _libc.madvise(start, end - start, _MADV_HUGEPAGE) != 0:
+        _huge_ok = ctypes.get_errno() != 22  # EINVAL: a kernel without them
 
 
 def populate(address: int, nbytes: int) -> None:

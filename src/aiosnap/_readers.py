@@ -26,7 +26,7 @@ from ._errors import CorruptCheckpointError, PickleNotAllowedError, StateMismatc
 from ._format import Header, TensorInfo
 from ._group import SavedTensor, holds_box, indexed
 from ._header import BLOCK, crc32c
-from ._posix import populate
+from ._posix import HUGE_MIN, huge_pages, populate
 from ._shards import Box, Run, is_dtensor, runs, shard_of
 from ._storage import Reader
 from ._targets import SMALL, Destinations
@@ -282,7 +282,11 @@ class EntryReader:
         # The boxes are found in their files before the whole is allocated: only entries
         # the files hold, of the manifest's sizes, justify the memory.
         plan = self._plan(saved, Box((0,) * len(shape), shape), where)
-        whole = target if target is not None else torch.empty(shape, dtype=dtype)
+        whole = target
+        if whole is None:
+            whole = torch.empty(shape, dtype=dtype)
+            if whole.nbytes >= HUGE_MIN:
+                huge_pages(whole.data_ptr(), whole.nbytes)
         self._fill(plan, whole)
         if target is None and self.map_location is not None:
             return whole.to(self.map_location)
@@ -583,8 +587,11 @@ def _allocate(info: TensorInfo) -> tuple[Any, Any]:
         # Sizes as arguments, not a tuple: torch parses them in 0.6 us instead of 1.1.
         shape, dtype = info.shape, _dtypes.TORCH_DTYPES[info.dtype]
         tensor = torch.empty(*shape, dtype=dtype) if shape else torch.empty((), dtype=dtype)
-        if info.end - info.start < SMALL:
+        nbytes = info.end - info.start
+        if nbytes < SMALL:
             return tensor, tensor.data_ptr()
+        if nbytes >= HUGE_MIN:  # (NumPy's arrays, below, have them already)
+            huge_pages(tensor.data_ptr(), nbytes)
         return tensor, tensor.reshape(-1).view(torch.uint8).numpy()
     array = np.empty(info.shape, dtype=np.dtype(info.dtype))
     return array, array.reshape(-1).view(np.uint8)
