@@ -286,7 +286,7 @@ async def measure_all(
                 result = await METHODS[name](state, directory, rss)
             else:
                 result = await asyncio.to_thread(PEERS[name], state, directory, rss)
-            result["rss_extra"] = rss.peak_extra
+            result["rss_extra"], result["faulted"] = rss.peak_extra, rss.faulted
             results[name].append(result)
             _clean(directory)
         print(f"  repetition {rep + 1}/{reps} done", flush=True)
@@ -445,8 +445,8 @@ def render(
         "Machine: " + ", ".join(f"{k} {v}" for k, v in info.items()),
         "",
         "| method | stall s | call->durable s (min-max) | GB/s | stall / copyto | total / raw write | "
-        "total / raw read | peak extra RSS / state | loop lag p99 ms |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "total / raw read | peak extra RSS / state | pages faulted / state | loop lag p99 ms |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in summary.items():
         is_load = _is_load(name)
@@ -456,7 +456,8 @@ def render(
         lines.append(
             f"| {name} | {s['stall']:.3f} | {s['total']:.3f} ({s['total_min']:.3f}-{s['total_max']:.3f}) | "
             f"{s['gbps']:.2f} | {s['stall'] / copy:.2f} | "
-            f"{vs_write} | {vs_read} | {s.get('rss_extra', 0) / nbytes:.2f} | {lag} |"
+            f"{vs_write} | {vs_read} | {s.get('rss_extra', 0) / nbytes:.2f} | "
+            f"{s.get('faulted', 0) / nbytes:.2f} | {lag} |"
         )
     for title, rows in (
         ("Size sweep (QueueWriter, thread)", extra.get("sizes")),
