@@ -141,15 +141,14 @@ class HeaderTemplate:
         self._crc_at = pos + len(CRC_KEY) + 6  # after '","' CRC_KEY '":"'
         parts += [f'","{CRC_KEY}":"{CRC_ZERO}"}}', "," if entries else "", entries, "}"]
         self.size = -(-(pos + sum(map(len, parts[-4:]))) // ALIGN) * ALIGN
-        # Copied into place a slice at a time: the header of 100,000 tensors is 26 MB,
-        # and each whole-header copy held the GIL (and so stalled the event loop) ~10 ms.
-        raw = bytearray(self.size)
-        raw[:8] = struct.pack("<Q", self.size - 8)
-        pos = 8
+        # Laid out a slice at a time: the header of 100,000 tensors is 26 MB, and each
+        # whole-header copy held the GIL (and so stalled the event loop) ~10 ms; so did
+        # bytearray(size), zeroing 26 MB of fresh memory (its page faults) in one call.
+        raw = bytearray(struct.pack("<Q", self.size - 8))
         for chunk in _encoded(parts):
-            raw[pos : pos + len(chunk)] = chunk
-            pos += len(chunk)
-        raw[pos:] = b" " * (self.size - pos)
+            raw += chunk
+        while len(raw) < self.size:
+            raw += b" " * min(_SLICE, self.size - len(raw))
         self._bytes = raw
         self.blocks = array.array("q", blocks)
 
