@@ -39,12 +39,8 @@ def huge_pages(address: int, nbytes: int) -> None:
     ``load_into`` into the caller's memory. Best effort: a no-op where the kernel has
     no transparent huge pages (in their ``never`` mode the advice is kept, unused)."""
     global _huge_ok
-    start, end = -(-address // _PAGE) * _PAGE, (address + nbytes) // _PAGE * _PAGE
-    if not _huge_ok or end <= start:
-        return
-    assert _libc is not None
-    if _libc.madvise(start, end - start, _MADV_HUGEPAGE) != 0:
-        _huge_ok = ctypes.get_errno() != 22  # EINVAL: a kernel without them
+    if _huge_ok and _advise(address, nbytes, _MADV_HUGEPAGE) == 22:  # EINVAL: a kernel without them
+        _huge_ok = False
 
 
 def populate(address: int, nbytes: int) -> None:
@@ -52,13 +48,18 @@ def populate(address: int, nbytes: int) -> None:
     kernel zeroes them), so that a read into it later does not stop at every page.
     Best effort: a no-op where the kernel cannot (before Linux 5.14, other systems)."""
     global _populate_ok
-    start, end = -(-address // _PAGE) * _PAGE, (address + nbytes) // _PAGE * _PAGE
-    if not _populate_ok or end <= start:
-        return
-    assert _libc is not None
     # ctypes releases the GIL for the call: the faults run beside the reading thread.
-    if _libc.madvise(start, end - start, _MADV_POPULATE_WRITE) != 0:
-        _populate_ok = ctypes.get_errno() not in (22, 38)  # EINVAL, ENOSYS: unsupported
+    if _populate_ok and _advise(address, nbytes, _MADV_POPULATE_WRITE) in (22, 38):  # EINVAL, ENOSYS
+        _populate_ok = False
+
+
+def _advise(address: int, nbytes: int, advice: int) -> int:
+    """``madvise`` the whole pages in ``[address, address + nbytes)``: 0, or its errno."""
+    start, end = -(-address // _PAGE) * _PAGE, (address + nbytes) // _PAGE * _PAGE
+    if end <= start:
+        return 0
+    assert _libc is not None
+    return 0 if _libc.madvise(start, end - start, advice) == 0 else ctypes.get_errno()
 
 
 class FileStat(NamedTuple):
