@@ -75,7 +75,9 @@ async def load(
     Entries under 64 KiB are read with their neighbours into one buffer of at most
     4 MiB and returned as views of it, each with a storage of its own bytes that cannot
     be resized (as ``torch.load(mmap=True)`` returns its tensors); the buffer lives while
-    any of them does.
+    any of them does. Tensors of 4 MiB or more are allocated with transparent huge
+    pages asked for (``MADV_HUGEPAGE`` on Linux), as NumPy asks for them for its large
+    arrays; ``NUMPY_MADVISE_HUGEPAGE=0`` in the environment turns both off.
     """
     storage, path = resolve(path, storage)
     storage, finished = counted(storage, progress)
