@@ -213,7 +213,13 @@ def _vm_flags(address: int) -> list[str]:
     raise LookupError(f"no mapping holds {address:#x}")
 
 
-@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads Linux's /proc/self/smaps")
+_THP = (
+    Path("/sys/kernel/mm/transparent_hugepage").exists()
+    and os.environ.get("NUMPY_MADVISE_HUGEPAGE") != "0"  # NumPy's switch, which load follows
+)
+
+
+@pytest.mark.skipif(not _THP, reason="needs Linux's transparent huge pages, not turned off")
 def test_large_tensors_are_loaded_into_memory_advised_for_huge_pages(tmp_path: Path) -> None:
     # A cold load of 1 GiB took 0.41 s faulting its tensors in 4 KiB pages, 0.31 s with
     # huge pages (as long as load_into, or torch.load). NumPy asks for them for its
