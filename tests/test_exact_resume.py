@@ -27,6 +27,12 @@ BATCHES = 16  # per epoch: 512 samples in batches of 32
 
 
 def _train(directory: str, workers: int, stop_at: int | None, report: Any) -> None:
+    # A process group of its own, killed whole (see _run): the DataLoader's workers are
+    # started through a forkserver of this process's own (its default context is its
+    # parent's, forkserver), so they are that server's children, and torch's watchdog
+    # in them waits for the server to die, not for this process. Killed alone, this
+    # left the server and the workers alive after the test suite (~260 MB each).
+    os.setpgrp()
     torch.set_num_threads(1)  # the same kernels in every process: bit-identical results
     asyncio.run(_train_async(directory, workers, stop_at, report))
 
@@ -87,12 +93,16 @@ def _run(directory: Path, workers: int, stop_at: int | None) -> bool:
             except EOFError:
                 break
             if trained == stop_at:
-                os.kill(proc.pid, signal.SIGKILL)
+                os.killpg(proc.pid, signal.SIGKILL)  # the trainer, its workers and their server
                 killed = True
                 break
     finally:
         proc.join()
         receive.close()
+        try:  # whatever of the group outlived the trainer (a run that failed)
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     assert killed or proc.exitcode == 0, f"the run failed with exit code {proc.exitcode}"
     return killed
 
