@@ -37,6 +37,7 @@ from ._tree import (
     decode_key,
     dict_items,
     format_path,
+    known_object,
     rebuild,
     release_dicts,
     sequence_values,
@@ -299,7 +300,7 @@ def load_file(
                 # An entry of this file, or (with replicas) of theirs: with none, a lookup
                 # in its own table is the same, without a method call a tensor.
                 one = len(reader.sources) == 1 and not header.external
-                dests.whole = find(target, tree, header.tensors.get if one else reader.lookup, dests)
+                find(target, tree, header.tensors.get if one else reader.lookup, dests)
             if refuse is not None:
                 asked = (
                     held_paths(dests) if target is not None else {format_path(p) for p, _ in walk_nodes(tree)}
@@ -307,7 +308,7 @@ def load_file(
                 refuse(asked)
             reader.prefetch(tree, dests)
             set_values(dests)
-            if dests.whole:
+            if known_object(tree, dests.known) is not None:  # the target is a dict find knew whole
                 # Read in place, every tensor: rebuilt and assigned, the tree would be
                 # the target's own tensors, each already where it belongs, and its
                 # plain values, which assign would have put where set_values did.

@@ -128,29 +128,21 @@ class EntryReader:
         Neighbouring entries are read with one scattered read each, straight into the
         memory of the tensors and arrays that will be returned; checksums follow.
         """
-        if dests.whole and len(self.sources) == 1:
-            # Dicts of tensors (and plain values) alone, each tensor read into its target
-            # in place (see find): the leaves are checked and nothing is made, so the
-            # tree is not walked again.
-            source = self.sources[0]
-            self.read_all(source[0], source[1], sorted(dests.infos, key=_START), dests.direct, dests.direct)
-            return
         wanted: dict[str, TensorInfo] = {}
         sharded: dict[str, tuple[str, SavedTensor]] = {}
         by_source: list[list[TensorInfo]] = [[] for _ in self.sources]
         seen: dict[str, str] = {}  # name -> the kind the tree first called it
         own = self.sources[0][1]
         stored, plain = own.tensors, by_source[0]
-        skip = None
-        if dests.known and len(self.sources) == 1:
-            # Every tensor leaf under a known dict (see Destinations.known) is one that
-            # find took as a common leaf of this file, read in place: taken from its
-            # list, those subtrees are not walked again (~1 us a tensor), and as
-            # nothing resolves them, they are in no table of what was made. Each is
-            # still a tensor to any other reference the walk meets.
-            skip = dests.known
-            seen.update((known.name, "tensor") for known in dests.infos)
+        # Every tensor leaf under a known dict (see Destinations.known) is one that find
+        # took as a common leaf of this file, read in place: taken from its list, those
+        # subtrees are not walked again (~1 us a tensor; for a target that is such a
+        # dict, nothing is), and as nothing resolves them, they are in no table of what
+        # was made. Each is still a tensor to any other reference the walk meets.
+        skip = dests.known if dests.known and len(self.sources) == 1 else None
         leaves = walk_leaves(tree, skip=skip)
+        if skip is not None and leaves:
+            seen.update((known.name, "tensor") for known in dests.infos)
         others = 0  # leaves that are not the common one: made objects to finish
         for path, kind, name in leaves:
             info = stored.get(name)
@@ -202,10 +194,10 @@ class EntryReader:
         }
         reading = made
         if skip is not None:
-            unwalked = [info for info in dests.infos if info.name not in wanted]
+            unwalked = [info for info in dests.infos if info.name not in wanted] if wanted else dests.infos
             if unwalked:
                 plain += unwalked
-                reading = {**direct, **made}
+                reading = {**direct, **made} if made else direct
         for (f, header), infos in zip(self.sources, by_source, strict=True):
             self.read_all(f, header, sorted(infos, key=_START), reading, direct)
         if reading is not made:  # what read_all made of small entries is in reading

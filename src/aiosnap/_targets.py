@@ -51,12 +51,10 @@ class Destinations:
     #: its node and assigning it would leave: rebuild returns it as it is, and assign
     #: leaves it (each would take ~1 us a tensor to arrive there).
     known: dict[int, tuple[Any, Any]] = field(default_factory=dict)
-    #: Whether the whole target is such a dict (the caller sets it from ``find``).
-    whole: bool = False
     #: How many Stateful objects ``find`` is inside (nothing under one is ``known``).
     stateful: int = 0
     #: The entries in ``direct`` that ``find`` took as common leaves (plain tensors,
-    #: tensor entries of this file): while ``whole`` holds, they are every tensor leaf.
+    #: tensor entries of this file): among them, every tensor leaf of a ``known`` dict.
     infos: list[TensorInfo] = field(default_factory=list)
     #: (dict, key, value): a plain value saved where a ``known`` dict holds a plain
     #: value, which assign would have replaced with the saved one (``set_values``).

@@ -341,11 +341,11 @@ def _rebuild(
         raise ValueError(f"bad node at {format_path(path)}")
     tag = node.get("$")
     if tag == "dict":
-        made = known.get(id(node)) if known else None
-        if made is not None and made[0] is node:
+        made = known_object(node, known)
+        if made is not None:
             if consume:
                 release_dicts(node)
-            return made[1]
+            return made
         out: dict[object, object] = {}
         for key_node, value in dict_items(node, path):
             key = key_node if type(key_node) in PLAIN_KEYS else _rebuild(key_node, resolve, path)
@@ -369,6 +369,13 @@ def _rebuild(
     if tag in LEAF_TAGS:
         return resolve(tag, _str(node, "n", path), path)
     raise ValueError(f"unknown node type {tag!r:.40} at {format_path(path)}")
+
+
+def known_object(node: Node, known: Mapping[int, tuple[Any, Any]] | None) -> Any:
+    """The object ``known`` (id of a dict node -> the node and the object it is: see
+    ``_targets.Destinations.known``) holds for ``node``, or None."""
+    made = known.get(id(node)) if known else None
+    return made[1] if made is not None and made[0] is node else None
 
 
 def release_dicts(node: Node) -> None:
@@ -462,7 +469,7 @@ def _walk(
         return
     tag = node.get("$") if isinstance(node, dict) else None
     if tag == "dict":
-        if skip and (known := skip.get(id(node))) is not None and known[0] is node:
+        if known_object(node, skip) is not None:
             return
         for key_node, value in node["items"]:  # pairs, as check found them (dict_items)
             key = key_node if type(key_node) in PLAIN_KEYS else decode_key(key_node, path)
