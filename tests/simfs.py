@@ -256,6 +256,9 @@ class SimFS(Posix):
                 return None
             return None if node is None else self._stat(node)
 
+    def lstat(self, path: str) -> FileStat | None:
+        return self.stat(path)  # no symbolic links here
+
     def scandir(self, path: str) -> list[tuple[str, FileStat]]:
         with self._lock:
             node = self._lookup(path)

@@ -23,6 +23,8 @@ import torch
 import aiosnap
 from aiosnap._cli import main
 
+from .test_distributed import run_ranks
+
 SRC = str(Path(aiosnap.__file__).resolve().parent.parent)
 ROOT = Path(__file__).resolve().parent.parent
 NAME = "ckpt-e{epoch}-s{step}"
@@ -214,17 +216,15 @@ def test_inspect_shows_the_tree_with_dtypes_shapes_sizes_and_checksums(
     assert by_path["step"] == {"path": "step", "kind": "int", "value": 100}
 
 
+async def _save_steps(rank: int, world: int, directory: str) -> None:
+    async with aiosnap.CheckpointManager(directory) as manager:
+        for step in (1, 2):
+            await (await manager.save(step, state(step))).wait()
+
+
 def _step_dirs(directory: Path) -> None:
-    """Checkpoints as a group writes them, by a process on its own: it writes step
-    directories where it finds one (an empty, uncommitted one, swept at open)."""
-    (directory / "snapshot_iter_0").mkdir()
-
-    async def save() -> None:
-        async with aiosnap.CheckpointManager(str(directory)) as manager:
-            for step in (1, 2):
-                await (await manager.save(step, state(step))).wait()
-
-    anyio.run(save)
+    """Checkpoints as a group writes them: step directories, by a group of one."""
+    assert run_ranks(1, _save_steps, str(directory)) == {0: None}
 
 
 def test_inspect_a_step_directory_lists_its_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

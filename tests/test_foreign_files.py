@@ -4,8 +4,11 @@ messages that name what the user knows."""
 from __future__ import annotations
 
 import errno
+import os
 import pickle
+import subprocess
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +17,7 @@ import pytest
 import torch
 
 import aiosnap
+from aiosnap._cli import main as cli_main
 
 from .conftest import WRITERS, assert_tree_equal, temp_files
 from .faults import HookedPosix, failing_writes
@@ -158,3 +162,50 @@ def test_a_url_is_never_taken_for_a_local_path(tmp_path: Path, monkeypatch: pyte
     with pytest.raises(ValueError, match="is a URL, not a local path"):
         aiosnap.save_sync("s3://bucket/run/ckpt", {"x": torch.ones(1)}, storage=aiosnap.LocalStorage())
     assert list(tmp_path.iterdir()) == []  # no directory named "s3:" or "nosuch:"
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A real full disk: a 1 MiB tmpfs (mounting one needs root; CI runs as root)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a 1 MiB tmpfs for a real full disk needs root")
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+async def test_a_savefun_on_a_full_disk_says_the_disk_is_full(small_disk: Path) -> None:
+    async with aiosnap.SimpleWriter() as writer:
+        with pytest.raises(OSError, match=r"No space left on device: writing .*ckpt\.pt failed") as info:
+            await writer("ckpt.pt", str(small_disk), {"w": torch.zeros(1 << 19)}, savefun=torch.save)
+    assert info.value.errno == errno.ENOSPC and info.value.filename == str(small_disk / "ckpt.pt")
+    assert "unexpected pos" in str(info.value)  # what torch.save said, kept as the detail
+    assert os.listdir(small_disk) == []  # the temp file went
+
+
+def test_an_int_too_long_for_text_is_our_error_naming_its_key(tmp_path: Path) -> None:
+    with pytest.raises(aiosnap.UnsupportedTypeError, match=r"at opt\.big: an int of more than 4300 digits"):
+        aiosnap.save_sync(str(tmp_path / "c"), {"opt": {"big": 10**5000}})
+    aiosnap.save_sync(str(tmp_path / "c"), {"opt": {"big": 10**5000}}, allow_pickle=True)
+    assert aiosnap.load_sync(str(tmp_path / "c"), allow_pickle=True)["opt"]["big"] == 10**5000
+
+
+def test_verify_and_ls_say_a_torch_save_file_is_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    aiosnap.save_sync(str(tmp_path / "snapshot_iter_1"), {"w": torch.ones(3)})
+    torch.save({"w": torch.ones(3)}, tmp_path / "snapshot_iter_2")  # a savefun's, say
+    assert cli_main(["verify", str(tmp_path / "snapshot_iter_2")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("pickle ") and "a torch.save file, not an aiosnap checkpoint" in out
+    # In a directory of checkpoints, a file aiosnap cannot tell it wrote is no checkpoint of
+    # it: not listed, never restored (nor unpickled) by a manager, and named on stderr.
+    assert cli_main(["ls", str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert "1 checkpoint(s)" in out and "snapshot_iter_2 (not a checkpoint aiosnap wrote)" in err

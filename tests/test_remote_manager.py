@@ -30,9 +30,8 @@ async def test_a_manager_on_s3_saves_rotates_indexes_and_restores(s3: Any) -> No
     bucket = s3.bucket()
     url = f"s3://{bucket}/run"
     storage = from_url(url, **s3.options)
-    # lease_ttl=3: renewed each second, so a second manager sees it alive within one.
     keep = aiosnap.KeepLast(2)
-    async with aiosnap.CheckpointManager(url, storage=storage, keep=keep, lease_ttl=3.0) as mgr:
+    async with aiosnap.CheckpointManager(url, storage=storage, keep=keep) as mgr:
         for step in range(1, 5):
             await (
                 await mgr.save(step, {"w": torch.full((1000,), float(step))}, metrics={"loss": 1 / step})
@@ -41,8 +40,10 @@ async def test_a_manager_on_s3_saves_rotates_indexes_and_restores(s3: Any) -> No
         async with aiosnap.CheckpointManager(url, storage=storage, read_only=True) as reader:
             assert await reader.steps() == [3, 4]  # while the writer holds the lease
             assert float((await reader.restore()).state["w"][0]) == 4.0
+        # The holder's lease (60 s) cannot go stale during the second's patience (its own
+        # lease_ttl, 0.5 s, plus 1): however starved the renewals are, it is refused.
         with pytest.raises(aiosnap.DirectoryLockedError):
-            async with aiosnap.CheckpointManager(url, storage=storage):
+            async with aiosnap.CheckpointManager(url, storage=storage, lease_ttl=0.5):
                 pass
     assert _objects(s3, bucket) == sorted(
         ["run/.aiosnap.lock", f"run/{INDEX_NAME}", "run/snapshot_iter_3", "run/snapshot_iter_4"]
@@ -150,3 +151,18 @@ def test_unknown_schemes_and_options_are_refused(tmp_path: Path) -> None:
         from_url("nosuch://bucket/run")
     with pytest.raises(ValueError, match="takes no options"):
         from_url(str(tmp_path), direct=False)
+
+
+async def test_a_write_to_a_bucket_that_is_gone_says_so(s3: Any) -> None:
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/run"
+    storage = from_url(url, **s3.options)
+    async with aiosnap.CheckpointManager(url, storage=storage) as mgr:
+        await (await mgr.save(1, {"w": torch.ones(4)})).wait()
+        client = s3.client()  # the object store restarted empty (moto keeps buckets in memory)
+        for key in _objects(s3, bucket):
+            client.delete_object(Bucket=bucket, Key=key)
+        client.delete_bucket(Bucket=bucket)
+        with pytest.raises(aiosnap.RemoteStorageError, match=f"the bucket s3://{bucket} does not exist"):
+            await (await mgr.save(2, {"w": torch.ones(4)})).wait()
+        s3.client().create_bucket(Bucket=bucket)  # for the lease's release at the close

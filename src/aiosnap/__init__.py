@@ -40,6 +40,8 @@ from ._errors import CheckpointNotFoundError as CheckpointNotFoundError
 from ._errors import ConflictError as ConflictError
 from ._errors import CorruptCheckpointError as CorruptCheckpointError
 from ._errors import DirectoryLockedError as DirectoryLockedError
+from ._errors import ForeignFileError as ForeignFileError
+from ._errors import IndexWriteError as IndexWriteError
 from ._errors import LeaseLostError as LeaseLostError
 from ._errors import LoaderClosedError as LoaderClosedError
 from ._errors import NotACheckpointError as NotACheckpointError
@@ -47,6 +49,7 @@ from ._errors import PickleNotAllowedError as PickleNotAllowedError
 from ._errors import RankFailedError as RankFailedError
 from ._errors import RemoteStorageError as RemoteStorageError
 from ._errors import StateMismatchError as StateMismatchError
+from ._errors import StepExistsError as StepExistsError
 from ._errors import UnsupportedTypeError as UnsupportedTypeError
 from ._errors import WorkerCrashedError as WorkerCrashedError
 from ._errors import WriterClosedError as WriterClosedError
@@ -114,7 +117,9 @@ __all__ = [
     "EveryNEpochs",
     "EveryNSeconds",
     "EveryNSteps",
+    "ForeignFileError",
     "Group",
+    "IndexWriteError",
     "Job",
     "JobRunner",
     "KeepBest",
@@ -142,6 +147,7 @@ __all__ = [
     "SimpleWriter",
     "StandardWriter",
     "StateMismatchError",
+    "StepExistsError",
     "Storage",
     "TEMP_PREFIX",
     "ThreadQueueWriter",

@@ -13,13 +13,12 @@ import json
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable
-from typing import final
+from typing import Protocol, final
 
 import anyio
 
 from . import _offload
-from ._errors import CheckpointError, CheckpointNotFoundError
+from ._errors import CheckpointError, CheckpointNotFoundError, ForeignFileError, IndexWriteError
 from ._handle import SaveStats
 from ._records import CheckpointRecord
 from ._retention import RetentionPolicy, victims
@@ -31,10 +30,23 @@ INDEX_NAME = "aiosnap-index.json"
 #: History entries kept in the index; older ones are dropped first.
 HISTORY_LIMIT = 10_000
 
-#: Lists the committed checkpoints on storage, step -> name.
-Scan = Callable[[], Awaitable[dict[int, str]]]
-#: Removes one checkpoint, by name.
-Remove = Callable[[str], Awaitable[None]]
+
+class Steps(Protocol):
+    """What the catalog asks of the layout of its directory (``_layouts``)."""
+
+    @property
+    def strays(self) -> list[str]:
+        """What the last scan or removal left alone, as "name (why)"."""
+
+    async def scan(self) -> dict[int, str]:
+        """The committed checkpoints on storage, step -> name."""
+
+    async def owns(self, name: str) -> bool:
+        """Whether aiosnap wrote the checkpoint ``name`` (the index did not say)."""
+
+    async def remove(self, name: str, size: int) -> None:
+        """Delete checkpoint ``name`` (which the index records at ``size`` bytes, 0 if
+        unknown), if it is still the one aiosnap wrote; else leave it, as a stray."""
 
 
 @final
@@ -48,12 +60,13 @@ class Catalog:
         pattern: re.Pattern[str],
         keep: RetentionPolicy | None,
         *,
-        scan: Scan,
-        remove: Remove,
+        steps: Steps,
         writable: bool = True,
     ) -> None:
         self._storage, self._directory, self._pattern, self._keep = storage, directory, pattern, keep
-        self._scan, self._remove = scan, remove
+        self._steps = steps
+        #: The warnings given: a reader rescans at every call, and says a thing once.
+        self._warned: set[str] = set()
         self.records: dict[int, CheckpointRecord] = {}
         self.history: list[CheckpointRecord] = []
         self._lock = anyio.Lock()
@@ -78,21 +91,40 @@ class Catalog:
         self._writable = False
 
     async def load(self) -> None:
-        on_disk = await self._scan()
+        """Read the index and what is on storage: the index's records of what is there,
+        and records made for what aiosnap wrote that the index does not know (a lost or
+        stale index). What bears a checkpoint's name but is not aiosnap's is left alone,
+        and named in one warning."""
+        on_disk = await self._steps.scan()
         indexed, history = await self._read_index()
+        strays = list(self._steps.strays)
         now = time.time()
         self.records = {}
         for step, name in sorted(on_disk.items()):
             known = indexed.get(step)
-            # A checkpoint the index does not know (a lost or stale index) is taken as it is.
-            self.records[step] = (
-                known
-                if known and known.file == name
-                else CheckpointRecord(step, name, self._epoch_of(name), wall_time=now)
-            )
+            if known is not None and known.file == name:
+                self.records[step] = known
+            elif await self._steps.owns(name):
+                self.records[step] = CheckpointRecord(step, name, self._epoch_of(name), wall_time=now)
+            else:
+                strays.append(f"{name} (not a checkpoint aiosnap wrote)")
         self.history = history
-        if set(indexed) != set(on_disk) and self._writable:
-            await self._write_index()
+        self._warn_strays(strays)
+        if set(indexed) != set(self.records) and self._writable:
+            await self._write_index_or_warn()
+
+    def _warn_strays(self, strays: list[str]) -> None:
+        if strays:
+            self._warn(
+                f"{self._directory}: left alone, as aiosnap did not write them (it reads, follows and "
+                f"deletes only its own checkpoints): {'; '.join(strays)}"
+            )
+
+    def _warn(self, message: str) -> None:
+        """Log ``message`` as a warning, unless this catalog has said it already."""
+        if message not in self._warned:
+            self._warned.add(message)
+            logger.warning("%s", message)
 
     def _epoch_of(self, name: str) -> int | None:
         m = self._pattern.fullmatch(name)
@@ -133,14 +165,34 @@ class Catalog:
                 await self._prune()
 
     async def _prune(self) -> None:
-        """Write the index without what retention lets go, then remove that."""
-        doomed = self._doomed()
-        for step in doomed:
-            self.records.pop(step)
-        await self._write_index()
-        for name in doomed.values():
-            await self._remove(name)
-            logger.info("retention removed %s", name)
+        """Write the index without what retention lets go, then remove that. The index is
+        a cache: if it cannot be written, retention removes what it would have removed
+        all the same (the next open rebuilds the index from what is on storage), and the
+        failure is raised afterwards, as an IndexWriteError."""
+        doomed = {step: self.records.pop(step) for step in self._doomed()}
+        failed: OSError | None = None
+        try:
+            await self._write_index()
+        except OSError as exc:
+            failed = exc
+        for record in doomed.values():
+            await self._steps.remove(record.file, record.bytes)
+            logger.info("retention removed %s", record.file)
+        self._warn_strays(list(self._steps.strays))
+        if failed is not None:
+            raise IndexWriteError(self._storage.join(self._directory, INDEX_NAME), failed) from failed
+
+    async def _write_index_or_warn(self) -> None:
+        """Write the index where a failure changes nothing but the cache (at open, after a
+        mark): warn, and leave it to the next commit."""
+        try:
+            await self._write_index()
+        except OSError as exc:
+            logger.warning(
+                "%s: the index could not be written (%r); it is rebuilt at the next open",
+                self._directory,
+                exc,
+            )
 
     async def apply_retention(self, *, dry_run: bool = False) -> list[CheckpointRecord]:
         """Remove now what retention lets go (it otherwise runs after a commit); the
@@ -172,7 +224,16 @@ class Catalog:
                 self._failed.add(step)
                 self.records[step] = record.replace(corrupt=reason)
                 if self._writable:
-                    await self._write_index()
+                    await self._write_index_or_warn()
+
+    async def mark_unreadable(self, step: int, reason: str) -> None:
+        """Hide ``step`` from ``steps()`` for the life of this catalog: its file is no
+        longer one aiosnap can read (something else replaced it). Unlike a corrupt one,
+        retention never removes it: it may not be aiosnap's any more."""
+        async with self._lock:
+            record = self.records.get(step)
+            if record is not None:
+                self.records[step] = record.replace(corrupt=reason)
 
     async def _read_index(self) -> tuple[dict[int, CheckpointRecord], list[CheckpointRecord]]:
         path = self._storage.join(self._directory, INDEX_NAME)
@@ -187,12 +248,32 @@ class Catalog:
         except CheckpointNotFoundError:
             self._version = None
             return {}, []
+        except ForeignFileError:
+            if self._writable:
+                raise  # a writer would replace it: refused, at open
+            self._warn(f"{path} is not aiosnap's index; reading the directory without it")
+            return {}, []
         except (ValueError, KeyError, TypeError, RecursionError) as exc:
             # RecursionError: json's C parser stops at the interpreter's nesting limit.
-            logger.warning("index %s is unreadable (%r); rebuilding it from the directory", path, exc)
+            self._warn(f"index {path} is unreadable ({exc!r}); rebuilding it from the directory")
             return {}, []
         # The history is cut as it is written: a longer one is not the writer's.
-        return {r.step: r for r in _records(records, path)}, _records(history[-HISTORY_LIMIT:], path)
+        return {r.step: r for r in self._records(records, path)}, self._records(
+            history[-HISTORY_LIMIT:], path
+        )
+
+    def _records(self, entries: list[object], path: str) -> list[CheckpointRecord]:
+        """The well-formed records among index entries; the others are dropped (a checkpoint
+        whose record goes is taken as the directory shows it, as if the index never knew it)."""
+        records, bad = [], 0
+        for entry in entries:
+            try:
+                records.append(CheckpointRecord.from_json(entry))
+            except (ValueError, TypeError):
+                bad += 1
+        if bad:
+            self._warn(f"index {path}: {bad} malformed entries ignored")
+        return records
 
     async def _write_index(self) -> None:
         valid = self.steps()
@@ -201,20 +282,6 @@ class Catalog:
         blob = await _offload.run_cpu(_encode_index, latest, checkpoints, list(self.history))
         path = self._storage.join(self._directory, INDEX_NAME)
         self._version = await _offload.run_io(self._storage.replace_if, path, blob, self._version)
-
-
-def _records(entries: list[object], path: str) -> list[CheckpointRecord]:
-    """The well-formed records among index entries; the others are dropped (a checkpoint
-    whose record goes is taken as the directory shows it, as if the index never knew it)."""
-    records, bad = [], 0
-    for entry in entries:
-        try:
-            records.append(CheckpointRecord.from_json(entry))
-        except (ValueError, TypeError):
-            bad += 1
-    if bad:
-        logger.warning("index %s: %d malformed entries ignored", path, bad)
-    return records
 
 
 def _encode_index(

@@ -160,7 +160,8 @@ def _verify_all(storage: Any, todo: list[tuple[str, int]], *, single: bool) -> i
                 failed += 1
                 out.print(f"FAILED  {views.one_line(str(exc))}")
             else:
-                out.print(f"ok      {path} ({views.verified(report)})")
+                tag = "ok     " if report.format != "torch.save" else "pickle "
+                out.print(f"{tag} {path} ({views.verified(report)})")
             offset += size
             bar.update(task, completed=offset)
     return failed

@@ -18,7 +18,8 @@ from ._backends import resolve
 from ._catalog import INDEX_NAME
 from ._errors import CheckpointError, CheckpointNotFoundError, DirectoryLockedError
 from ._group import MANIFEST_NAME, read_manifest
-from ._manager import CheckpointManager, _name_pattern
+from ._manager import CheckpointManager
+from ._names import template
 from ._records import CheckpointRecord
 from ._retention import RetentionPolicy
 from ._storage import Storage, exists, get
@@ -79,7 +80,7 @@ def guess_name(storage: Storage, directory: str) -> str:
         return DEFAULT_NAME
     for record in records:
         name = _template(record)
-        if name is not None and all(_name_pattern(name).fullmatch(r.file) for r in records):
+        if name is not None and all(template(name).fullmatch(r.file) for r in records):
             return name
     return DEFAULT_NAME
 
@@ -101,7 +102,7 @@ def _template(record: CheckpointRecord) -> str | None:
         pos = match.end()
     name = "".join([*out, _literal(record.file[pos:])])
     try:
-        _name_pattern(name)
+        template(name)
     except ValueError:
         return None
     return name

@@ -155,6 +155,11 @@ def tree_rows(entries: list[Entry]) -> Iterator[list[str]]:
 
 def verified(report: VerifyReport) -> str:
     what = f"{report.tensors} tensor(s), {human(report.bytes)}"
+    if report.format == "torch.save":
+        return (
+            f"a torch.save file, not an aiosnap checkpoint: {what}, its zip CRC-32s match; "
+            "loading it unpickles (runs code from the file): only with --allow-pickle"
+        )
     return what + (
         ", checksums match" if report.checksummed else ": plain safetensors, no checksums to match"
     )

@@ -97,9 +97,9 @@ def per_rank_paths(reports: Sequence[FileReport]) -> list[str]:
 
 def judge_restore(reports: Sequence[LoadReport]) -> LoadReport:
     """The group's outcome of loading a step: a mismatch with what the caller asked for
-    wins (no older step would fit better); then corruption, which sends every rank to
-    an older step."""
-    for outcome in ("mismatch", "corrupt"):
+    wins (no older step would fit better); then corruption, then a file that is gone or
+    not aiosnap's, each of which sends every rank to an older step."""
+    for outcome in ("mismatch", "corrupt", "unreadable"):
         found = [(r, x.reason) for r, x in enumerate(reports) if x.outcome == outcome]
         if found:
             reason = found[0][1] if len(reports) == 1 else "; ".join(f"rank {r}: {why}" for r, why in found)

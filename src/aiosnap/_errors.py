@@ -6,6 +6,8 @@
     ├── CorruptCheckpointError    (also ValueError)
     │   └── NotACheckpointError   a file of another format (torch.save, NumPy ...)
     ├── DirectoryLockedError      (also RuntimeError)
+    ├── ForeignFileError          (also FileExistsError)
+    ├── IndexWriteError           (also OSError)   the checkpoint committed; its index did not
     ├── LeaseLostError            (also RuntimeError)
     ├── LoaderClosedError         (also RuntimeError)
     ├── CheckpointKeyError        (also KeyError)
@@ -13,6 +15,7 @@
     ├── RankFailedError           (also RuntimeError)
     ├── RemoteStorageError        (also OSError)
     ├── StateMismatchError        (also ValueError)
+    ├── StepExistsError           (also FileExistsError)
     ├── UnsupportedTypeError      (also TypeError)
     ├── WorkerCrashedError        (also RuntimeError)
     └── WriterClosedError         (also RuntimeError)
@@ -79,6 +82,35 @@ class DirectoryLockedError(CheckpointError, RuntimeError):
         self.retry_after = retry_after
 
 
+class ForeignFileError(CheckpointError, FileExistsError):
+    """Something aiosnap did not write (a user's file, a symbolic link, a directory)
+    stands where aiosnap would write or lock: aiosnap leaves it alone and refuses."""
+
+    def __init__(self, path: str, what: str) -> None:
+        super().__init__(
+            f"{path} is {what}, which aiosnap did not write: aiosnap never writes over, follows or "
+            "deletes what it did not write; move it away, or use another name or directory"
+        )
+        self.path = path
+
+
+class IndexWriteError(CheckpointError, OSError):
+    """The checkpoint was committed, and is restorable and rotated as any other; only
+    the index beside it (a cache of the directory, rebuilt from it at the next open)
+    could not be written. The cause (a full disk ...) is chained, its errno kept."""
+
+    def __init__(self, path: str, cause: OSError) -> None:
+        super().__init__(
+            f"the checkpoint was committed, but its index {path} could not be written "
+            f"({cause.strerror or cause}); the index is rebuilt from the directory at the next open"
+        )
+        self.errno, self.strerror, self.filename = cause.errno, cause.strerror, path
+        self.path = path
+
+    def __str__(self) -> str:  # not OSError's "[Errno N] strerror: filename"
+        return str(self.args[0])
+
+
 class LeaseLostError(CheckpointError, RuntimeError):
     """The lease of a checkpoint directory expired and another manager took it over."""
 
@@ -104,9 +136,24 @@ class RemoteStorageError(CheckpointError, OSError):
     """An object store failed, or could not be reached within the retry deadline; the
     message names the URL and what went wrong (credentials, the endpoint, a status)."""
 
+    #: Whether trying again cannot help (the bucket does not exist): not retried.
+    permanent: bool = False
+
 
 class StateMismatchError(CheckpointError, ValueError):
     """``load_into`` found missing, unexpected or differently shaped entries."""
+
+
+class StepExistsError(CheckpointError, FileExistsError):
+    """The step is committed already: a save does not replace it unless asked to
+    (``overwrite=True``)."""
+
+    def __init__(self, path: str, step: int) -> None:
+        super().__init__(
+            f"step {step} is committed already ({path}): pass overwrite=True to replace it, "
+            "or save another step"
+        )
+        self.path, self.step = path, step
 
 
 class UnsupportedTypeError(CheckpointError, TypeError):

@@ -261,6 +261,23 @@ def sniff(f: Reader) -> str | None:
     return None
 
 
+#: How every file aiosnap writes begins, after the 8 bytes of the header's length.
+_OWN_OPEN = b'{"__metadata__":{"' + META_KEY.encode() + b'":"'
+
+
+def written_by_aiosnap(f: Reader) -> bool:
+    """Whether ``f`` begins as every checkpoint file aiosnap writes does (a header whose
+    metadata comes first and holds aiosnap's document). A cheap test of where a file
+    came from, not of its integrity: a damaged checkpoint passes it, a plain
+    safetensors file or anything else does not."""
+    head = bytearray(min(f.size, 8 + len(_OWN_OPEN)))
+    f.readinto(0, memoryview(head))
+    if len(head) < 8 + len(_OWN_OPEN):
+        return False
+    (n,) = struct.unpack("<Q", head[:8])
+    return len(_OWN_OPEN) <= n <= f.size - 8 and head[8:] == _OWN_OPEN
+
+
 def how_to_read(path: str, kind: str) -> str:
     """What to do with a file of another format."""
     if kind.startswith("torch.save"):

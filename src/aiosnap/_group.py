@@ -26,12 +26,12 @@ from typing import Any, final
 
 from . import _offload
 from ._dtypes import TORCH_DTYPES
-from ._errors import CorruptCheckpointError
-from ._format import Header, TensorInfo, nbytes, read_header
+from ._errors import CheckpointNotFoundError, CorruptCheckpointError
+from ._format import Header, TensorInfo, nbytes, read_header, written_by_aiosnap
 from ._header import crc32c
 from ._messages import FileReport, ShardBox, decode, encode
 from ._shards import Box, tiles
-from ._storage import Storage, exists, get
+from ._storage import TEMP_PREFIX, Storage, describe, get, lstat
 from ._tree import format_path, walk_nodes
 
 logger = logging.getLogger(__name__)
@@ -251,29 +251,49 @@ def leaf_count(boxes: Sequence[SavedBox]) -> int:
     return sum(math.prod(b.lengths) for b in boxes)
 
 
+#: The name of a rank's file in a step directory.
+_RANK_FILE = re.compile(r"rank_\d{5}")
+
+
 @final
 class StepDirs:
     """The layout of a group's directory for the catalog: steps are directories, and
-    only those with a manifest are committed."""
+    only those with a manifest are committed.
+
+    A step directory is removed only by what aiosnap can tell it wrote there: its
+    manifest, the rank files the manifest (or their own header) names as aiosnap's, and
+    its temp files; the directory itself goes only once nothing else is in it. Whatever
+    else is found (a user's notes, a symbolic link) stays, and is named in ``strays``.
+    """
 
     def __init__(self, storage: Storage, directory: str, pattern: re.Pattern[str], *, writable: bool) -> None:
         self.storage, self.directory, self.pattern = storage, directory, pattern
         self.writable = writable
+        #: What the last scan or removal left alone: "name (why)".
+        self.strays: list[str] = []
 
     def _steps(self) -> dict[int, str]:
+        """Step directories: real directories whose name the template gives (what else
+        bears such a name is a stray)."""
         found = {}
         for entry in self.storage.list(self.directory):
             m = self.pattern.fullmatch(entry.name)
-            if m is not None and entry.is_dir:
+            if m is None:
+                continue
+            if entry.is_dir:
                 found[int(m.group("step"))] = entry.name
+            else:
+                self.strays.append(f"{entry.name} ({describe(entry)}, not a step directory)")
         return found
 
     def _committed(self, name: str) -> bool:
-        return exists(self.storage, self.storage.join(self.directory, name, MANIFEST_NAME))
+        entries = self.storage.list(self.storage.join(self.directory, name))
+        return any(e.name == MANIFEST_NAME and e.is_file for e in entries)
 
     async def scan(self) -> dict[int, str]:
-        """Committed steps; the directories of failed saves are removed (at open, when
+        """Committed steps; what failed saves left in the others is removed (at open, when
         no save can be running; not by a reader)."""
+        self.strays = []
         committed = {}
         for step, name in (await _offload.run_io(self._steps)).items():
             if await _offload.run_io(self._committed, name):
@@ -287,22 +307,81 @@ class StepDirs:
 
     async def remove(self, name: str) -> None:
         # The manifest goes first: a half-removed step must not look committed.
-        path = self.storage.join(self.directory, name)
-        await _offload.run_io(self.storage.delete, self.storage.join(path, MANIFEST_NAME))
-        await _offload.run_io(self.storage.delete_tree, path)
+        await _offload.run_io(self._remove_own, name, True)
 
     async def sweep(self, below: int, busy: set[str]) -> None:
-        """Remove uncommitted step directories older than ``below`` that no save in
-        progress is writing: what failed or abandoned saves left."""
+        """Remove what failed or abandoned saves left in uncommitted step directories
+        older than ``below`` that no save in progress is writing."""
         for step, name in (await _offload.run_io(self._steps)).items():
             if step < below and name not in busy and not await _offload.run_io(self._committed, name):
                 await self._drop_uncommitted(name)
 
     async def _drop_uncommitted(self, name: str) -> None:
-        logger.info("removing %s: a save that never committed", name)
-        await _offload.run_io(self.storage.delete_tree, self.storage.join(self.directory, name))
+        await _offload.run_io(self._remove_own, name, False)
+
+    def _remove_own(self, name: str, committed: bool) -> None:
+        """Delete what aiosnap wrote in step directory ``name``, the manifest first, and
+        the directory once it is empty; leave the rest, as a stray. Blocking."""
+        path = self.storage.join(self.directory, name)
+        files: set[str] = set()
+        if committed:
+            try:
+                files = set(read_manifest(self.storage, path).files)
+            except (CorruptCheckpointError, CheckpointNotFoundError):
+                pass  # its rank files are told by their own headers
+            self.storage.delete(self.storage.join(path, MANIFEST_NAME))
+        left = []
+        for entry in self.storage.list(path):
+            if entry.is_file and self._own(path, entry.name, files):
+                self.storage.delete(self.storage.join(path, entry.name))
+            elif not (committed and entry.name == MANIFEST_NAME):
+                left.append(f"{entry.name} ({describe(entry)})")
+        if left:
+            self.strays.append(f"{name}/ (left in place, holding {', '.join(left)})")
+            return
+        if not committed:
+            logger.info("removed %s: a save that never committed", path)
+        self.storage.delete_tree(path)  # empty now: the directory itself
+
+    def occupant(self, step_dir: str) -> str | None:
+        """What stands at ``step_dir`` before a save writes it: None (nothing, or only
+        what aiosnap's saves left), "committed" (its manifest), or what else it is, in
+        words. Blocking."""
+        entry = lstat(self.storage, step_dir)
+        if entry is None:
+            return None
+        if not entry.is_dir:
+            return describe(entry)
+        entries = self.storage.list(step_dir)
+        if any(e.name == MANIFEST_NAME and e.is_file for e in entries):
+            return "committed"
+        foreign = [e for e in entries if not (e.is_file and self._own(step_dir, e.name, set()))]
+        if foreign:
+            return f"a directory holding {', '.join(f'{e.name} ({describe(e)})' for e in foreign)}"
+        return None
+
+    def _own(self, step_dir: str, name: str, files: set[str]) -> bool:
+        if name.startswith(TEMP_PREFIX) or name in files:
+            return True
+        if not _RANK_FILE.fullmatch(name):
+            return False
+        try:
+            reader = self.storage.open_read(self.storage.join(step_dir, name))
+        except CheckpointNotFoundError:
+            return True  # gone since it was listed: nothing of anyone's to keep
+        try:
+            return written_by_aiosnap(reader)
+        finally:
+            reader.close()
 
 
 def has_step_dirs(storage: Storage, directory: str, pattern: re.Pattern[str]) -> bool:
-    """Whether ``directory`` holds step directories (a group's checkpoints). Blocking."""
-    return any(e.is_dir and pattern.fullmatch(e.name) for e in storage.list(directory))
+    """Whether ``directory`` holds a committed step directory (a group's checkpoint, with
+    its manifest): a directory aiosnap did not write never makes it read as a group's.
+    Blocking."""
+    return any(
+        e.is_dir
+        and pattern.fullmatch(e.name)
+        and any(f.name == MANIFEST_NAME and f.is_file for f in storage.list(storage.join(directory, e.name)))
+        for e in storage.list(directory)
+    )

@@ -10,6 +10,8 @@ list that can report it.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import final
 
@@ -46,22 +48,65 @@ class SaveFailure:
 
 
 @final
+class Capture:
+    """The capture of one save's state: set by the writer once the state is copied (or
+    the copy failed), awaited by whoever must not change the state before then.
+
+    A wait cancelled before the capture ended calls ``on_abandon``: the writer drops
+    the save whole, since its caller may be changing the state. Once it ended, a
+    cancelled wait changes nothing: the save goes on and commits."""
+
+    def __init__(self, on_abandon: Callable[[], None] | None = None) -> None:
+        self._done = anyio.Event()
+        self._error: BaseException | None = None
+        self._on_abandon = on_abandon
+        #: When a wait last returned: the end of the caller's stall.
+        self.returned_at: float | None = None
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def set(self, error: BaseException | None = None) -> None:
+        """The state is copied (``error``: the copy failed). Only the first call counts."""
+        if not self._done.is_set():
+            self._error = error
+            self._done.set()
+
+    async def wait(self) -> None:
+        try:
+            await self._done.wait()
+        except BaseException:
+            if not self._done.is_set() and self._on_abandon is not None:
+                self._on_abandon()
+            raise
+        self.returned_at = time.perf_counter()
+        if self._error is not None:
+            raise self._error
+
+
+@final
 class SaveHandle:
     """The background half of a save.
 
-    ``await handle.wait()`` returns the SaveStats once the file is durable, or raises
-    the exception that failed the save, with its original type. A skipped save (a full
-    QueueWriter with ``when_full="skip"`` or ``"replace"``) resolves to stats with
-    ``skipped=True``. Cancelling a ``wait()`` only stops waiting: the save goes on.
+    ``await handle.wait_captured()`` returns once the state of the save is copied: from
+    then on it may change. ``await handle.wait()`` returns the SaveStats once the file
+    is durable, or raises the exception that failed the save, with its original type. A
+    skipped save (a full QueueWriter with ``when_full="skip"`` or ``"replace"``)
+    resolves to stats with ``skipped=True``. Cancelling a ``wait()`` only stops
+    waiting: the save goes on.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, capture: Capture | None = None) -> None:
         self.path = path
         #: The upload of this checkpoint to a manager's remote tier, if it has one.
         self.upload: SaveHandle | None = None
         self._done = anyio.Event()
         self._stats: SaveStats | None = None
         self._failure: SaveFailure | None = None
+        if capture is None:  # nothing of the caller's to copy: captured already
+            capture = Capture()
+            capture.set()
+        self._capture = capture
 
     def __repr__(self) -> str:
         done = "done" if self.done() else "pending"
@@ -75,6 +120,13 @@ class SaveHandle:
     @property
     def skipped(self) -> bool:
         return self._stats is not None and self._stats.skipped
+
+    async def wait_captured(self) -> None:
+        """Return once the state of this save is captured: from then on it may change.
+        Raises the capture's failure. Cancelled before the capture ended, it drops the
+        save whole (nothing is written, the handle fails); after, the save goes on. A
+        save that was skipped, or has ended, returns at once."""
+        await self._capture.wait()
 
     async def wait(self) -> SaveStats:
         """The stats once the save is durable; or raise its failure (which is then
@@ -105,10 +157,12 @@ class SaveHandle:
 
     def _finish(self, stats: SaveStats) -> None:
         self._stats = stats
+        self._capture.set()
         self._done.set()
 
     def _fail(self, failure: SaveFailure | BaseException) -> None:
         self._failure = failure if isinstance(failure, SaveFailure) else SaveFailure(self.path, failure)
+        self._capture.set(self._failure.error)
         self._done.set()
 
     def _skip(self) -> None:

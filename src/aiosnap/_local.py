@@ -26,8 +26,9 @@ from ._errors import (
     ConflictError,
     CorruptCheckpointError,
     DirectoryLockedError,
+    ForeignFileError,
 )
-from ._posix import Posix
+from ._posix import FileStat, Posix
 from ._storage import LEASE_NAME, TEMP_PREFIX, CommitTimes, Entry, Version
 
 #: Bytes handed to one write(2) or read(2): large enough to keep the disk streaming.
@@ -109,7 +110,9 @@ class LocalStorage:
         dfd = self.posix.open(directory or ".", os.O_RDONLY | os.O_DIRECTORY)
         try:
             self.posix.flock(dfd, wait=True)
-            now = self.posix.stat(path)
+            now = self.posix.lstat(path)
+            if now is not None and (now.is_dir or now.special):
+                raise ForeignFileError(path, _what(now))
             if (now.version if now is not None else None) != expect:
                 raise ConflictError(path)
             upload = _LocalUpload(self, path, len(data))
@@ -130,7 +133,8 @@ class LocalStorage:
         return _LocalReader(self.posix, self.check(path))
 
     def read_versioned(self, path: str) -> tuple[bytes, Version]:
-        reader = self.open_read(path)
+        # The small objects aiosnap replaces (its index): a link there is not its own.
+        reader = _LocalReader(self.posix, self.check(path), follow=False)
         try:
             buf = bytearray(reader.size)
             reader.readinto(0, memoryview(buf))
@@ -142,7 +146,12 @@ class LocalStorage:
         st = self.posix.stat(self.check(path))
         if st is None:
             return None
-        return Entry(os.path.basename(path.rstrip("/")), st.is_dir, 0 if st.is_dir else st.size)
+        return _entry(os.path.basename(path.rstrip("/")), st)
+
+    def lstat(self, path: str) -> Entry | None:
+        """As ``stat``, of a symbolic link itself (marked ``special``) rather than its target."""
+        st = self.posix.lstat(self.check(path))
+        return None if st is None else _entry(os.path.basename(path.rstrip("/")), st)
 
     # -- removing ----------------------------------------------------------------------------
     def delete(self, path: str) -> None:
@@ -152,30 +161,34 @@ class LocalStorage:
             pass
 
     def delete_tree(self, path: str) -> None:
-        try:
-            entries = self.posix.scandir(self.check(path))
-        except FileNotFoundError:
+        top = self.posix.lstat(self.check(path))
+        if top is None or top.special:
             return
-        except NotADirectoryError:
+        if not top.is_dir:
             self.delete(path)
             return
-        for name, st in entries:
+        for name, st in self.posix.scandir(path):
             child = os.path.join(path, name)
             if st.is_dir:
                 self.delete_tree(child)
-            else:
+            elif not st.special:
                 self.delete(child)
         try:
             self.posix.rmdir(path)
-        except FileNotFoundError:
-            pass
+        except (FileNotFoundError, OSError) as exc:
+            if exc.errno not in (errno.ENOENT, errno.ENOTEMPTY, errno.EEXIST):
+                raise
 
     def sweep_incomplete(self, path: str) -> list[str]:
         try:
-            names = [n for n, _ in self.posix.scandir(self.check(path) or ".")]
+            found = self.posix.scandir(self.check(path) or ".")
         except (FileNotFoundError, NotADirectoryError):
             return []
-        swept = [os.path.join(path, n) for n in names if n.startswith(TEMP_PREFIX)]
+        swept = [
+            os.path.join(path, n)
+            for n, st in found
+            if n.startswith(TEMP_PREFIX) and not (st.is_dir or st.special)
+        ]
         for tmp in swept:
             self.delete(tmp)
         return swept
@@ -190,8 +203,17 @@ class LocalStorage:
             found = self.posix.scandir(self.check(path) or ".")
         except (FileNotFoundError, NotADirectoryError):
             return []
-        entries = (Entry(n, st.is_dir, 0 if st.is_dir else st.size) for n, st in found)
+        entries = (_entry(n, st) for n, st in found)
         return sorted((e for e in entries if not e.name.startswith(TEMP_PREFIX)), key=lambda e: e.name)
+
+
+def _entry(name: str, st: FileStat) -> Entry:
+    return Entry(name, st.is_dir, 0 if st.is_dir or st.special else st.size, st.special)
+
+
+def _what(st: FileStat) -> str:
+    """What a path that is not a regular file is, in words."""
+    return "a directory" if st.is_dir else "a symbolic link or special file"
 
 
 class _LocalUpload:
@@ -212,7 +234,7 @@ class _LocalUpload:
         self._write_s = 0.0
         self._done = False
         try:
-            self._fd = self._posix.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+            self._fd = self._posix.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW)
         except OSError as exc:
             raise self._named(exc) from exc
 
@@ -320,12 +342,16 @@ class _LocalUpload:
 
 
 class _LocalReader:
-    def __init__(self, posix: Posix, path: str) -> None:
+    def __init__(self, posix: Posix, path: str, *, follow: bool = True) -> None:
         self.path, self._posix = path, posix
         try:
-            self._fd = posix.open(path, os.O_RDONLY)
+            self._fd = posix.open(path, os.O_RDONLY | (0 if follow else os.O_NOFOLLOW))
         except (FileNotFoundError, NotADirectoryError):
             raise CheckpointNotFoundError(path) from None
+        except OSError as exc:
+            if exc.errno != errno.ELOOP or follow:
+                raise
+            raise ForeignFileError(path, "a symbolic link") from None
         try:
             st = posix.fstat(self._fd)
         except BaseException:
@@ -363,13 +389,29 @@ class _LocalReader:
 
 
 class _FlockLease:
-    """``flock`` on a lock file: the kernel drops it when the holder dies, even by SIGKILL."""
+    """``flock`` on a lock file: the kernel drops it when the holder dies, even by SIGKILL.
+
+    A flock belongs to the open file, which children forked while it is held share: a
+    DataLoader's workers would keep it after their parent was killed, and the restart
+    would find the directory locked by a dead pid. So each forked child closes its copy
+    of the descriptor at once (``os.register_at_fork``); an ``exec`` closes it anyway
+    (the descriptor is opened ``O_CLOEXEC``)."""
 
     def __init__(self, posix: Posix, directory: str) -> None:
         self._posix = posix
         path = os.path.join(directory, LEASE_NAME)
-        fd = posix.open(path, os.O_RDWR | os.O_CREAT)
         try:
+            fd = posix.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.EISDIR):
+                raise ForeignFileError(path, "a symbolic link or a directory") from None
+            raise
+        try:
+            try:
+                if posix.fstat(fd).is_dir:
+                    raise ForeignFileError(path, "a directory")
+            except IsADirectoryError:  # neither a file nor a directory: a FIFO, a device
+                raise ForeignFileError(path, "a special file") from None
             try:
                 posix.flock(fd)
             except BlockingIOError:
@@ -387,6 +429,8 @@ class _FlockLease:
             posix.close(fd)  # an fd left open would hold the lock for the life of the process
             raise
         self._fd: int | None = fd
+        if _is_real(fd, path):  # not a simulated file system's descriptor
+            _held_locks.add(fd)
 
     def renew(self) -> None:
         """A flock lasts as long as its holder: nothing to renew."""
@@ -394,4 +438,28 @@ class _FlockLease:
     def release(self) -> None:
         if self._fd is not None:
             fd, self._fd = self._fd, None
+            _held_locks.discard(fd)
             self._posix.close(fd)  # closing drops the flock
+
+
+#: The descriptors of the locks this process holds, which a forked child must not keep.
+_held_locks: set[int] = set()
+
+
+def _is_real(fd: int, path: str) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except OSError:
+        return False
+
+
+def _close_locks_in_child() -> None:
+    for fd in _held_locks:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _held_locks.clear()
+
+
+os.register_at_fork(after_in_child=_close_locks_in_child)

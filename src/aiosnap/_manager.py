@@ -15,9 +15,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
-import re
 import signal
-import string
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -44,6 +42,7 @@ from ._handle import Failures, SaveFailure, SaveHandle, SaveStats, raise_first
 from ._layouts import Files, Layout, StepDirectories
 from ._member import Member
 from ._messages import OpenReport
+from ._names import check_step, render, template
 from ._records import CheckpointRecord
 from ._retention import RetentionPolicy
 from ._storage import Lease, Storage
@@ -66,20 +65,6 @@ class Restored:
     epoch: int | None
     path: str
     state: Any
-
-
-def _name_pattern(name: str) -> re.Pattern[str]:
-    parts = []
-    for literal, field, spec, conv in string.Formatter().parse(name):
-        parts.append(re.escape(literal))
-        if field is None:
-            continue
-        if field not in ("step", "epoch", "rank") or spec or conv:
-            raise ValueError(f"name {name!r}: only {{step}}, {{epoch}} and {{rank}} may be used")
-        parts.append(f"(?P<{field}>\\d+)")
-    if "(?P<step>" not in "".join(parts):
-        raise ValueError(f"name {name!r} must contain {{step}}")
-    return re.compile("".join(parts))
 
 
 def _in_a_group(group: object) -> bool:
@@ -190,7 +175,7 @@ class CheckpointManager(anyio.abc.AsyncResource):
         self._lease_ttl = lease_ttl
         self._writer: Writer = writer if writer is not None else QueueWriter(storage=self._storage)
         self._name = name
-        self._pattern = _name_pattern(name)
+        self._pattern = template(name)
         self._keep = keep
         self._trigger: Trigger | None = EveryNSteps(save_every) if isinstance(save_every, int) else save_every
         self._allow_pickle = allow_pickle
@@ -242,8 +227,7 @@ class CheckpointManager(anyio.abc.AsyncResource):
                     self.directory,
                     self._pattern,
                     self._keep,
-                    scan=layout.scan,
-                    remove=layout.remove,
+                    steps=layout,
                     writable=not self.read_only,
                 )
             self._member = Member(
@@ -474,12 +458,14 @@ class CheckpointManager(anyio.abc.AsyncResource):
         raise_first(self.take_failures(), accepted=accepted)
 
     async def _accept(self, filename: str, directory: str, state: object) -> SaveHandle:
-        """Hand a save to the writer; earlier failures are this manager's to report."""
-        accept = getattr(self._writer, "_accept", None)
-        if accept is not None:
-            handle: SaveHandle = await accept(filename, directory, state)
-            return handle
-        return await self._writer(filename, directory, state)
+        """Hand a save to the writer through its ``accept`` (the caller awaits the capture;
+        earlier failures are this manager's to report). A writer of the user's own may
+        lack it: it is then called, and waits for the capture itself."""
+        accept = getattr(self._writer, "accept", None)
+        if accept is None:
+            return await self._writer(filename, directory, state)
+        handle: SaveHandle = await accept(filename, directory, state)
+        return handle
 
     # -- saving --------------------------------------------------------------------------
     def should_save(self, step: int, *, epoch: int | None = None) -> bool:
@@ -498,9 +484,13 @@ class CheckpointManager(anyio.abc.AsyncResource):
         metrics: dict[str, Any] | None = None,
         metadata: dict[str, Any] | None = None,
         force: bool = False,
+        overwrite: bool = False,
     ) -> SaveHandle:
         """Save ``state`` as ``step`` if the triggers say so (or ``force``).
 
+        ``step`` is a non-negative int. A step that is committed already is not replaced
+        (StepExistsError, naming it) unless ``overwrite=True``; what stands at the step's
+        name without being aiosnap's (a user's file, a link) never is (ForeignFileError).
         Returns once the state is captured. The handle resolves when the checkpoint is
         committed, indexed, and the retention it triggers is done; a save the triggers
         did not call for resolves at once, skipped. An earlier save's failure not yet
@@ -513,6 +503,7 @@ class CheckpointManager(anyio.abc.AsyncResource):
         if self._lease_lost is not None:
             raise self._lease_lost
         filename = self.filename(step, epoch)
+        step, epoch = check_step(step), None if epoch is None else check_step(epoch, "epoch")
         record = CheckpointRecord(
             step, filename, epoch, metrics=dict(metrics or {}), metadata=dict(metadata or {})
         )
@@ -522,7 +513,7 @@ class CheckpointManager(anyio.abc.AsyncResource):
             handle._skip()
             return handle
         try:
-            outer = await self._submit(record, state)
+            outer = await self._submit(record, state, overwrite=overwrite)
         except BaseException:
             if self._uploads_every_save():
                 # Every member hands every save to the remote tier, in the same order: one
@@ -532,15 +523,27 @@ class CheckpointManager(anyio.abc.AsyncResource):
                 with anyio.CancelScope(shield=True):
                     await self._upload_after(record, refused)
             raise
-        self._last = Moment(step, epoch, time.monotonic())
         if self._uploads_every_save():
-            outer.upload = await self._upload_after(record, outer)
+            # Handed over whatever becomes of the capture below: the upload follows the
+            # local save's own outcome, as the index does.
+            with anyio.CancelScope(shield=True):
+                outer.upload = await self._upload_after(record, outer)
+        # Cancelled before the capture ended, the save is dropped whole (its handle
+        # fails, nothing is written); after, it commits and is indexed and rotated.
+        await outer.wait_captured()
+        if getattr(self._writer, "returns_durable", False):
+            await outer.wait()
+        self._last = Moment(step, epoch, time.monotonic())
         # Earlier failures are raised only now: this call's own save is accepted, and goes on.
         self._raise_pending(accepted=outer.path)
         return outer
 
-    async def _submit(self, record: CheckpointRecord, state: object) -> SaveHandle:
-        """Take this save's turn, hand it to the writer, and vote on it in the background."""
+    async def _submit(
+        self, record: CheckpointRecord, state: object, *, overwrite: bool, check: bool = True
+    ) -> SaveHandle:
+        """Take this save's turn, hand it to the writer, and vote on it in the background;
+        the returned handle follows the writer's, its capture included. ``check``: look
+        first at what stands at the step's name (``Layout.check_vacant``)."""
         member, tg = self._member, self._tg
         assert member is not None
         assert tg is not None
@@ -552,7 +555,10 @@ class CheckpointManager(anyio.abc.AsyncResource):
         outer = SaveHandle(self._storage.join(out_dir, file))
         self._pending.add(outer)
         try:
-            inner: SaveHandle | BaseException = await self._accept(file, out_dir, target)
+            if check:
+                committed = self._catalog is not None and record.step in self._catalog.records
+                await member.layout.check_vacant(record, committed, overwrite)
+            inner = await self._accept(file, out_dir, target)
         except BaseException as exc:
             # The other members vote on this step all the same: this one votes that it failed.
             failure = (
@@ -561,6 +567,7 @@ class CheckpointManager(anyio.abc.AsyncResource):
             tg.start_soon(self._vote, turn, failure, record, outer)
             raise
         tg.start_soon(self._vote, turn, inner, record, outer)
+        outer._capture = inner._capture
         return outer
 
     def _uploads_every_save(self) -> bool:
@@ -577,7 +584,11 @@ class CheckpointManager(anyio.abc.AsyncResource):
             self._failures.add(self._remote.directory, self._remote._lease_lost)
             local = SaveHandle(local.path)
             local._skip()
-        upload = await self._remote._submit(record, LocalCopy(self._storage, local))
+        # An upload replaces the remote copy of its step, as the local save did: both are
+        # aiosnap's own (what is not, it still refuses).
+        upload = await self._remote._submit(
+            record, LocalCopy(self._storage, local), overwrite=True, check=False
+        )
         if self._catalog is not None:
             self._catalog.hold(record.step)
             released = anyio.Event()
@@ -616,9 +627,11 @@ class CheckpointManager(anyio.abc.AsyncResource):
                 outer._fail(WriterClosedError("the manager closed before the save finished"))
 
     def filename(self, step: int, epoch: int | None = None) -> str:
-        if epoch is None and "{epoch}" in self._name:
-            raise ValueError(f"name {self._name!r} uses {{epoch}}: pass epoch=")
-        return self._name.format(step=step, epoch=epoch, rank=self.rank)
+        """The name ``step`` is saved under (ValueError for a step that is not a
+        non-negative int, or a name that would not read back as this step)."""
+        step = check_step(step)
+        epoch = None if epoch is None else check_step(epoch, "epoch")
+        return render(self._name, self._pattern, step, epoch, self.rank)
 
     # -- reading -------------------------------------------------------------------------
     async def steps(self) -> list[int]:
@@ -626,7 +639,14 @@ class CheckpointManager(anyio.abc.AsyncResource):
         first. A save still being written, or one that failed, is not listed: a step
         appears once its checkpoint is durable and indexed (its handle has resolved)."""
         assert self._member is not None
+        await self._refresh()
         return list(await self._member.ask("steps", lambda: self._rank0().steps()))
+
+    async def _refresh(self) -> None:
+        """A reader's view is never older than its last call: training beside it commits
+        and rotates, so a read-only manager reads the directory again at each call."""
+        if self.read_only and self._catalog is not None:
+            await self._catalog.load()
 
     def _rank0(self) -> Catalog:
         assert self._catalog is not None
@@ -639,6 +659,7 @@ class CheckpointManager(anyio.abc.AsyncResource):
     async def history(self) -> list[CheckpointRecord]:
         """Every commit this directory has seen (up to HISTORY_LIMIT), oldest first."""
         assert self._member is not None
+        await self._refresh()
         raw = await self._member.ask("history", lambda: [r.to_json() for r in self._rank0().history])
         return [CheckpointRecord.from_json(r) for r in raw]
 
@@ -647,6 +668,7 @@ class CheckpointManager(anyio.abc.AsyncResource):
         and metrics, and for one that failed verification (which ``steps()`` leaves out)
         the reason, in ``corrupt``."""
         assert self._member is not None
+        await self._refresh()
         raw = await self._member.ask(
             "records", lambda: [r.to_json() for _, r in sorted(self._rank0().records.items())]
         )
@@ -686,8 +708,10 @@ class CheckpointManager(anyio.abc.AsyncResource):
         (StateMismatchError, on every rank, names it otherwise).
         """
         assert self._member is not None
+        step = None if step is None else check_step(step)
         if self._remote is not None:
             return await self._restore_from_tiers(step, target, keys, strict)
+        await self._refresh()
         found, path, state = await self._member.restore(step, target, keys, strict)
         return Restored(found.step, found.epoch, path, state)
 
@@ -784,7 +808,8 @@ class CheckpointManager(anyio.abc.AsyncResource):
     async def _emergency_save(self, state_fn: StateFn) -> tuple[int, SaveHandle]:
         result = state_fn()
         step, state = await result if inspect.isawaitable(result) else result
-        handle = await self.save(step, state, force=True)
+        # The state of the moment goes over a save of the same step: it is newer.
+        handle = await self.save(step, state, force=True, overwrite=True)
         await handle.wait()
         return step, handle
 

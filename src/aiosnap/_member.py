@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 #: Errors of a restore that say the caller asked for what the step does not hold as
 #: asked: every member raises, and no older step is tried (none would fit better).
-_MISMATCH = (StateMismatchError, CheckpointKeyError, PickleNotAllowedError, NotACheckpointError)
+_MISMATCH = (StateMismatchError, CheckpointKeyError, PickleNotAllowedError)
 
 
 @final
@@ -210,7 +210,9 @@ class Member:
                     except _MISMATCH as exc:
                         mine.append(exc)
                         return encode(LoadReport("mismatch", str(exc)))
-                    except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
+                    except (NotACheckpointError, CheckpointNotFoundError) as exc:
+                        return encode(LoadReport("unreadable", str(exc)))
+                    except CorruptCheckpointError as exc:
                         return encode(LoadReport("corrupt", str(exc)))
                     return encode(LoadReport("ok"))
 
@@ -218,6 +220,8 @@ class Member:
                     verdict = judge_restore(_decoded(LoadReport, bodies))
                     if verdict.outcome == "corrupt" and self.catalog is not None:
                         await self.catalog.mark_corrupt(step, verdict.reason)
+                    elif verdict.outcome == "unreadable" and self.catalog is not None:
+                        await self.catalog.mark_unreadable(step, verdict.reason)
                     return encode(verdict)
 
                 verdict = decode(LoadReport, await turn.agree(work, decide))
@@ -230,8 +234,9 @@ class Member:
                     raise StateMismatchError(verdict.reason)
                 where = self.layout.path(record)
                 logger.warning(
-                    "checkpoint %s failed verification (%s); falling back to an older one",
+                    "checkpoint %s %s (%s); falling back to an older one",
                     where,
+                    "failed verification" if verdict.outcome == "corrupt" else "cannot be read",
                     verdict.reason,
                 )
                 if step is not None:

@@ -58,7 +58,9 @@ class FileReport:
 class LoadReport:
     """How a rank's part of a restore went."""
 
-    outcome: Literal["ok", "corrupt", "mismatch"]
+    #: "unreadable": the file is gone, or is not one aiosnap can read (something else
+    #: replaced it); like "corrupt", every rank goes on to an older step.
+    outcome: Literal["ok", "corrupt", "unreadable", "mismatch"]
     reason: str = ""
 
 

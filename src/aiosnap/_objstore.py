@@ -23,9 +23,11 @@ naming the URL.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import random
+import re
 import time
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
@@ -136,7 +138,8 @@ class ObjectStorage(UrlPaths):
         obs = _obstore()
         mode: Any = "create" if expect is None else _mode(expect)
         try:
-            result = self._call(obs.put, path, self.store, self.key(path), data, mode=mode)
+            with self.writing(path):
+                result = self._call(obs.put, path, self.store, self.key(path), data, mode=mode)
         except (RemoteStorageError, ConflictError):
             # The outcome of a conditional PUT whose answer was lost is unknown, and its
             # retry may find it done ("already exists"): read what is there; if it is
@@ -218,6 +221,22 @@ class ObjectStorage(UrlPaths):
         return sorted(found, key=lambda e: e.name)
 
     # -- errors ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def writing(self, path: str) -> Iterator[None]:
+        """Where a write answers "not found", the bucket is missing, not an object: say so."""
+        try:
+            yield
+        except CheckpointNotFoundError:
+            raise self._no_bucket(path) from None
+
+    def _no_bucket(self, path: str) -> RemoteStorageError:
+        error = RemoteStorageError(
+            f"{path}: the bucket {self._root()} does not exist (was it deleted, or did the object "
+            "store restart without it?)"
+        )
+        error.permanent = True
+        return error
+
     def _call(self, fn: Any, path: str, *args: Any, **kwargs: Any) -> Any:
         """``fn(*args)``, its failures translated: the one place obstore's errors come in."""
         obs = _obstore()
@@ -228,6 +247,8 @@ class ObjectStorage(UrlPaths):
         except (obs.exceptions.AlreadyExistsError, obs.exceptions.PreconditionError) as exc:
             raise ConflictError(path) from exc
         except (obs.exceptions.BaseError, OSError) as exc:
+            if _NO_BUCKET.search(str(exc)):
+                raise self._no_bucket(path) from exc
             raise RemoteStorageError(_describe(path, exc)) from exc
 
     def _idempotent(self, fn: Any, path: str, *args: Any, **kwargs: Any) -> Any:
@@ -239,11 +260,15 @@ class ObjectStorage(UrlPaths):
         while True:
             try:
                 return self._call(fn, path, *args, **kwargs)
-            except RemoteStorageError:
-                if time.monotonic() + delay > deadline:
+            except RemoteStorageError as exc:
+                if exc.permanent or time.monotonic() + delay > deadline:
                     raise
                 time.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, 5.0)
+
+
+#: How S3, GCS and Azure say that a bucket (a container) does not exist.
+_NO_BUCKET = re.compile(r"NoSuchBucket|ContainerNotFound|bucket does not exist|The specified bucket", re.I)
 
 
 def _describe(path: str, exc: BaseException) -> str:
@@ -295,42 +320,47 @@ class _ObjectUpload:
         if self._small is not None:
             self._small += data
         else:
-            if self._writer is None:
-                obs = _obstore()
-                self._writer = self._storage._call(
-                    obs.open_writer,
-                    self.path,
-                    self._storage.store,
-                    self._key,
-                    buffer_size=PART,
-                    max_concurrency=CONCURRENCY,
-                )
-            # obstore's writer keeps the buffers it is given (no copy) until their part is
-            # sent, and callers reuse theirs (the pieces of a large save, a copy): it gets
-            # copies, a part at a time, so at most its concurrency's worth is held.
-            for start in range(0, len(data), PART):
-                self._storage._call(self._writer.write, self.path, bytes(data[start : start + PART]))
+            with self._storage.writing(self.path):
+                self._write_parts(data)
         self._pos += len(data)
         self._write_s += time.perf_counter() - t0
+
+    def _write_parts(self, data: memoryview) -> None:
+        if self._writer is None:
+            obs = _obstore()
+            self._writer = self._storage._call(
+                obs.open_writer,
+                self.path,
+                self._storage.store,
+                self._key,
+                buffer_size=PART,
+                max_concurrency=CONCURRENCY,
+            )
+        # obstore's writer keeps the buffers it is given (no copy) until their part is
+        # sent, and callers reuse theirs (the pieces of a large save, a copy): it gets
+        # copies, a part at a time, so at most its concurrency's worth is held.
+        for start in range(0, len(data), PART):
+            self._storage._call(self._writer.write, self.path, bytes(data[start : start + PART]))
 
     def commit(self) -> CommitTimes:
         t0 = time.perf_counter()
         try:
-            if self._small is not None:
-                obs = _obstore()
-                self._storage._idempotent(
-                    obs.put, self.path, self._storage.store, self._key, bytes(self._small)
-                )
-            elif self._writer is not None:
-                self._storage._call(self._writer.close, self.path)
-            else:
-                obs = _obstore()
-                self._storage._idempotent(obs.put, self.path, self._storage.store, self._key, b"")
+            with self._storage.writing(self.path):
+                self._finish()
         except BaseException:
             self.abort()
             raise
         self._done = True
         return CommitTimes(self._write_s, time.perf_counter() - t0, self._pos)
+
+    def _finish(self) -> None:
+        obs = _obstore()
+        if self._small is not None:
+            self._storage._idempotent(obs.put, self.path, self._storage.store, self._key, bytes(self._small))
+        elif self._writer is not None:
+            self._storage._call(self._writer.close, self.path)
+        else:
+            self._storage._idempotent(obs.put, self.path, self._storage.store, self._key, b"")
 
     def abort(self) -> None:
         if self._done:

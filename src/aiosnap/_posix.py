@@ -69,10 +69,19 @@ class FileStat(NamedTuple):
     size: int
     #: Changes whenever the file is replaced or written: inode, mtime and size.
     version: str
+    #: Neither a regular file nor a directory: a symbolic link (not followed), a FIFO, a
+    #: socket, a device. aiosnap makes none of these, so it reads, follows and deletes none.
+    special: bool = False
 
 
 def _stat(st: os.stat_result) -> FileStat:
-    return FileStat(stat.S_ISDIR(st.st_mode), st.st_size, f"{st.st_ino}-{st.st_mtime_ns}-{st.st_size}")
+    mode = st.st_mode
+    return FileStat(
+        stat.S_ISDIR(mode),
+        st.st_size,
+        f"{st.st_ino}-{st.st_mtime_ns}-{st.st_size}",
+        not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)),
+    )
 
 
 class Posix:
@@ -134,13 +143,21 @@ class Posix:
         except (FileNotFoundError, NotADirectoryError):
             return None
 
+    def lstat(self, path: str) -> FileStat | None:
+        """As ``stat``, of a symbolic link itself (``special``) rather than its target."""
+        try:
+            return _stat(os.lstat(path))
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
     def scandir(self, path: str) -> list[tuple[str, FileStat]]:
-        """The entries of a directory; FileNotFoundError if there is none."""
+        """The entries of a directory, symbolic links not followed (``special``);
+        FileNotFoundError if there is none."""
         found = []
         with os.scandir(path) as entries:
             for entry in entries:
                 try:
-                    found.append((entry.name, _stat(entry.stat())))
+                    found.append((entry.name, _stat(entry.stat(follow_symlinks=False))))
                 except FileNotFoundError:
                     continue  # removed while we looked
         return found

@@ -15,6 +15,7 @@ Paths are strings in the backend's own form: OS paths for LocalStorage, URLs
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import posixpath
@@ -47,6 +48,14 @@ class Entry:
     name: str  # the last component of its path
     is_dir: bool
     size: int = 0
+    #: Neither an object (a regular file) nor a directory: a symbolic link, a FIFO, a
+    #: device. aiosnap never makes one, so it never reads, follows or deletes one.
+    special: bool = False
+
+    @property
+    def is_file(self) -> bool:
+        """An object or a regular file (not a directory, not ``special``)."""
+        return not (self.is_dir or self.special)
 
 
 class Upload(Protocol):
@@ -124,7 +133,9 @@ class Storage(Protocol):
         """Delete an object; a missing one is not an error."""
 
     def delete_tree(self, path: str) -> None:
-        """Delete everything under ``path``; a missing path is not an error."""
+        """Delete every object under ``path``, and the directories left empty; a missing
+        path is not an error. Never follows a symbolic link: a link is left where it is
+        (with the directory that holds it)."""
 
     def read_versioned(self, path: str) -> tuple[bytes, Version]:
         """The content of a small object and its version; CheckpointNotFoundError."""
@@ -135,7 +146,8 @@ class Storage(Protocol):
 
     def sweep_incomplete(self, path: str) -> list[str]:
         """Remove what killed commits left directly under ``path`` (temp files, incomplete
-        multipart uploads); what was removed."""
+        multipart uploads), and nothing else: never a directory or a symbolic link, whatever
+        its name; what was removed."""
 
     def lease(self, path: str, ttl: float) -> Lease:
         """Take the exclusive lease of a checkpoint directory, or raise
@@ -143,7 +155,8 @@ class Storage(Protocol):
 
     # Last: below it, ``list`` would name this method in annotations.
     def list(self, path: str) -> list[Entry]:
-        """The committed objects and directories directly under ``path``; [] if none."""
+        """The committed objects and directories directly under ``path``, with what is
+        neither marked ``special`` (symbolic links are not followed); [] if none."""
 
 
 def put(storage: Storage, path: str, data: bytes | memoryview) -> CommitTimes:
@@ -181,16 +194,47 @@ def write_with(storage: Storage, path: str, produce: Callable[[str], object]) ->
     upload = storage.create(path, None)
     try:
         if upload.local_path is not None:
-            produce(upload.local_path)
+            _produce(produce, upload.local_path, path)
         else:
             with tempfile.TemporaryDirectory(prefix="aiosnap-") as scratch:
                 local = os.path.join(scratch, "object")
-                produce(local)
+                _produce(produce, local, path)
                 _stream(local, upload)
         return upload.commit()
     except BaseException:
         upload.abort()
         raise
+
+
+#: Less room than this left on a file system, after a savefun failed, is a full disk.
+_FULL = 1 << 20
+
+
+def _produce(produce: Callable[[str], object], local: str, path: str) -> None:
+    """``produce(local)``; a failure that a full disk caused is an OSError(ENOSPC) naming
+    ``path``, whatever the savefun raised (torch.save: "enforce fail ... unexpected pos")."""
+    try:
+        produce(local)
+    except OSError:
+        raise
+    except Exception as exc:
+        free = _free_bytes(os.path.dirname(local))
+        if free is None or free >= _FULL:
+            raise
+        raise OSError(
+            errno.ENOSPC,
+            f"No space left on device: writing {path} failed, {free} bytes free "
+            f"({type(exc).__name__}: {str(exc).strip()[:200]})",
+            path,
+        ) from exc
+
+
+def _free_bytes(directory: str) -> int | None:
+    try:
+        st = os.statvfs(directory or ".")
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
 
 
 def _stream(local: str, upload: Upload) -> None:
@@ -225,10 +269,26 @@ def get(storage: Storage, path: str) -> bytes:
         reader.close()
 
 
+def lstat(storage: Storage, path: str) -> Entry | None:
+    """What is at ``path`` itself: a symbolic link is not followed but marked ``special``,
+    on a storage that has links (one with an ``lstat`` method, as LocalStorage); on the
+    others, ``stat``."""
+    own = getattr(storage, "lstat", None)
+    found: Entry | None = own(path) if own is not None else storage.stat(path)
+    return found
+
+
+def describe(entry: Entry) -> str:
+    """What an entry is, in words."""
+    if entry.is_dir:
+        return "a directory"
+    return "a symbolic link or special file" if entry.special else "a file"
+
+
 def exists(storage: Storage, path: str) -> bool:
     """Whether a committed object is at ``path``."""
     entry = storage.stat(path)
-    return entry is not None and not entry.is_dir
+    return entry is not None and entry.is_file
 
 
 class ReaderFile(io.RawIOBase):

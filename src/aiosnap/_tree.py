@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import base64
 import math
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -124,7 +125,11 @@ class _Capture:
         if kind is str:
             return json_string(obj)  # type: ignore[arg-type]
         if kind is int:
-            return int.__repr__(obj)
+            try:
+                return int.__repr__(obj)
+            except ValueError:  # more digits than Python turns into text
+                why = f"an int of more than {sys.get_int_max_str_digits()} digits cannot be written as text"
+                return self.other(obj, path, why)
         if kind is bool:
             return "true" if obj else "false"
         if obj is None:

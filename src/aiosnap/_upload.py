@@ -155,6 +155,12 @@ class UploadWriter:
         self._wake.set()
         return job.handle
 
+    async def accept(
+        self, filename: str, out_dir: str, target: object, *, savefun: SaveFun | None = None
+    ) -> SaveHandle:
+        """As the call: an upload has nothing of the caller's to capture."""
+        return await self(filename, out_dir, target, savefun=savefun)
+
     async def _consume(self) -> None:
         while True:
             if not self._queue:

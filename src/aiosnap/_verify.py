@@ -33,6 +33,10 @@ class VerifyReport:
     tensors: int
     bytes: int
     checksummed: bool  # False for a plain safetensors file: structure only
+    #: What the file is: "aiosnap", "safetensors" (no checksums), or "torch.save" (a pickle in
+    #: a zip, whose members' CRC-32s were checked: loading it runs code from the file); a
+    #: step directory is "aiosnap".
+    format: str = "aiosnap"
 
 
 def verify_blocking(storage: Storage, path: str, progress: Progress | None = None) -> VerifyReport:
@@ -156,7 +160,8 @@ def _verify_file(
                 raise CorruptCheckpointError(path, f"{what} mismatch in tensor{'s' * (len(bad) > 1)} {names}")
         _check_tree(path, header)
         total = sum(t.nbytes for t in header.tensors.values())
-        return VerifyReport(path, len(header.tensors), total, header.tree is not None), header
+        kind = "aiosnap" if header.tree is not None else "safetensors"
+        return VerifyReport(path, len(header.tensors), total, header.tree is not None, kind), header
     finally:
         tally.add(f.size - (tally.done - start))
         f.close()
@@ -192,7 +197,7 @@ def _verify_zip(f: Reader) -> VerifyReport:
     if bad is not None:
         raise CorruptCheckpointError(f.path, f"checksum mismatch in member {bad!r} of the torch.save file")
     data = [m for m in members if "/data/" in m and not m.endswith("/")]
-    return VerifyReport(f.path, len(data), f.size, True)
+    return VerifyReport(f.path, len(data), f.size, True, "torch.save")
 
 
 def _verify_one(

@@ -21,7 +21,7 @@ import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal, Protocol, Self, TypedDict, Unpack, final
 
@@ -34,8 +34,9 @@ from ._backends import resolve
 from ._device import default_copier
 from ._engine import Engine, ProcessEngine, SaveFun, ThreadEngine
 from ._errors import WriterClosedError
-from ._handle import Failures, SaveFailure, SaveHandle, SaveStats, raise_first
+from ._handle import Capture, Failures, SaveFailure, SaveHandle, SaveStats, raise_first
 from ._header import seal
+from ._names import check_component
 from ._pipeline import CaptureEnded, Pipe, commit_pipelined
 from ._plans import Plan, PlanCache
 from ._stage import Arena, ArenaPool, StagedImage, stage_or_plan, write_in_pieces
@@ -72,7 +73,15 @@ class WriterOptions(TypedDict, total=False):
 
 
 class Writer(Protocol):
-    """What every writer does; user code should depend on this, not a class."""
+    """What every writer does; user code should depend on this, not a class.
+
+    ``accept`` takes a save and returns its handle before its state is captured; the
+    caller then awaits ``handle.wait_captured()``. A CheckpointManager uses it, so that
+    its record of a save follows the save's own outcome whatever happens to the call (a
+    cancellation included). A writer of one's own may leave it out: the manager then
+    calls the writer itself, and a save cancelled right after its capture may commit a
+    file that the manager does not record.
+    """
 
     async def __aenter__(self) -> Self: ...
 
@@ -81,6 +90,10 @@ class Writer(Protocol):
     ) -> None: ...
 
     async def __call__(
+        self, filename: str, out_dir: str, target: object, *, savefun: SaveFun | None = None
+    ) -> SaveHandle: ...
+
+    async def accept(
         self, filename: str, out_dir: str, target: object, *, savefun: SaveFun | None = None
     ) -> SaveHandle: ...
 
@@ -98,7 +111,7 @@ class _Save:
     target: object  # walked in the staging thread, while the caller waits
     savefun: SaveFun | None
     t0: float
-    captured: anyio.Event = field(default_factory=anyio.Event)
+    capture: Capture
     staged: StagedImage | None = None
     arena: Arena | None = None  # released when the save settles
     pipe: Pipe | None = None  # set once a pipelined commit has taken the save
@@ -234,6 +247,10 @@ class _WriterBase(abc.ABC):
     ) -> SaveHandle:
         """Capture ``target`` now and write it to ``out_dir/filename``.
 
+        ``filename`` is one name inside ``out_dir`` (ValueError for ``"../x"``, ``"/abs"``,
+        ``"."`` or a name starting like aiosnap's own files); with ``out_dir=""`` it is
+        the whole path.
+
         Returns once the state is captured: from then on ``target`` may change. The
         capture (the tree walk, ``state_dict()`` calls, tensor copies) runs in a worker
         thread so the event loop keeps serving other tasks; those tasks must not change
@@ -245,14 +262,18 @@ class _WriterBase(abc.ABC):
         If an earlier background save failed and that was not reported yet, the call
         raises that failure -- after it has accepted its own save, which goes on.
         """
-        handle = await self._accept(filename, out_dir, target, savefun)
+        handle = await self.accept(filename, out_dir, target, savefun=savefun)
+        await handle.wait_captured()
         raise_first(self._failures.take(), accepted=handle.path)
         return handle
 
-    async def _accept(
-        self, filename: str, out_dir: str, target: object, savefun: SaveFun | None = None
+    async def accept(
+        self, filename: str, out_dir: str, target: object, *, savefun: SaveFun | None = None
     ) -> SaveHandle:
-        """The save call, without reporting earlier failures (a manager reports them)."""
+        """Take a save, as ``__call__`` does, and return its handle as soon as the writer
+        has it (a slot in its queue, its turn), before the state is captured: the caller
+        must ``await handle.wait_captured()`` before it changes ``target``. Earlier
+        failures are not raised here (``flush()``, ``take_failures()``)."""
         t0 = time.perf_counter()
         if self._state != "open":
             raise WriterClosedError(
@@ -261,11 +282,16 @@ class _WriterBase(abc.ABC):
                 else "the writer is not open: use `async with writer:` around the saves"
             )
         if out_dir:
+            check_component(filename, "filename")
             storage, directory = resolve(out_dir, self._storage)
             path = storage.join(directory, filename)
         else:
             storage, path = resolve(filename, self._storage)
-        save = _Save(SaveHandle(path), storage, target, savefun, t0)
+            check_component(storage.split(path)[1], "the file name of")
+        capture = Capture()
+        save = _Save(SaveHandle(path, capture), storage, target, savefun, t0, capture)
+        # A caller that stops waiting before the capture ended may be changing the state.
+        capture._on_abandon = functools.partial(setattr, save, "abandoned", True)
         if self._copier is not None:
             # Current streams are per thread: take the caller's here, on the loop thread.
             save.producers = self._copier.producer_streams()
@@ -273,7 +299,8 @@ class _WriterBase(abc.ABC):
 
     @abc.abstractmethod
     async def _submit(self, save: _Save) -> SaveHandle:
-        """Run the save; return its handle once it is captured (or done, or skipped)."""
+        """Admit the save and start it (``_start``, with no await after it: the caller
+        must get the handle of every save that started); return its handle."""
 
     def _start(self, save: _Save, after: _After) -> None:
         assert self._tg is not None
@@ -312,7 +339,7 @@ class _WriterBase(abc.ABC):
         finally:
             save.target = None
             save.stall_s = time.perf_counter() - save.t0  # the caller's own figure replaces it
-            save.captured.set()
+            save.capture.set(save.capture_error)
         if save.pipe is not None:
             await self._seal(save, save.pipe)
             return
@@ -399,16 +426,6 @@ class _WriterBase(abc.ABC):
     def _dropped(self, save: _Save) -> None:  # noqa: B027 - optional hook
         """A save ended before it was handed on (capture failed or was abandoned)."""
 
-    async def _await_capture(self, save: _Save) -> None:
-        try:
-            await save.captured.wait()
-        except BaseException:
-            save.abandoned = True  # dropped whole: the caller may be changing the state
-            raise
-        if save.capture_error is not None:
-            raise save.capture_error
-        save.stall_s = time.perf_counter() - save.t0
-
     async def _commit(self, save: _Save) -> None:
         try:
             if save.pipe is not None:
@@ -417,10 +434,11 @@ class _WriterBase(abc.ABC):
                 assert save.staged is not None
                 times = await self._engine.commit(save.storage, save.handle.path, save.staged, save.savefun)
             assert save.staged is not None
+            returned = save.capture.returned_at
             stats = SaveStats(
                 save.handle.path,
                 times.bytes,
-                save.stall_s,
+                save.stall_s if returned is None else returned - save.t0,
                 save.staged.stage_s,
                 times.write_s,
                 times.fsync_s,
@@ -480,10 +498,21 @@ async def _call_hook(hook: PostSaveHook, stats: SaveStats) -> None:
 class SimpleWriter(_WriterBase):
     """Persists before returning: the call ends when the file is durable."""
 
+    #: Its call returns once the save is durable (a CheckpointManager's save with it too).
+    returns_durable = True
+
+    async def __call__(
+        self, filename: str, out_dir: str, target: object, *, savefun: SaveFun | None = None
+    ) -> SaveHandle:
+        """Capture ``target`` and write it to ``out_dir/filename``; return once the file
+        is durable, or raise what failed the save."""
+        handle = await self.accept(filename, out_dir, target, savefun=savefun)
+        await handle.wait_captured()
+        await handle.wait()  # raised here, to the caller: reported
+        return handle
+
     async def _submit(self, save: _Save) -> SaveHandle:
         self._start(save, self._commit)
-        await self._await_capture(save)
-        await save.handle.wait()  # raised here, to the caller: reported
         return save.handle
 
 
@@ -500,7 +529,6 @@ class StandardWriter(_WriterBase):
             if self._last is not None:
                 await self._last.handle._done.wait()
             self._start(save, self._commit)
-            await self._await_capture(save)
             self._last = save
         return save.handle
 
@@ -570,7 +598,6 @@ class QueueWriter(_WriterBase):
             save.handle._skip()
             return save.handle
         self._start(save, self._enqueue)
-        await self._await_capture(save)
         return save.handle
 
     async def _take_slot(self) -> bool:
