@@ -292,3 +292,33 @@ def test_help_shows_flags_as_flags_and_arguments_by_name(capsys: pytest.CaptureF
     assert "Usage: aiosnap diff [OPTIONS] A B" in out and re.search(r"│ --json\s+Print JSON", out)
     code, _, err = cli(capsys, "diff", "a", "b", "--json", "true")
     assert code == 2 and "unexpected extra argument" in err.lower()  # a flag takes no value
+
+
+# -- the demo's last words -----------------------------------------------------------------------------
+
+
+def test_the_demo_ends_with_where_its_code_is_and_three_commands_that_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from aiosnap import demo
+    from aiosnap._cli import main
+
+    async def two_runs() -> None:
+        for run in ("reference", "run"):
+            torch.manual_seed(0)
+            async with aiosnap.CheckpointManager(str(tmp_path / run)) as manager:
+                for step in (7, 8):
+                    await manager.save(step, {"w": torch.ones(3) * step, "rng": aiosnap.RNGState()})
+
+    import anyio
+
+    anyio.run(two_runs)
+    root = Path(demo.__file__).resolve().parents[2]
+    demo.next_steps(tmp_path, [p.name for p in (tmp_path / "run").iterdir()], Path(demo.__file__), root)
+    out = capsys.readouterr().out
+    assert "The code of this demo: src/aiosnap/demo.py\n" in out
+    commands = re.findall(r"^  (?:aiosnap|\S+ -m aiosnap) (.+)$", out, re.M)
+    assert [c.split()[0] for c in commands] == ["ls", "inspect", "diff"] and "snapshot_iter_8" in commands[1]
+    for command in commands:
+        assert main(command.split()) == 0, command  # the diff too: the two runs are equal
+        capsys.readouterr()
