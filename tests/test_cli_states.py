@@ -3,7 +3,9 @@ GradScaler, an AsyncLoader and RNGState, saved at two steps): inspect and diff a
 golden files at 80 columns, with --keys/--exclude/--depth/--expand/--wide; inspect and
 verify agreeing on counts; convert to torch.save and through safetensors and back
 without loss; the help. Golden files: see ``test_cli.GOLDEN`` (``AIOSNAP_REGOLDEN=1``
-rewrites them)."""
+rewrites them). The state is seeded and its updates are fixed gradients, so the files hold
+what torch 2.13.0's CPU AdamW computes from them (checksums, differences): another torch
+version may round its last bits otherwise, and then needs the files rewritten."""
 
 from __future__ import annotations
 
