@@ -1,8 +1,9 @@
 """The documentation cannot rot silently: every public name has a docstring (the API
-reference is generated from them), every Python block in docs/*.md and README.md compiles
-and the self-contained ones (marked ``<!-- run -->``) run, every page of the site's
-navigation exists, and every link between pages resolves. mkdocs is not needed here;
-``nox -s docs`` builds the site itself with ``--strict``.
+reference is generated from them), every Python block in docs/*.md and README.md compiles,
+and each one either runs here (marked ``<!-- run -->`` on the line before its fence) or says
+why it cannot (``<!-- fragment: <reason> -->``); every page of the site's navigation
+exists, and every link between pages resolves. mkdocs is not needed here; ``nox -s docs``
+builds the site itself with ``--strict``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 PAGES = [*sorted(DOCS.glob("*.md")), ROOT / "README.md"]
 RUN_MARK = "<!-- run -->"
+#: A block that cannot run as it is (it needs a process group, a bucket, your model ...).
+FRAGMENT_MARK = re.compile(r"<!-- fragment: (\S.*\S) -->")
 SNIPPET = re.compile(r'^\s*--8<--\s+"([^"]+)"\s*$')
 
 # -- (a) docstrings of the public API ----------------------------------------------------------
@@ -86,11 +89,25 @@ class Block:
     page: Path
     line: int
     code: str
-    run: bool
+    mark: str  # the last line before the fence that is not blank
+
+    @property
+    def run(self) -> bool:
+        return self.mark == RUN_MARK
+
+    @property
+    def fragment(self) -> str | None:
+        """Why the block does not run, as its mark says."""
+        match = FRAGMENT_MARK.fullmatch(self.mark)
+        return match.group(1) if match else None
 
     @property
     def id(self) -> str:
-        return f"{self.page.relative_to(ROOT)}:{self.line}"
+        return f"{_shown(self.page)}:{self.line}"
+
+
+def _shown(page: Path) -> Path:
+    return page.relative_to(ROOT) if page.is_relative_to(ROOT) else page
 
 
 def _expand_snippets(code: str, where: str) -> str:
@@ -128,8 +145,8 @@ def _python_blocks(page: Path) -> list[Block]:
         assert i < len(lines), f"{page}:{start}: unclosed code block"
         if lang in ("python", "py"):
             body = "\n".join(line[indent:] for line in lines[start:i])
-            where = f"{page.relative_to(ROOT)}:{start}"
-            blocks.append(Block(page, start, _expand_snippets(body, where), previous == RUN_MARK))
+            where = f"{_shown(page)}:{start}"
+            blocks.append(Block(page, start, _expand_snippets(body, where), previous))
         previous = ""
         i += 1
     return blocks
@@ -161,6 +178,29 @@ def test_marked_python_block_runs(block: Block, tmp_path: Path, monkeypatch: pyt
             exec(code, namespace)
     finally:
         log.handlers[:], log.level = handlers, level
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=lambda b: b.id)
+def test_every_python_block_runs_or_says_why_it_cannot(block: Block) -> None:
+    assert block.run or block.fragment, (
+        f"{block.id}: put {RUN_MARK} on the line before the fence if the block runs as it is, "
+        "else <!-- fragment: <why it cannot> -->"
+    )
+
+
+def test_the_marks_are_read_from_the_line_before_the_fence(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text(
+        "<!-- run -->\n```python\nx = 1\n```\n\n<!-- fragment: needs a bucket -->\n\n```python\ny\n```\n"
+        "<!-- fragment: -->\n```python\nz\n```\nprose\n```python\nw\n```\n"
+    )
+    blocks = _python_blocks(page)
+    assert [(b.run, b.fragment) for b in blocks] == [
+        (True, None),
+        (False, "needs a bucket"),
+        (False, None),  # a fragment must say why
+        (False, None),
+    ]
 
 
 def test_every_quickstart_example_runs() -> None:

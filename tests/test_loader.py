@@ -184,3 +184,23 @@ async def test_a_stateful_source_is_restored_from_its_own_snapshot() -> None:
     async with again:
         assert [i async for i in again] == [2, 3, 4, 5]
         assert [i async for i in again] == [0, 1, 2, 3, 4, 5]
+
+
+async def test_epoch_and_batches_are_public_and_restore_works_before_or_after_open() -> None:
+    async with aiosnap.AsyncLoader(plain(0)) as loader:
+        assert (loader.epoch, loader.batches) == (0, 0)
+        async for _ in loader:
+            if loader.batches == 4:
+                break
+        assert (loader.epoch, loader.batches) == (0, 4)
+        state = loader.state_dict()
+        rest = [ids(b) async for b in loader]
+        assert (loader.epoch, loader.batches, len(rest)) == (1, 0, 9)
+        with pytest.raises(AttributeError):
+            loader.epoch = 5  # type: ignore[misc]  # read-only: the position comes from iterating
+    before, after = aiosnap.AsyncLoader(plain(0)), aiosnap.AsyncLoader(plain(0))
+    before.load_state_dict(state)  # restored, then opened
+    async with before, after:
+        after.load_state_dict(state)  # opened, then restored
+        assert (before.epoch, before.batches) == (after.epoch, after.batches) == (0, 4)
+        assert [ids(b) async for b in before] == [ids(b) async for b in after] == rest

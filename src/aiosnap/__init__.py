@@ -24,7 +24,7 @@ implement ``_storage``; a second tier uploads committed checkpoints (``_upload``
 
 from __future__ import annotations
 
-import logging
+import logging as _logging
 
 from . import retention as retention
 from . import storage as storage
@@ -174,4 +174,10 @@ __all__ = [
     "verify_sync",
 ]
 
-logging.getLogger(__name__).addHandler(logging.NullHandler())
+_logging.getLogger(__name__).addHandler(_logging.NullHandler())
+
+
+def __dir__() -> list[str]:
+    """``dir(aiosnap)``: the public names and the module's own dunders, not the names
+    its source needs (``annotations``, the submodules it imports)."""
+    return sorted({*__all__, *(name for name in globals() if name.startswith("__"))})

@@ -52,7 +52,7 @@ def from_url(url: str, **options: Any) -> Storage:
     raise ValueError(
         f"{url!r}: unknown storage scheme {scheme!r}; aiosnap knows local paths, file://, "
         f"{', '.join(s + '://' for s in OBJECT_SCHEMES)} (obstore) and the protocols of fsspec, "
-        "if it is installed (pip install 'aiosnap[fsspec]')"
+        "if it is installed (pip install fsspec)"
     )
 
 

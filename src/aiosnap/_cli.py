@@ -27,12 +27,16 @@ import anyio
 import typer
 
 from . import __version__
+from . import _cli_tables as tables
 from . import _cli_views as views
 from ._cli_bench import Bench, parse_size
-from ._cli_convert import Format, convert, read_state
+from ._cli_convert import convert, read_state
 from ._cli_diff import Status, diff
 from ._cli_dirs import checkpoints, listing, locate, prune
 from ._cli_entries import describe
+from ._cli_help import Command, Group
+from ._cli_select import select
+from ._cli_tables import Shown
 from ._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
 from ._retention import AnyOf, KeepBest, KeepEvery, KeepLast, KeepWithin, RetentionPolicy
 from ._verify import verify_blocking
@@ -47,6 +51,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    cls=Group,
 )
 
 Name = Annotated[
@@ -60,6 +65,32 @@ AllowPickle = Annotated[
         "--allow-pickle",
         help="Read torch.save files and DCP directories (and pickled entries): runs code from the file.",
     ),
+]
+Keys = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--keys",
+        "-k",
+        metavar="GLOB",
+        help="Show only entries whose dotted path, or a container's above them, matches (repeatable): "
+        "'optimizer', '*.exp_avg', 'model.enc.layers.0*'.",
+    ),
+]
+Exclude = Annotated[
+    list[str] | None,
+    typer.Option("--exclude", "-x", metavar="GLOB", help="Leave out what matches, as --keys (repeatable)."),
+]
+Depth = Annotated[
+    int | None,
+    typer.Option(help="Show the tree this many levels deep; one row per container below.", min=1),
+]
+Expand = Annotated[
+    bool,
+    typer.Option("--expand", help="List every plain value (a container of more than 8 is one row)."),
+]
+Wide = Annotated[
+    bool,
+    typer.Option("--wide", help="One line per row, however wide (long names wrap otherwise)."),
 ]
 
 
@@ -75,17 +106,21 @@ def _root(
 # -- ls --------------------------------------------------------------------------------------------
 
 
-@app.command("ls")
+@app.command("ls", cls=Command)
 def ls_command(
-    directory: Annotated[str, typer.Argument(help="A checkpoint directory: a path or a URL.")],
+    directory: Annotated[
+        str, typer.Argument(metavar="DIRECTORY", help="A checkpoint directory: path or URL.")
+    ],
     name: Name = None,
     remote: Annotated[
         str | None, typer.Option(help="The remote tier (a manager's remote=): shows which steps it holds.")
     ] = None,
     as_json: Json = False,
 ) -> None:
-    """List the checkpoints of a directory: steps, epochs, times, sizes, metrics, the
-    latest, those marked corrupt (and uploaded, with --remote)."""
+    """List the checkpoints of a directory.
+
+    Steps, epochs, times, sizes, metrics, the latest, those marked corrupt (and which
+    the remote tier holds, with --remote)."""
     found = anyio.run(listing, directory, name, remote)
     if as_json:
         views.print_json(views.listing_json(found))
@@ -99,31 +134,49 @@ def ls_command(
 # -- inspect ---------------------------------------------------------------------------------------
 
 
-@app.command("inspect")
+@app.command("inspect", cls=Command)
 def inspect_command(
-    checkpoint: Annotated[str, typer.Argument(help="A checkpoint file or step directory: a path or a URL.")],
+    checkpoint: Annotated[
+        str,
+        typer.Argument(metavar="CHECKPOINT", help="A checkpoint file or step directory: a path or a URL."),
+    ],
+    keys: Keys = None,
+    exclude: Exclude = None,
+    depth: Depth = None,
+    expand: Expand = False,
+    wide: Wide = False,
     as_json: Json = False,
     allow_pickle: AllowPickle = False,
 ) -> None:
     """Show what a checkpoint holds: its tree, with dtypes, shapes, sizes and checksums.
-    Only the header is read."""
+
+    Only the header is read. A container of more than 8 plain values (an RNG state, a
+    list of parameter ids) is one row unless --expand; --keys, --exclude and --depth
+    choose what is shown. --json lists every entry --keys and --exclude select."""
     described = describe(locate(checkpoint), allow_pickle)
+    shown = Shown(keys or (), exclude or (), depth, expand, wide)
     if as_json:
-        views.print_json(described.to_json())
+        data = described.to_json()
+        data["entries"] = [e.to_json() for e in select(described.entries, _path, shown.keys, shown.exclude)]
+        views.print_json(data)
         return
-    views.print_described(described)
+    tables.print_described(described, shown)
 
 
 # -- verify ----------------------------------------------------------------------------------------
 
 
-@app.command("verify")
+@app.command("verify", cls=Command)
 def verify_command(
-    target: Annotated[str, typer.Argument(help="A checkpoint, or a directory: every checkpoint in it.")],
+    target: Annotated[
+        str, typer.Argument(metavar="TARGET", help="A checkpoint, or a directory: every checkpoint in it.")
+    ],
     name: Name = None,
 ) -> None:
-    """Recompute every checksum, with a progress bar; name what failed. Exit 1 if
-    anything did."""
+    """Recompute every checksum; exit 1 if any fails.
+
+    A progress bar runs on stderr (on a terminal), and a failure names every entry that
+    failed. The stored count and bytes are those inspect shows."""
     place = locate(target)
     if place.kind == "dcp":
         raise CheckpointError(f"{target} is a torch.distributed.checkpoint directory: it has no checksums")
@@ -167,6 +220,10 @@ def _verify_all(storage: Any, todo: list[tuple[str, int]], *, single: bool) -> i
     return failed
 
 
+def _path(item: Any) -> tuple[object, ...]:
+    return item.path  # type: ignore[no-any-return]
+
+
 def _advance(update: Callable[..., None], task: Any, offset: int, size: int, done: int, total: int) -> None:
     update(task, completed=offset + (size * done // total if total else 0))
 
@@ -174,27 +231,37 @@ def _advance(update: Callable[..., None], task: Any, offset: int, size: int, don
 # -- diff ------------------------------------------------------------------------------------------
 
 
-@app.command("diff")
+@app.command("diff", cls=Command)
 def diff_command(
-    a: Annotated[str, typer.Argument(help="The first checkpoint.")],
-    b: Annotated[str, typer.Argument(help="The second checkpoint.")],
+    a: Annotated[str, typer.Argument(metavar="A", help="The first checkpoint.")],
+    b: Annotated[str, typer.Argument(metavar="B", help="The second checkpoint.")],
     atol: Annotated[
         float, typer.Option(help="Tensors whose values differ by at most this are 'close'.")
     ] = 0.0,
     show_all: Annotated[bool, typer.Option("--all", help="List equal entries too.")] = False,
+    keys: Keys = None,
+    exclude: Exclude = None,
+    depth: Depth = None,
+    expand: Expand = False,
+    wide: Wide = False,
     as_json: Json = False,
     allow_pickle: AllowPickle = False,
 ) -> None:
-    """Compare two checkpoints (any format convert reads): the entries added, removed,
-    changed (max abs and relative difference) and equal. Exit 1 if they differ."""
+    """Compare two checkpoints, of any formats convert reads. Exit 1 if they differ.
+
+    Lists the entries added, removed and changed (tensors: max abs and relative
+    difference), and counts the equal ones. A container of more than 8 plain values is
+    one row unless --expand; --keys and --exclude choose what is compared (the exit
+    code too), --depth folds what is deeper into one row per container."""
     left, _ = read_state(locate(a), allow_pickle)
     right, _ = read_state(locate(b), allow_pickle)
-    changes = diff(left, right, atol=atol)
+    shown = Shown(keys or (), exclude or (), depth, expand, wide)
+    changes = select(diff(left, right, atol=atol), _path, shown.keys, shown.exclude)
     counts = {s: sum(c.status == s for c in changes) for s in get_args(Status)}
     if as_json:
         views.print_json({"a": a, "b": b, "counts": counts, "entries": [c.to_json() for c in changes]})
     else:
-        views.print_diff(changes, show_all)
+        tables.print_diff(changes, show_all, shown)
         views.out().print(", ".join(f"{n} {s}" for s, n in counts.items()))
     if counts["added"] or counts["removed"] or counts["changed"]:
         raise typer.Exit(FAILED)
@@ -208,9 +275,11 @@ class Mode(enum.StrEnum):
     max = "max"
 
 
-@app.command("prune")
+@app.command("prune", cls=Command)
 def prune_command(
-    directory: Annotated[str, typer.Argument(help="A checkpoint directory: a path or a URL.")],
+    directory: Annotated[
+        str, typer.Argument(metavar="DIRECTORY", help="A checkpoint directory: path or URL.")
+    ],
     keep_last: Annotated[int | None, typer.Option(help="Keep the newest N.", min=1)] = None,
     keep_every: Annotated[int | None, typer.Option(help="Keep steps that are multiples of N.", min=1)] = None,
     keep_best: Annotated[str | None, typer.Option(help="Keep the best by this metric.")] = None,
@@ -226,9 +295,11 @@ def prune_command(
     ] = False,
     name: Name = None,
 ) -> None:
-    """Apply retention policies now, as the directory's manager would after a save: a
-    checkpoint goes unless a policy keeps it, and the newest always stays. Takes the
-    directory's lock (and fails, saying so, while training holds it)."""
+    """Delete the checkpoints no retention policy keeps.
+
+    As the directory's manager would after a save: a checkpoint goes unless a policy
+    keeps it, and the newest always stays. Takes the directory's lock (and fails,
+    saying so, while training holds it)."""
     policy = _policy(keep_last, keep_every, keep_best, best_mode, best_n, keep_within)
     gone, kept = anyio.run(functools.partial(prune, directory, name, policy, dry_run=dry_run))
     views.print_pruned(gone, kept, dry_run)
@@ -267,35 +338,37 @@ def parse_duration(text: str) -> float:
 class Target(enum.StrEnum):
     aiosnap = "aiosnap"
     safetensors = "safetensors"
+    torch = "torch"
     dcp = "dcp"
 
 
-_FORMATS: dict[Target, Format] = {
-    Target.aiosnap: "aiosnap",
-    Target.safetensors: "safetensors",
-    Target.dcp: "dcp",
-}
-
-
-@app.command("convert")
+@app.command("convert", cls=Command)
 def convert_command(
     src: Annotated[
-        str, typer.Argument(help="torch.save file, aiosnap file or step directory, safetensors, DCP.")
+        str,
+        typer.Argument(
+            metavar="SRC", help="torch.save file, aiosnap file or step directory, safetensors, DCP."
+        ),
     ],
-    dst: Annotated[str, typer.Argument(help="Where to write (a file; a directory for DCP).")],
+    dst: Annotated[str, typer.Argument(metavar="DST", help="Where to write (a file; a directory for DCP).")],
     to: Annotated[
         Target | None,
-        typer.Option(help="The output format; by default safetensors for *.safetensors, else aiosnap."),
+        typer.Option(
+            help="The output format. By default the one DST's extension names (.pt, .pth, .bin: torch; "
+            ".safetensors), else aiosnap; an extension naming another format than --to is refused."
+        ),
     ] = None,
     allow_pickle: AllowPickle = False,
     force: Annotated[bool, typer.Option("--force", help="Replace DST if it exists.")] = False,
 ) -> None:
-    """Convert between torch.save, aiosnap, safetensors and torch.distributed.checkpoint
-    (DCP); a step directory becomes one file."""
-    target = to or (Target.safetensors if dst.endswith(".safetensors") else Target.aiosnap)
-    done = convert(src, dst, _FORMATS[target], allow_pickle=allow_pickle, force=force)
+    """Convert between aiosnap, safetensors, torch.save and torch.distributed.checkpoint.
+
+    A step directory becomes one file. Safetensors output keeps the tree and the plain
+    values in its metadata, so a round trip through it loses nothing; torch output is
+    torch.save's own format."""
+    done = convert(src, dst, None if to is None else to.value, allow_pickle=allow_pickle, force=force)
     views.out().print(
-        f"{src} ({done.source}) -> {dst} ({target}): {done.tensors} tensor(s), {views.human(done.bytes)}"
+        f"{src} ({done.source}) -> {dst} ({done.target}): {done.tensors} tensor(s), {views.human(done.bytes)}"
     )
     for note in done.notes:
         views.err().print(f"note: {note}")
@@ -304,7 +377,7 @@ def convert_command(
 # -- bench -----------------------------------------------------------------------------------------
 
 
-@app.command("bench")
+@app.command("bench", cls=Command)
 def bench_command(
     directory: Annotated[
         str, typer.Option("--dir", help="Where checkpoints would go (a local directory).")
@@ -313,8 +386,10 @@ def bench_command(
     reps: Annotated[int, typer.Option(help="Runs of each method (the median is shown).", min=1)] = 3,
     as_json: Json = False,
 ) -> None:
-    """Measure this disk: write + fsync and a cold read, and aiosnap's save and load next
-    to torch.save and torch.load, on a state of --size."""
+    """Measure a disk: aiosnap's save and load beside torch's and the disk's own speed.
+
+    Write + fsync and a cold read, torch.save and torch.load, aiosnap's one-call save,
+    an open QueueWriter and a cold load, on a state of --size."""
     bench = Bench(directory, parse_size(size), reps)
     methods = len(bench.methods())
     with views.progress(views.err(), bytes_=False) as bar:

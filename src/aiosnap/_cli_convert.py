@@ -1,64 +1,123 @@
 """``aiosnap convert``: read a state in one format, write it in another.
 
 Read: an aiosnap file or step directory (a step loads whole, its DTensors assembled),
-a plain safetensors file, a torch.save file and a torch.distributed.checkpoint (DCP)
-directory; the last two only with the pickle opt-in (torch.load runs pickled code, and
-DCP's ``.metadata`` is a pickle). Written: an aiosnap file, a plain safetensors file
-(flattened: dotted names, no aiosnap metadata, written here so the ``safetensors``
-package is not needed), or a DCP directory (through DCP's own writer, with no process
-group).
+a plain safetensors file (as the tree ``convert`` kept in it, if it did), a torch.save
+file and a torch.distributed.checkpoint (DCP) directory; the last two only with the
+pickle opt-in (torch.load runs pickled code, and DCP's ``.metadata`` is a pickle).
+Written: an aiosnap file, a plain safetensors file (``_cli_safetensors``), a torch.save
+file, or a DCP directory (through DCP's own writer, with no process group).
+
+The output format is ``--to``, or else the one DST's extension names (``.pt``, ``.pth``,
+``.bin``: torch.save; ``.safetensors``), else aiosnap. An extension that names another
+format than ``--to`` is refused: ``convert ckpt out.pt --to aiosnap`` would write a file
+that ``torch.load`` cannot read. An aiosnap file is a safetensors file, so
+``--to aiosnap`` may write ``*.safetensors``.
 """
 
 from __future__ import annotations
 
-import json
+import functools
 import warnings
 from dataclasses import dataclass, field
+from pathlib import PurePosixPath
 from typing import Any, Literal
 
 import numpy as np
 import torch
 
 from ._api import save_sync
+from ._backends import resolve
 from ._cli_dirs import Located, locate
 from ._cli_entries import pickle_hint, walk_object
-from ._dtypes import ST_TORCH, numpy_st_code
+from ._cli_safetensors import rebuild_state, saved_tree, write_safetensors
+from ._cli_select import plain_value
 from ._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, PickleNotAllowedError
 from ._format import read_header, sniff
 from ._load import load_blocking
 from ._local import LocalStorage
-from ._storage import Storage
+from ._storage import write_with
 from ._tree import format_path, walk_leaves
 
-Format = Literal["aiosnap", "safetensors", "dcp"]
-#: A tensor of a safetensors file: name, dtype code, shape, its bytes (flat uint8).
-StEntry = tuple[str, str, list[int], np.ndarray[Any, Any]]
-_ST_CODES = {dtype: code for code, dtype in ST_TORCH.items()}
+Format = Literal["aiosnap", "safetensors", "torch", "dcp"]
+#: The output format a file extension names.
+EXTENSIONS: dict[str, Format] = {
+    ".pt": "torch",
+    ".pth": "torch",
+    ".bin": "torch",
+    ".safetensors": "safetensors",
+}
+_WHAT: dict[Format, str] = {
+    "aiosnap": "an aiosnap file",
+    "safetensors": "a plain safetensors file",
+    "torch": "a torch.save file",
+    "dcp": "a DCP directory",
+}
 
 
 @dataclass(slots=True)
 class Converted:
     source: str  # the format read
+    target: Format  # the format written
     tensors: int
     bytes: int
     notes: list[str] = field(default_factory=list)
 
 
-def convert(src: str, dst: str, to: Format, *, allow_pickle: bool, force: bool) -> Converted:
-    """Read ``src`` whole and write it to ``dst`` as ``to``. Blocking."""
+def output_format(dst: str, to: Format | None) -> Format:
+    """The format ``dst`` is written in: ``to``, or what its extension names, else
+    aiosnap. CheckpointError if the extension names another format than ``to``."""
+    suffix = PurePosixPath(dst.rstrip("/")).suffix.lower()
+    named = EXTENSIONS.get(suffix)
+    if to is None:
+        return named or "aiosnap"
+    if named is None or named == to or (named, to) == ("safetensors", "aiosnap"):
+        return to
+    raise CheckpointError(
+        f"{dst} ends in {suffix}, the extension of {_WHAT[named]}, but --to {to} writes {_WHAT[to]}: "
+        f"name it otherwise, or pass --to {named}"
+    )
+
+
+def convert(src: str, dst: str, to: Format | None, *, allow_pickle: bool, force: bool) -> Converted:
+    """Read ``src`` whole and write it to ``dst`` as ``to`` (see output_format). Blocking."""
+    target = output_format(dst, to)
     place = locate(src)
-    _refuse_existing(dst, to, force)
+    _refuse_existing(dst, target, force)
     state, source = read_state(place, allow_pickle)
     tensors = [v for _, v in walk_object(state) if isinstance(v, (torch.Tensor, np.ndarray))]
-    done = Converted(source, len(tensors), sum(_nbytes(t) for t in tensors))
-    if to == "aiosnap":
+    done = Converted(source, target, len(tensors), sum(_nbytes(t) for t in tensors))
+    if target == "aiosnap":
         save_sync(dst, state, allow_pickle=allow_pickle)
         done.notes += _pickled(dst)
-    elif to == "safetensors":
+    elif target == "safetensors":
         done.notes += write_safetensors(dst, state)
+    elif target == "torch":
+        storage, where = resolve(dst)
+        write_with(storage, where, functools.partial(_torch_save, state))
+        done.notes += _not_weights_only(state)
     else:
         write_dcp(dst, state)
     return done
+
+
+def _torch_save(state: Any, path: str) -> None:
+    torch.save(state, path)
+
+
+def _not_weights_only(state: Any) -> list[str]:
+    """A note naming what ``torch.load``'s default ``weights_only=True`` refuses."""
+    refused = [format_path(p) for p, v in walk_object(state) if not _weights_only(v)]
+    if not refused:
+        return []
+    shown = ", ".join(refused[:5]) + (f" and {len(refused) - 5} more" if len(refused) > 5 else "")
+    return [
+        f"{len(refused)} value(s) are NumPy values or objects ({shown}): torch.load refuses them with its "
+        "default weights_only=True; pass weights_only=False if you trust the file"
+    ]
+
+
+def _weights_only(value: Any) -> bool:
+    return isinstance(value, (torch.Tensor, bytes, bytearray)) or plain_value(value)
 
 
 def read_state(place: Located, allow_pickle: bool) -> tuple[Any, str]:
@@ -71,9 +130,14 @@ def read_state(place: Located, allow_pickle: bool) -> tuple[Any, str]:
     if source.startswith("torch.save") and not allow_pickle:
         raise PickleNotAllowedError(pickle_hint(place.path))
     try:
-        return load_blocking(place.storage, place.path, None, None, allow_pickle), source
+        state = load_blocking(place.storage, place.path, None, None, allow_pickle)
     except PickleNotAllowedError as exc:
         raise PickleNotAllowedError(f"{exc} (pass --allow-pickle if you trust it)") from None
+    if source == "safetensors":
+        tree = saved_tree(place.storage, place.path)
+        if tree is not None:
+            return rebuild_state(place.path, tree, state), "safetensors with its tree"
+    return state, source
 
 
 def _file_format(place: Located) -> str:
@@ -119,91 +183,11 @@ def _pickled(path: str) -> list[str]:
     return [f"{len(paths)} value(s) of no state type were stored pickled: {shown}"]
 
 
-# -- safetensors ---------------------------------------------------------------------------------
-
-
-def write_safetensors(dst: str, state: Any) -> list[str]:
-    """Write the tensors and arrays of ``state`` as a plain safetensors file, named by
-    their dotted paths; plain values that JSON holds go to ``__metadata__`` (as JSON
-    text), others are left out. Returns notes on what was left out. Blocking."""
-    from ._backends import resolve
-
-    entries: list[StEntry] = []
-    meta: dict[str, str] = {"format": "pt"}
-    left_out: list[str] = []
-    names: set[str] = set()
-    for path, value in walk_object(state):
-        name = _unique(format_path(path), names)
-        if isinstance(value, (torch.Tensor, np.ndarray, np.generic)):
-            entries.append(_st_entry(name, value))
-            continue
-        try:
-            meta[name] = json.dumps(value, allow_nan=False)
-        except (TypeError, ValueError):
-            left_out.append(name)
-    storage, where = resolve(dst)
-    _write_st(storage, where, entries, meta)
-    if not left_out:
-        return []
-    return [f"left out {len(left_out)} value(s) that are neither tensors nor JSON: {', '.join(left_out[:5])}"]
-
-
-def _unique(name: str, names: set[str]) -> str:
-    base, n = name, 1
-    while name in names or name == "__metadata__":
-        n += 1
-        name = f"{base}#{n}"
-    names.add(name)
-    return name
-
-
-def _st_entry(name: str, value: Any) -> StEntry:
-    """(name, safetensors dtype code, shape, the bytes as a flat uint8 array)."""
-    if isinstance(value, torch.Tensor):
-        t = value.detach().cpu().contiguous()
-        code = _ST_CODES.get(t.dtype)
-        if code is None:
-            raise CheckpointError(f"{name}: safetensors has no dtype for {t.dtype}")
-        flat = t.reshape(-1)
-        raw = flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, np.uint8)
-        return name, code, list(t.shape), raw
-    a = np.ascontiguousarray(value)
-    code = numpy_st_code(a.dtype)
-    if code == "U8" and a.dtype.str != "|u1":
-        raise CheckpointError(f"{name}: safetensors has no dtype for NumPy {a.dtype.str}")
-    return name, code, list(a.shape), a.reshape(-1).view(np.uint8)
-
-
-def _write_st(storage: Storage, path: str, entries: list[StEntry], meta: dict[str, str]) -> None:
-    header: dict[str, Any] = {"__metadata__": meta}
-    offset = 0
-    for name, code, shape, raw in entries:
-        header[name] = {"dtype": code, "shape": shape, "data_offsets": [offset, offset + raw.nbytes]}
-        offset += raw.nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-(8 + len(text)) % 8)  # the data section starts 8-aligned, as safetensors does
-    prefix = len(text).to_bytes(8, "little") + text
-    upload = storage.create(path, len(prefix) + offset)
-    try:
-        upload.write_at(0, memoryview(prefix))
-        pos = len(prefix)
-        for _, _, _, raw in entries:
-            if raw.nbytes:
-                upload.write_at(pos, memoryview(raw))  # type: ignore[arg-type]
-            pos += raw.nbytes
-        upload.commit()
-    except BaseException:
-        upload.abort()
-        raise
-
-
 # -- torch.distributed.checkpoint ------------------------------------------------------------------
 
 
 def _local_dcp(place_or_path: Located | str) -> str:
     if isinstance(place_or_path, str):
-        from ._backends import resolve
-
         storage, path = resolve(place_or_path)
     else:
         storage, path = place_or_path.storage, place_or_path.path

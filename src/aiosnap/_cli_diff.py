@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ._cli_entries import Path, jsonable, walk_object
+from ._cli_select import plain_value
 from ._tree import format_path
 
 Status = Literal["added", "removed", "changed", "close", "equal"]
@@ -33,6 +34,9 @@ class Change:
     max_abs: float | None = None
     max_rel: float | None = None
     differing: int | None = None
+    #: Both sides (the one side, if added or removed) are plain values: inspect's and
+    #: diff's tables show many of those in one container as one row.
+    plain: bool = False
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"path": format_path(self.path), "status": self.status, "detail": self.detail}
@@ -49,10 +53,14 @@ def diff(a: Any, b: Any, *, atol: float = 0.0) -> list[Change]:
     out = []
     for path, x in left.items():
         if path not in right:
-            out.append(Change(path, "removed", describe(x)))
+            out.append(Change(path, "removed", describe(x), plain=plain_value(x)))
         else:
             out.append(_compare(path, x, right[path], atol))
-    out += [Change(path, "added", describe(y)) for path, y in right.items() if path not in left]
+    out += [
+        Change(path, "added", describe(y), plain=plain_value(y))
+        for path, y in right.items()
+        if path not in left
+    ]
     return out
 
 
@@ -77,9 +85,10 @@ def _is_array(value: Any) -> bool:
 def _compare(path: Path, x: Any, y: Any, atol: float) -> Change:
     if _is_array(x) and _is_array(y):
         return _compare_arrays(path, x, y, atol)
+    plain = plain_value(x) and plain_value(y)
     if not _is_array(x) and not _is_array(y) and _same(x, y):
-        return Change(path, "equal")
-    return Change(path, "changed", f"{describe(x)} -> {describe(y)}")
+        return Change(path, "equal", plain=plain)
+    return Change(path, "changed", f"{describe(x)} -> {describe(y)}", plain=plain)
 
 
 def _same(x: Any, y: Any) -> bool:

@@ -13,11 +13,13 @@ import numpy as np
 import torch
 
 from ._cli_dirs import Located
-from ._errors import CheckpointError, NotACheckpointError, PickleNotAllowedError
+from ._cli_safetensors import TREE_KEY, saved_tree
+from ._errors import CheckpointError, CorruptCheckpointError, NotACheckpointError, PickleNotAllowedError
 from ._format import Header, how_to_read, itemsize, read_header, sniff
 from ._group import Manifest, read_manifest
 from ._load import load_blocking
-from ._tree import LEAF_TAGS, decode_key, dict_items, format_path, rebuild, sequence_values
+from ._storage import Storage
+from ._tree import LEAF_TAGS, decode_key, dict_items, format_path, rebuild, sequence_values, walk_leaves
 
 Path = tuple[object, ...]
 
@@ -61,6 +63,16 @@ class Described:
     #: A step directory's files: (name, bytes, header crc32c).
     files: list[tuple[str, int, str]] = field(default_factory=list)
     step: int | None = None
+    #: The entries of the data section(s) and their bytes: what ``verify`` checks and
+    #: counts (a tensor reached twice is stored once; a DTensor once per box). None for
+    #: a torch.save file.
+    stored: int | None = None
+    data: int | None = None
+
+    @property
+    def tensors(self) -> int:
+        """The leaves that are tensors, arrays (or pickles): stored, not plain values."""
+        return sum(e.stored for e in self.entries)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"path": self.path, "format": self.format, "bytes": self.size}
@@ -68,7 +80,8 @@ class Described:
         if self.files:
             out["step"] = self.step
             out["files"] = [{"name": n, "bytes": b, "crc32c": c} for n, b, c in self.files]
-        out["tensors"] = sum(e.stored for e in self.entries)
+        out["tensors"] = self.tensors
+        out["stored"] = {"tensors": self.stored, "bytes": self.data} if self.stored is not None else None
         out["entries"] = [e.to_json() for e in self.entries]
         return out
 
@@ -91,22 +104,39 @@ def describe(place: Located, allow_pickle: bool) -> Described:
         f.close()
     if header is None:
         return _describe_foreign(place, str(foreign), allow_pickle)
-    fmt = "aiosnap" if header.tree is not None else "safetensors"
-    return Described(place.path, fmt, place.size, header.checksum, header_entries(header))
+    fmt, tree = "aiosnap", header.tree
+    if tree is None:
+        fmt, tree = "safetensors", saved_tree(place.storage, place.path)
+        fmt += "" if tree is None else " with its tree (kept by aiosnap convert)"
+        missing = [n for _, _, n in walk_leaves(tree) if n not in header.tensors] if tree is not None else []
+        if missing:
+            raise CorruptCheckpointError(place.path, f"bad {TREE_KEY}: no tensor {missing[0]!r} in the file")
+    described = Described(place.path, fmt, place.size, header.checksum, header_entries(header, tree=tree))
+    described.stored, described.data = _data_section([header])
+    return described
 
 
 def _describe_step(place: Located) -> Described:
     manifest = read_manifest(place.storage, place.path)
-    join = place.storage.join
-    f = place.storage.open_read(join(place.path, manifest.files[0]))
-    try:
-        header = read_header(f)
-    finally:
-        f.close()
+    headers = [_header(place.storage, place.storage.join(place.path, name)) for name in manifest.files]
     files = list(zip(manifest.files, manifest.sizes, manifest.checksums, strict=True))
     fmt = f"aiosnap step ({manifest.world_size} rank{'s' * (manifest.world_size > 1)})"
-    entries = header_entries(header, manifest)
-    return Described(place.path, fmt, sum(manifest.sizes), None, entries, files, manifest.step)
+    entries = header_entries(headers[0], manifest)
+    stored, data = _data_section(headers)
+    return Described(place.path, fmt, sum(manifest.sizes), None, entries, files, manifest.step, stored, data)
+
+
+def _header(storage: Storage, path: str) -> Header:
+    f = storage.open_read(path)
+    try:
+        return read_header(f)
+    finally:
+        f.close()
+
+
+def _data_section(headers: list[Header]) -> tuple[int, int]:
+    """(entries, bytes) of the files' data sections, as verify counts them."""
+    return sum(len(h.tensors) for h in headers), sum(t.nbytes for h in headers for t in h.tensors.values())
 
 
 def _describe_foreign(place: Located, kind: str, allow_pickle: bool) -> Described:
@@ -125,9 +155,10 @@ def pickle_hint(path: str) -> str:
     )
 
 
-def header_entries(header: Header, manifest: Manifest | None = None) -> list[Entry]:
-    """The leaves of a file's tree (a plain safetensors file: its tensors, in file order)."""
-    tree = header.tree
+def header_entries(header: Header, manifest: Manifest | None = None, *, tree: Any = None) -> list[Entry]:
+    """The leaves of a file's tree, or of ``tree`` (a plain safetensors file without one:
+    its tensors, in file order)."""
+    tree = tree if tree is not None else header.tree
     if tree is None:
         items = sorted(header.tensors.values(), key=lambda t: t.start)
         tree = {"$": "dict", "items": [[t.name, {"$": "tensor", "n": t.name}] for t in items]}

@@ -7,7 +7,6 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator
 from typing import Any
 
 from rich.console import Console
@@ -15,11 +14,9 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from rich.table import Table
 
 from ._cli_bench import Measurement
-from ._cli_diff import Change
 from ._cli_dirs import Listing, Row
-from ._cli_entries import Described, Entry, jsonable
+from ._cli_entries import jsonable
 from ._records import CheckpointRecord
-from ._tree import format_path
 from ._verify import VerifyReport
 
 
@@ -111,68 +108,21 @@ def listing_json(found: Listing) -> dict[str, Any]:
     return {"directory": found.directory, "name": found.name, "latest": latest, "checkpoints": rows}
 
 
-def print_described(described: Described) -> None:
-    console = out()
-    console.print(summary(described))
-    if described.files:
-        files = Table("file", "size", "header crc32c")
-        for file, size, crc in described.files:
-            files.add_row(file, human(size), crc)
-        console.print(files)
-    table = Table("entry", "type", "shape / value", "size", "crc32c")
-    for cells in tree_rows(described.entries):
-        table.add_row(*cells)
-    console.print(table)
-
-
-def summary(d: Described) -> str:
-    tensors = sum(e.stored for e in d.entries)
-    text = f"{d.path}: {d.format}, {tensors} tensor(s), {human(d.size)}"
-    if d.step is not None:
-        text += f", step {d.step}"
-    return text + (f", header crc32c {d.checksum}" if d.checksum else "")
-
-
-def tree_rows(entries: list[Entry]) -> Iterator[list[str]]:
-    """The entries as table rows, indented as the tree nests; a row per container."""
-    shown: tuple[object, ...] = ()
-    for e in entries:
-        parent = e.path[:-1]
-        same = 0
-        while same < min(len(shown), len(parent)) and shown[same] == parent[same]:
-            same += 1
-        for depth in range(same, len(parent)):
-            yield ["  " * depth + str(parent[depth]), "", "", "", ""]
-        shown = parent
-        label = "  " * len(parent) + (str(e.path[-1]) if e.path else "<root>")
-        if e.stored:
-            shape = str(list(e.shape or ())) + (f" ({e.note})" if e.note else "")
-            yield [label, f"{e.kind} {e.dtype}", shape, human(e.nbytes), e.crc32c or ""]
-        else:
-            value = repr(e.value)
-            yield [label, e.kind, value if len(value) <= 60 else value[:57] + "...", "", ""]
+def stored(tensors: int, nbytes: int) -> str:
+    """What a checkpoint's data section holds, in the words inspect and verify share."""
+    return f"stored: {tensors} tensor(s), {human(nbytes)} of data"
 
 
 def verified(report: VerifyReport) -> str:
-    what = f"{report.tensors} tensor(s), {human(report.bytes)}"
+    what = stored(report.tensors, report.bytes)
     if report.format == "torch.save":
         return (
-            f"a torch.save file, not an aiosnap checkpoint: {what}, its zip CRC-32s match; "
+            f"a torch.save file, not an aiosnap checkpoint: {what}; its zip CRC-32s match; "
             "loading it unpickles (runs code from the file): only with --allow-pickle"
         )
     return what + (
-        ", checksums match" if report.checksummed else ": plain safetensors, no checksums to match"
+        "; checksums match" if report.checksummed else "; plain safetensors, no checksums to match"
     )
-
-
-def print_diff(changes: list[Change], show_all: bool) -> None:
-    shown = [c for c in changes if show_all or c.status != "equal"]
-    if not shown:
-        return
-    table = Table("", "entry", "detail")
-    for c in shown:
-        table.add_row(c.status, format_path(c.path), c.detail)
-    out().print(table)
 
 
 def print_pruned(gone: list[CheckpointRecord], kept: list[CheckpointRecord], dry_run: bool) -> None:

@@ -69,7 +69,9 @@ class FsspecStorage(UrlPaths):
             try:
                 import fsspec
             except ImportError:
-                raise ImportError("fsspec filesystems need fsspec: pip install 'aiosnap[fsspec]'") from None
+                raise ImportError(
+                    "fsspec filesystems need fsspec: pip install fsspec (aiosnap's fsspec extra)"
+                ) from None
             self._fs = fsspec.filesystem(self.protocol, **self.options)
         return self._fs
 

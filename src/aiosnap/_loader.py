@@ -18,6 +18,11 @@ the next batch:
   shuffles the following epochs differently from a run that never stopped;
 - any other source with ``state_dict``/``load_state_dict`` is snapshotted after each
   batch in the producer thread, and that snapshot is restored.
+
+``epoch`` and ``batches`` say where the loader is. Restore it (``load_state_dict``, or a
+manager's ``restore`` with the loader in its target) before the ``async for`` that is to
+continue; whether the loader is open yet does not matter, since nothing is loaded until
+iteration begins.
 """
 
 from __future__ import annotations
@@ -60,8 +65,8 @@ class AsyncLoader(anyio.abc.AsyncResource):
             raise ValueError("prefetch must be at least 1")
         self.source = source
         self.prefetch = prefetch
-        self.epoch = 0
-        self.batches = 0  # consumed in the current epoch
+        self._epoch = 0
+        self._batches = 0
         self._source_state: Any = None
         self._epoch_generator: torch.Tensor | None = None
         self._seek = False
@@ -79,6 +84,18 @@ class AsyncLoader(anyio.abc.AsyncResource):
         return callable(getattr(self.source, "state_dict", None)) and callable(
             getattr(self.source, "load_state_dict", None)
         )
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next ``async for`` runs: 0 at first, one more after each loop
+        that ran to the end of its source, and what a restored state says."""
+        return self._epoch
+
+    @property
+    def batches(self) -> int:
+        """The batches of the current epoch the training loop has taken (not those
+        prefetched): the next ``async for`` starts after them. 0 when an epoch ends."""
+        return self._batches
 
     # -- lifecycle ---------------------------------------------------------------------
     async def __aenter__(self) -> Self:
@@ -104,19 +121,21 @@ class AsyncLoader(anyio.abc.AsyncResource):
 
     # -- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"epoch": self.epoch, "batches": self.batches}
+        """The position: epoch, batches taken, and what replays the epoch's order."""
+        state: dict[str, Any] = {"epoch": self._epoch, "batches": self._batches}
         if self._stateful:
             known = self._source_state
             state["source"] = known if known is not None else self.source.state_dict()
         else:
             generator = self._generator()
-            at_start = self._epoch_generator if self.batches else None
+            at_start = self._epoch_generator if self._batches else None
             if generator is not None:
                 state["generator"] = at_start if at_start is not None else generator.get_state()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.epoch, self.batches = int(state["epoch"]), int(state["batches"])
+        """Go back to a position ``state_dict`` gave; the next ``async for`` starts there."""
+        self._epoch, self._batches = int(state["epoch"]), int(state["batches"])
         self._source_state = state.get("source")
         self._epoch_generator = state.get("generator")
         self._seek = True
@@ -139,7 +158,7 @@ class AsyncLoader(anyio.abc.AsyncResource):
     def _position_source(self) -> int:
         """Put the source where this epoch's iteration starts; return batches to skip."""
         generator = self._generator()
-        seek = self._seek or self.batches > 0  # restored, or an earlier loop broke off
+        seek = self._seek or self._batches > 0  # restored, or an earlier loop broke off
         self._seek = False
         if self._stateful:
             if seek and self._source_state is not None:
@@ -149,7 +168,7 @@ class AsyncLoader(anyio.abc.AsyncResource):
             if seek and self._epoch_generator is not None:
                 generator.set_state(self._epoch_generator)
             self._epoch_generator = generator.get_state()
-        return self.batches if seek else 0
+        return self._batches if seek else 0
 
     async def _produce(
         self, send: MemoryObjectSendStream[tuple[Any, Any]], skip: int, scope: anyio.CancelScope
@@ -199,9 +218,9 @@ class AsyncLoader(anyio.abc.AsyncResource):
         if self._stateful:
             self._source_state = state
         if batch is _END:
-            self.epoch, self.batches = self.epoch + 1, 0
+            self._epoch, self._batches = self._epoch + 1, 0
             self._epoch_generator = None
             self._stop_producer()
             raise StopAsyncIteration
-        self.batches += 1
+        self._batches += 1
         return batch

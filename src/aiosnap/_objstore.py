@@ -57,7 +57,8 @@ def _obstore() -> Any:
         import obstore
     except ImportError:
         raise ImportError(
-            "object stores need obstore: pip install 'aiosnap[s3]' (or [gcs], [azure], [remote])"
+            "object stores need obstore: pip install obstore (aiosnap's extras s3, gcs, azure and remote "
+            "bring it, with the provider's client)"
         ) from None
     return obstore
 

@@ -16,6 +16,8 @@ import argparse
 import asyncio
 import json
 import os
+import random
+import shlex
 import shutil
 import signal
 import sys
@@ -26,6 +28,7 @@ from typing import Any
 
 import aiofiles.os
 import anyio
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -42,6 +45,10 @@ def make_data() -> TensorDataset:
 
 
 def make_state() -> dict[str, Any]:
+    # Every generator starts from a seed, so the reference run's last checkpoint and the
+    # resumed run's are equal entry for entry, RNG states included (`aiosnap diff` says so).
+    random.seed(0)
+    np.random.seed(0)
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(FEATURES, 128),
@@ -175,7 +182,28 @@ async def main_async(args: argparse.Namespace) -> int:
         "IDENTICAL: the resumed run is the run that never stopped" if same else "DIFFERENT: resume is broken"
     )
     print(f"  {verdict}  ({time.perf_counter() - t0:.0f} s)")
+    source, cwd = await anyio.Path(__file__).resolve(), await anyio.Path.cwd()
+    next_steps(out, await aiofiles.os.listdir(out / "run"), Path(source), Path(cwd))
     return 0 if same else 1
+
+
+def next_steps(out: Path, names: list[str], code: Path, cwd: Path) -> None:
+    """Where the demo's code is, and three commands to run on what it wrote (``names``:
+    the files of the resumed run's directory)."""
+    steps = sorted(int(n.rpartition("_")[2]) for n in names if n.startswith("snapshot_iter_"))
+    last = f"snapshot_iter_{steps[-1]}"
+    cli = "aiosnap" if shutil.which("aiosnap") else f"{shlex.quote(sys.executable)} -m aiosnap"
+    print(f"\nThe code of this demo: {code.relative_to(cwd) if code.is_relative_to(cwd) else code}")
+    print("Look at what it wrote:")
+    for command, why in (
+        (f"ls {out / 'run'}", "the checkpoints left, their epochs, sizes and the latest"),
+        (f"inspect {out / 'run' / last} --depth 2", "what one holds: model, optimizer, loader, RNG"),
+        (
+            f"diff {out / 'reference' / last} {out / 'run' / last}",
+            "the resumed run's last one against the reference's",
+        ),
+    ):
+        print(f"  {cli} {command}\n      {why}")
 
 
 def main() -> None:
