@@ -10,8 +10,10 @@ What must follow a commit -- renaming a checkpoint directory into place, deletin
 older checkpoint -- is a *step*: a blocking function run in a worker thread of the
 portal's loop once the saves it names are durable and every earlier step has run.
 Steps run one at a time, in the order they were asked for, so a deletion asked for
-after a save never runs before that save is durable. A step whose saves failed or were
-skipped runs its ``on_failure`` instead (removing a half-filled temp directory).
+after a save never runs before that save is durable; and it does not run at all if one
+of the saves since the last deletion failed or was skipped (the old checkpoint is then
+the newest good one). A save's own step runs its ``on_failure`` instead (removing a
+half-filled temp directory).
 
 Errors surface as aiosnap's writers surface them: a failed save or step is raised, with
 its original type, at the next ``save``, at ``flush()`` and at ``close()``, once.
@@ -88,6 +90,11 @@ class _Core:
         self._receive: MemoryObjectReceiveStream[_Step]
         self._send, self._receive = anyio.create_memory_object_stream[_Step](math.inf)
         self._last: _Step | None = None
+        #: The saves accepted since the last ``after`` step, which it waits on; the saves
+        #: before the next save, so consecutive ``after`` steps wait on the same ones.
+        self._window: list[aiosnap.SaveHandle] = []
+        self._window_closed = False
+        self._window_failed = False  # a save call of the window raised
         self._errors: list[BaseException] = []
         #: Errors already raised to the caller (by the writer's own call): never twice.
         self._raised: list[BaseException] = []
@@ -133,11 +140,23 @@ class _Core:
             # The writer reports an earlier save's failure after accepting this one, whose
             # handle is then lost: the step waits for every accepted save instead.
             self._raised.append(exc)
+            self._open_window()
+            self._window_failed = True
             self.add_step([], None, on_failure, incomplete=True)
             raise
+        self._open_window()
+        self._window.append(handle)
         self.add_step([handle], then, on_failure)
         self.report()
         return handle
+
+    def _open_window(self) -> None:
+        if self._window_closed:
+            self._window, self._window_closed, self._window_failed = [], False, False
+
+    def after(self, then: Blocking) -> None:
+        self._window_closed = True
+        self.add_step(list(self._window), then, _skipped(then), incomplete=self._window_failed)
 
     def add_step(
         self,
@@ -219,6 +238,13 @@ class _Core:
             return
         if not any(exc is known for known in self._errors):
             self._errors.append(exc)
+
+
+def _skipped(then: Blocking) -> Blocking:
+    def log() -> None:
+        logger.warning("skipped %s: a save before it failed or was skipped", getattr(then, "__name__", then))
+
+    return log
 
 
 class _Running:
@@ -325,9 +351,10 @@ class SyncWriter:
 
     def after(self, then: Blocking) -> None:
         """Run ``then`` once every save accepted so far is durable and every earlier step
-        ran (it runs even where one of those failed: their failures are reported apart)."""
+        ran; not at all if a save accepted since the last ``after`` failed or was skipped
+        (a deletion must not take the newest good checkpoint)."""
         running = self._open()
-        running.portal.call(running.core.add_step, [], then)
+        running.portal.call(running.core.after, then)
 
     def wait(self, handle: aiosnap.SaveHandle) -> aiosnap.SaveStats:
         """Block until the save of ``handle`` is durable; raise its failure."""

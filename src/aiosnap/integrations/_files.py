@@ -145,7 +145,12 @@ def publish_dir(tmp: str, final: str, marker: str) -> None:
             parent, f"{TEMP_PREFIX}replaced-{os.path.basename(final)}.{secrets.token_hex(6)}"
         )
         _posix.rename(final, aside)
-    _posix.rename(tmp, final)
+    try:
+        _posix.rename(tmp, final)
+    except BaseException:
+        if aside is not None:
+            _posix.rename(aside, final)  # the previous checkpoint stays where it was
+        raise
     _posix.fsync_dir(parent or ".")
     if aside is not None:
         _local.delete_tree(aside)

@@ -258,7 +258,11 @@ def _folders(parent: str, *, ours: bool) -> list[tuple[int, str]]:
 def _publish(tmp: str, final: str, limit: int | None) -> None:
     """In the background, once the state file is durable: the rename into place, then
     ``total_limit`` over the folders aiosnap wrote, the new one included."""
-    publish_dir(tmp, final, STATE_NAME)
+    try:
+        publish_dir(tmp, final, STATE_NAME)
+    except BaseException:
+        discard(tmp)
+        raise
     if limit is None or limit <= 0:
         return
     found = _folders(os.path.dirname(final), ours=True)

@@ -14,6 +14,7 @@ falling back to an older file if the newest is damaged.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from typing import Any, Literal
@@ -32,6 +33,8 @@ from ._bridge import SyncWriter, run_sync
 from ._files import remove_file, sweep_temps
 
 __all__ = ["Writer", "snapshot", "snapshot_object"]
+
+logger = logging.getLogger(__name__)
 
 
 class _OwnFiles:
@@ -179,7 +182,7 @@ class _AiosnapSnapshot(_snapshot._Snapshot):
             try:
                 state = run_sync(aiosnap.load, path, map_location="cpu", allow_pickle=allow_pickle)
             except aiosnap.CheckpointError as exc:
-                _snapshot.logger.warning(f"autoload skips {path}: {exc}")
+                logger.warning("autoload skips %s: %s", path, exc)
                 continue
             target: Any = manager if self._target is None else self._target
             if type(target) is dict:

@@ -157,8 +157,12 @@ class AiosnapTrainerMixin(_Base):
     ) -> None:
         """In the background, once ``state.aiosnap`` is durable: the Trainer's state file,
         the rename into place, then rotation."""
-        write_durably(os.path.join(tmp, TRAINER_STATE_NAME), trainer_state.encode())
-        publish_dir(tmp, final, STATE_NAME)
+        try:
+            write_durably(os.path.join(tmp, TRAINER_STATE_NAME), trainer_state.encode())
+            publish_dir(tmp, final, STATE_NAME)
+        except BaseException:
+            discard(tmp)
+            raise
         _rotate(run_dir, self.args.save_total_limit, best)
 
     def flush(self) -> None:
