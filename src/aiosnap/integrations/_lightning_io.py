@@ -29,6 +29,16 @@ def map_location_of(map_location: Any) -> str | torch.device | None:
     return map_location if isinstance(map_location, str | torch.device) else None
 
 
+def _local(path: str | os.PathLike[str]) -> str:
+    path = os.fspath(path)
+    if "://" in path:
+        raise NotImplementedError(
+            f"{path}: AiosnapCheckpointIO saves to local paths (removing a remote checkpoint is not "
+            "implemented); save locally, or use aiosnap.CheckpointManager(..., remote=URL) to upload"
+        )
+    return path
+
+
 class CheckpointIOBehaviour:
     """``save_checkpoint`` / ``load_checkpoint`` / ``remove_checkpoint`` / ``teardown``
     through aiosnap; see ``aiosnap.integrations.lightning.AiosnapCheckpointIO``."""
@@ -65,7 +75,7 @@ class CheckpointIOBehaviour:
                 "`Trainer.save_checkpoint(..., storage_options=...)` with `storage_options` arg"
                 f" is not supported for `{type(self).__name__}`."
             )
-        path = os.fspath(path)
+        path = _local(path)
         directory = os.path.dirname(os.path.abspath(path))
         if directory not in self._swept:
             self._swept.add(directory)
@@ -92,7 +102,7 @@ class CheckpointIOBehaviour:
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Remove ``path`` once every save accepted so far is durable, if it is an aiosnap
         checkpoint (other files are left, with a warning) and was not saved again since."""
-        path = os.fspath(path)
+        path = _local(path)
         self._bridge.after(functools.partial(self._remove, path, self._saves.get(path, 0)))
 
     def _remove(self, path: str, saves: int) -> None:
