@@ -13,7 +13,8 @@ disk when the call returns costs. Each figure is the median of ``--reps`` repeti
 whose order rotates; before each, every earlier save is durable and ``os.sync()`` ran,
 so no method inherits another's dirty pages. For aiosnap the time until the checkpoint
 is durable is given too. Results: ``benchmarks/results/integrations.{md,json}``;
-``--publish`` puts the table in docs/benchmarks.md.
+``--publish`` puts the table in docs/benchmarks.md, and each framework's rows in its page
+(docs/integration-*.md).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from _harness import fsync_path, publish
 from bench import machine, parse_size
 
 ROOT = Path(__file__).resolve().parent
+DOCS = ROOT.parent / "docs"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 #: A method: set up once; returns ``(save, durable)``, both blocking: ``save(rep)`` is the
 #: timed call, ``durable()`` waits until what it saved is on disk (untimed).
@@ -243,11 +245,27 @@ def accelerate_methods(size: int, scratch: Path) -> tuple[dict[str, Method], int
     }, state_bytes(model, optimizer)
 
 
-FRAMEWORKS: dict[str, tuple[str, Callable[[int, Path], tuple[dict[str, Method], int]], str]] = {
-    "ppe": ("pytorch-pfn-extras", ppe_methods, "snapshot extension, SimpleWriter (torch.save)"),
-    "lightning": ("Lightning", lightning_methods, "Trainer.save_checkpoint, TorchCheckpointIO"),
-    "hf": ("HF Trainer", transformers_methods, "Trainer._save_checkpoint (save_steps)"),
-    "accelerate": ("Accelerate", accelerate_methods, "Accelerator.save_state"),
+#: Per framework: its title, its methods, what its default is, its docs page.
+FRAMEWORKS: dict[str, tuple[str, Callable[[int, Path], tuple[dict[str, Method], int]], str, str]] = {
+    "ppe": (
+        "pytorch-pfn-extras",
+        ppe_methods,
+        "snapshot extension, SimpleWriter (torch.save)",
+        "integration-ppe.md",
+    ),
+    "lightning": (
+        "Lightning",
+        lightning_methods,
+        "Trainer.save_checkpoint, TorchCheckpointIO",
+        "integration-lightning.md",
+    ),
+    "hf": (
+        "HF Trainer",
+        transformers_methods,
+        "Trainer._save_checkpoint (save_steps)",
+        "integration-transformers.md",
+    ),
+    "accelerate": ("Accelerate", accelerate_methods, "Accelerator.save_state", "integration-accelerate.md"),
 }
 
 
@@ -275,7 +293,25 @@ def measure(methods: dict[str, Method], reps: int) -> dict[str, dict[str, list[f
     return times
 
 
+def rows(key: str, data: dict[str, Any]) -> list[str]:
+    """The table rows of one framework: aiosnap, its default, the durable torch.save."""
+    title, _, default, _page = FRAMEWORKS[key]
+    base = statistics.median(data[DURABLE]["call"])
+    lines = []
+    for name, label in ((AIOSNAP, "aiosnap"), (DEFAULT, f"default: {default}"), (DURABLE, DURABLE)):
+        call = data[name]["call"]
+        durable = f"{statistics.median(data[name]['durable']):.3f}" if name != DEFAULT else "not fsynced"
+        median = statistics.median(call)
+        spread = f"{min(call):.3f}-{max(call):.3f}"
+        lines.append(
+            f"| {title} ({data['bytes'] >> 20}) | {label} | {median:.3f} ({spread}) "
+            f"| {durable} | {median / base:.2f} |"
+        )
+    return lines
+
+
 def render(results: dict[str, Any], info: dict[str, str], size: int, reps: int) -> str:
+    """The table of ``results`` (every framework of the run, or one)."""
     lines = [
         f"### Save call in each framework's own save path, ~{size >> 20} MiB of model + AdamW state",
         "",
@@ -286,17 +322,7 @@ def render(results: dict[str, Any], info: dict[str, str], size: int, reps: int) 
         "|---|---|---|---|---|",
     ]
     for key, data in results.items():
-        title, _, default = FRAMEWORKS[key]
-        base = statistics.median(data[DURABLE]["call"])
-        for name, label in ((AIOSNAP, "aiosnap"), (DEFAULT, f"default: {default}"), (DURABLE, DURABLE)):
-            call = data[name]["call"]
-            durable = f"{statistics.median(data[name]['durable']):.3f}" if name != DEFAULT else "not fsynced"
-            median = statistics.median(call)
-            spread = f"{min(call):.3f}-{max(call):.3f}"
-            lines.append(
-                f"| {title} ({data['bytes'] >> 20}) | {label} | {median:.3f} ({spread}) "
-                f"| {durable} | {median / base:.2f} |"
-            )
+        lines += rows(key, data)
     return "\n".join(lines) + "\n"
 
 
@@ -338,6 +364,8 @@ def main() -> None:
     print(table)
     if args.publish:
         publish("integrations", table)
+        for key, data in results.items():  # each framework's page shows its own rows
+            publish(key, render({key: data}, info, size, args.reps), docs=DOCS / FRAMEWORKS[key][3])
 
 
 if __name__ == "__main__":
