@@ -297,10 +297,6 @@ class SyncWriter:
     def allow_pickle(self) -> bool:
         return bool(self._options.get("allow_pickle", False))
 
-    @property
-    def is_open(self) -> bool:
-        return self._running is not None
-
     def open(self) -> Self:
         self._open()
         return self

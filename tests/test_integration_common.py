@@ -1,4 +1,5 @@
-"""The integrations benchmark runs end to end at a small size (its numbers are not checked)."""
+"""What the integrations share: ``import aiosnap`` imports no framework, and their benchmark
+runs end to end at a small size (its numbers are not checked)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_importing_aiosnap_imports_no_framework() -> None:
+    frameworks = ("pytorch_pfn_extras", "lightning", "pytorch_lightning", "transformers", "accelerate")
+    code = f"import sys, aiosnap, aiosnap.integrations; print([m for m in {frameworks} if m in sys.modules])"
+    done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    assert done.stdout.strip() == "[]"
 
 
 def test_integrations_benchmark_runs_small(tmp_path: Path) -> None:
