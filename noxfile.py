@@ -62,13 +62,14 @@ def demo(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """The benchmark suite (pass e.g. `-- --size 64MiB` for a quick run)."""
-    _install(session, "[bench]")
+    _install(session, "[bench,integrations]")
     session.run("python", "benchmarks/bench.py", *session.posargs)
     if "--help" not in session.posargs:
         quick = ["--size", "64MiB", "--reps", "1"] if "--quick" in session.posargs else []
         publish = ["--publish"] if "--publish" in session.posargs else []
         session.run("python", "benchmarks/bench_ranks.py", *quick, *publish)
         session.run("python", "benchmarks/bench_sharded.py", *quick, *publish)
+        session.run("python", "benchmarks/bench_integrations.py", *quick, *publish)
 
 
 @nox.session

@@ -1,0 +1,243 @@
+"""pytorch-pfn-extras: an aiosnap ``Writer``, and snapshot extensions whose autoload reads it.
+
+``Writer`` is a ``ppe.writing.Writer``: ``extensions.snapshot(writer=Writer(...))`` saves
+through aiosnap. The call returns once the manager's state is captured; the file is
+committed (durable, atomic) in the background, and ppe's cleanup hooks (``n_retains``)
+run only after it is durable. ``finalize()`` and ``flush()`` wait for the saves and raise
+a failed one's error.
+
+ppe's own autoload takes the newest file by modification time and ``torch.load``\\ s it,
+which cannot read aiosnap files: ``snapshot`` and ``snapshot_object`` here have ppe's
+signatures and an autoload that reads them, newest first, verifying checksums and
+falling back to an older file if the newest is damaged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import torch
+from pytorch_pfn_extras.training import extension
+from pytorch_pfn_extras.training._manager_protocol import ExtensionsManagerProtocol
+from pytorch_pfn_extras.training.extensions import _snapshot
+from pytorch_pfn_extras.writing._writer_base import Writer as _PpeWriter
+from pytorch_pfn_extras.writing._writer_base import _PosixFileSystem
+
+import aiosnap
+from aiosnap.storage import TEMP_PREFIX
+
+from ._bridge import SyncWriter, run_sync
+from ._files import remove_file, sweep_temps
+
+__all__ = ["Writer", "snapshot", "snapshot_object"]
+
+logger = logging.getLogger(__name__)
+
+
+class _OwnFiles:
+    """ppe's POSIX filesystem, except that ``remove`` deletes only aiosnap checkpoints
+    (ppe's ``n_retains`` cleanup removes every file matching the snapshot name) and that
+    listings hide the temp files of commits in flight."""
+
+    def __init__(self, fs: Any) -> None:
+        self._fs = fs
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fs, name)
+
+    def list(self, path_or_prefix: str | None = None, recursive: bool = False) -> Iterator[str]:
+        for name in self._fs.list(path_or_prefix, recursive=recursive):
+            if not os.path.basename(name).startswith(TEMP_PREFIX):
+                yield name
+
+    def remove(self, file_path: str, recursive: bool = False) -> None:
+        if recursive:
+            raise NotImplementedError("aiosnap's ppe Writer does not remove directories")
+        remove_file(self._fs.get_actual_path(file_path))
+
+
+class _FileSaveFun:
+    """A ppe ``savefun(target, file)`` as aiosnap's ``savefun(target, path)``."""
+
+    def __init__(self, savefun: Any) -> None:
+        self.savefun = savefun
+
+    def __call__(self, target: Any, path: str) -> None:
+        with open(path, "wb") as f:
+            self.savefun(target, f)
+
+
+class Writer(_PpeWriter):
+    """A ppe snapshot writer that saves through aiosnap.
+
+    ``out_dir`` and ``fs`` as ppe's writers (only POSIX filesystems: ppe's default);
+    the rest are ``aiosnap.QueueWriter``'s options. ``allow_pickle=True`` stores values
+    that are not tensors, arrays or plain containers pickled (and autoload then unpickles
+    them): leave it off unless the state holds such values.
+
+    A call with ``savefun`` (ppe's ``savefun(target, file)``, e.g. ``torch.save``) writes
+    that function's file, still committed durably in the background; ``append=True`` (log
+    files) writes synchronously through ``fs``, as ppe's ``SimpleWriter`` does.
+    """
+
+    def __init__(
+        self,
+        out_dir: str = "",
+        *,
+        fs: Any = None,
+        max_pending: int = 2,
+        when_full: Literal["block", "skip", "replace"] = "block",
+        offload: Literal["thread", "process"] = "thread",
+        max_host_bytes: int | None = None,
+        allow_pickle: bool = False,
+    ) -> None:
+        fs = fs if fs is not None else _PosixFileSystem()
+        if not isinstance(fs, _PosixFileSystem):
+            raise TypeError(f"aiosnap's ppe Writer writes to POSIX filesystems only, not {type(fs).__name__}")
+        super().__init__(fs=_OwnFiles(fs), out_dir=out_dir)
+        self.allow_pickle = allow_pickle
+        self._bridge = SyncWriter(
+            max_pending=max_pending,
+            when_full=when_full,
+            offload=offload,
+            max_host_bytes=max_host_bytes,
+            allow_pickle=allow_pickle,
+        )
+        self._swept: set[str] = set()
+
+    def initialize(self, out_dir: str) -> None:
+        super().initialize(out_dir)
+        self._sweep(out_dir)
+
+    def _sweep(self, directory: str) -> None:
+        actual = self.fs.get_actual_path(directory)
+        if actual not in self._swept:
+            self._swept.add(actual)
+            sweep_temps(actual)
+
+    def __call__(
+        self,
+        filename: str,
+        out_dir: str,
+        target: Any,
+        *,
+        savefun: Any = None,
+        append: bool = False,
+    ) -> None:
+        """Capture ``target`` and return; ``out_dir/filename`` is committed in the
+        background (the writer's own ``out_dir`` takes precedence, as in ppe)."""
+        directory = self.out_dir or out_dir
+        if not self._initialized:
+            self.initialize(directory)
+        path = os.path.join(directory, filename)
+        if append:
+            with self.fs.open(path, "ab") as f:
+                (savefun or torch.save)(target, f)
+            return
+        self._sweep(os.path.dirname(path))
+        self._bridge.save(
+            self.fs.get_actual_path(path),
+            target,
+            savefun=_FileSaveFun(savefun) if savefun is not None else None,
+            then=self._post_save,
+        )
+
+    def flush(self) -> None:
+        """Wait until every save so far is durable (and its cleanup ran); raise the first
+        failure not reported yet."""
+        self._bridge.flush()
+
+    def finalize(self) -> None:
+        """Wait for every save, raise a failure not reported yet, stop the background
+        loop. The writer opens again at its next save."""
+        self._bridge.close()
+
+    def __del__(self) -> None:
+        # ppe's finalizes here; the bridge drains itself when collected or at exit.
+        pass
+
+
+class _AiosnapSnapshot(_snapshot._Snapshot):
+    """ppe's snapshot extension with an autoload that reads aiosnap files."""
+
+    def initialize(self, manager: ExtensionsManagerProtocol) -> str | None:  # type: ignore[override]
+        if self.writer is None:
+            self.writer = Writer(out_dir=manager.out)
+        loaded = self._load_latest(manager) if self.autoload else None
+        self._add_cleanup_hook(self.writer)
+        return loaded
+
+    def _load_latest(self, manager: ExtensionsManagerProtocol) -> str | None:
+        writer = self.writer
+        assert writer is not None
+        if not isinstance(self.filename, str):
+            return None
+        found = _snapshot._find_snapshot_files(self.filename, writer.out_dir, writer.fs)
+        allow_pickle = bool(getattr(writer, "allow_pickle", False))
+        for _mtime, name in reversed(found):
+            path = writer.fs.get_actual_path(os.path.join(writer.out_dir, name))
+            try:
+                state = run_sync(aiosnap.load, path, map_location="cpu", allow_pickle=allow_pickle)
+            except aiosnap.CheckpointError as exc:
+                logger.warning("autoload skips %s: %s", path, exc)
+                continue
+            target: Any = manager if self._target is None else self._target
+            if type(target) is dict:
+                for key in target:
+                    target[key].load_state_dict(state[key])
+            else:
+                target.load_state_dict(state)
+            return name
+        return None
+
+    def finalize(self, manager: ExtensionsManagerProtocol) -> None:
+        if self.writer is not None:
+            self.writer.finalize()
+
+
+def snapshot(
+    savefun: Any = None,
+    filename: str = "snapshot_iter_{.iteration}",
+    *,
+    target: Any = None,
+    condition: Any = None,
+    writer: _PpeWriter | None = None,
+    snapshot_on_error: bool = False,
+    n_retains: int = -1,
+    autoload: bool = False,
+    saver_rank: int | None = None,
+    snapshot_mode: _snapshot.SnapshotMode = _snapshot.SnapshotMode.DEFAULT,
+) -> extension.Extension:
+    """ppe's ``extensions.snapshot``, saving through aiosnap and autoloading aiosnap files.
+
+    Without ``writer``, it saves through an aiosnap ``Writer`` into the manager's output
+    directory (pass ``writer=Writer(...)`` for its options). ``autoload`` reads the newest
+    snapshot that loads, verifying checksums (a damaged one is skipped, with a warning).
+    ``n_retains`` deletes older snapshots only after a newer one is durable, and only
+    aiosnap files. Distributed snapshots (``saver_rank``, ``snapshot_mode``) are ppe's
+    only: they raise NotImplementedError here.
+    """
+    if savefun is not None and writer is not None:
+        raise TypeError("savefun and writer arguments cannot be specified together.")
+    if saver_rank is not None or snapshot_mode != _snapshot.SnapshotMode.DEFAULT:
+        raise NotImplementedError(
+            "aiosnap's ppe snapshot saves from one process: use ppe's own for saver_rank"
+        )
+    return _AiosnapSnapshot(
+        target=target,
+        condition=condition,
+        writer=writer,
+        filename=filename,
+        snapshot_on_error=snapshot_on_error,
+        n_retains=n_retains,
+        autoload=autoload,
+        savefun=savefun,
+    )
+
+
+def snapshot_object(target: Any, filename: str, savefun: Any = None, **kwargs: Any) -> extension.Extension:
+    """ppe's ``extensions.snapshot_object``, through aiosnap (see ``snapshot``)."""
+    return snapshot(target=target, filename=filename, savefun=savefun, **kwargs)

@@ -1,0 +1,290 @@
+"""The Hugging Face Trainer: ``AiosnapTrainer`` (or ``AiosnapTrainerMixin`` on a Trainer
+subclass of your own).
+
+A callback cannot take over the save (``on_save`` fires after the Trainer wrote
+everything synchronously), so the mixin overrides ``_save_checkpoint`` and the loaders.
+Each save captures the model, optimizer, scheduler, scaler and RNG states into one
+aiosnap file, ``checkpoint-N/state.aiosnap``, and returns; in the background the file is
+committed into a temp directory (``.aiosnap-tmp-checkpoint-N.*``), ``trainer_state.json``
+is written durably beside it, and the directory is renamed to ``checkpoint-N`` once every
+file in it is durable. So ``train(resume_from_checkpoint=True)``, which takes the
+highest-numbered ``checkpoint-N`` without checking it, only ever finds complete ones.
+``save_total_limit`` rotates after that rename, deleting only directories aiosnap wrote;
+``train()`` returns once every save is durable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import os
+import random
+import re
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from transformers import Trainer
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
+
+import aiosnap
+
+from ._bridge import SyncWriter, check_options, run_sync
+from ._files import discard, is_aiosnap_dir, publish_dir, remove_dir, sweep_temps, temp_dir, write_durably
+
+__all__ = ["STATE_NAME", "AiosnapTrainer", "AiosnapTrainerMixin"]
+
+logger = logging.getLogger(__name__)
+
+STATE_NAME = "state.aiosnap"
+"""The aiosnap file of a checkpoint directory."""
+TRAINER_STATE_NAME = "trainer_state.json"
+_CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+
+if TYPE_CHECKING:
+    _Base = Trainer
+else:
+    _Base = object
+
+
+class AiosnapTrainerMixin(_Base):
+    """Saves and loads a ``transformers.Trainer``'s checkpoints through aiosnap (see the
+    module docstring). ``aiosnap_options`` are ``aiosnap.QueueWriter``'s (``max_pending``,
+    ``when_full``, ``offload``, ``max_host_bytes``, ``allow_pickle``).
+
+    One process only (no DeepSpeed, FSDP, XLA, SageMaker or multi-process runs: ``train``
+    raises NotImplementedError for them). A directory of the Trainer's own format is still
+    read, by the Trainer's own loaders.
+    """
+
+    def __init__(self, *args: Any, aiosnap_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        self._aiosnap = SyncWriter(**check_options(aiosnap_options))
+        #: Checkpoint directories accepted but maybe not published yet.
+        self._aiosnap_dirs: set[str] = set()
+        super().__init__(*args, **kwargs)
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's ``train``, returning once every checkpoint it saved is durable."""
+        self._aiosnap_check()
+        if self.args.should_save and self.args.output_dir is not None:
+            sweep_temps(self.args.output_dir)
+        self._aiosnap.open()
+        try:
+            output = super().train(*args, **kwargs)
+        except BaseException:
+            try:
+                self._aiosnap.close()
+            except Exception:
+                logger.exception("a background checkpoint save failed too")
+            raise
+        self._aiosnap.close()
+        return output
+
+    def _aiosnap_check(self) -> None:
+        unsupported = [
+            name
+            for name, on in (
+                ("DeepSpeed", self.is_deepspeed_enabled),
+                ("FSDP", self.is_fsdp_enabled),
+                (f"{self.args.world_size} processes", self.args.world_size > 1),
+            )
+            if on
+        ]
+        if unsupported:
+            raise NotImplementedError(f"AiosnapTrainer saves from one process only, not with {unsupported}")
+
+    # -- saving ---------------------------------------------------------------------------
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()
+        run_dir = self._get_output_dir(trial=trial)
+        output_dir = os.path.join(run_dir, name)
+        self._aiosnap_track_best(run_dir)
+        if not self.args.should_save:
+            return
+        assert self.model is not None
+        state: dict[str, Any] = {"model": self.model.state_dict()}
+        if not self.args.save_only_model:
+            assert self.optimizer is not None
+            assert self.lr_scheduler is not None
+            state["optimizer"] = self.optimizer.state_dict()
+            state["scheduler"] = self.lr_scheduler.state_dict()
+            scaler = getattr(self.accelerator, "scaler", None)
+            if scaler is not None:
+                state["scaler"] = scaler.state_dict()
+            state["rng"] = _rng_states()
+        self._aiosnap_export_callbacks()
+        trainer_state = json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True) + "\n"
+        tmp = temp_dir(run_dir, name)
+        publish = functools.partial(
+            self._aiosnap_publish, tmp, output_dir, trainer_state, run_dir, self.state.best_model_checkpoint
+        )
+        self._aiosnap_dirs.add(output_dir)
+        self._aiosnap.save(
+            os.path.join(tmp, STATE_NAME), state, then=publish, on_failure=functools.partial(discard, tmp)
+        )
+        if self.args.push_to_hub:
+            self._aiosnap.flush()  # the upload reads the directory: it must be there
+            self._push_from_checkpoint(output_dir)
+
+    def _aiosnap_track_best(self, run_dir: str) -> None:
+        """As the Trainer does before it saves; a best checkpoint still being committed counts."""
+        strategies = (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST)
+        if self.args.save_strategy in strategies and self.state.best_global_step:
+            best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
+            if os.path.exists(best) or best in self._aiosnap_dirs:
+                self.state.best_model_checkpoint = best
+
+    def _aiosnap_export_callbacks(self) -> None:
+        """The Trainer's own update of ``ExportableState`` callbacks before it saves its state."""
+        from transformers.trainer_callback import ExportableState
+
+        exported: Any = self.state.stateful_callbacks  # a dict, whatever its annotation says
+        for cb in [
+            c for c in [*self.callback_handler.callbacks, self.control] if isinstance(c, ExportableState)
+        ]:
+            name = cb.__class__.__name__
+            if isinstance(exported[name], list):
+                exported[name].append(cb.state())
+            else:
+                exported[name] = cb.state()
+
+    def _aiosnap_publish(
+        self, tmp: str, final: str, trainer_state: str, run_dir: str, best: str | None
+    ) -> None:
+        """In the background, once ``state.aiosnap`` is durable: the Trainer's state file,
+        the rename into place, then rotation."""
+        try:
+            write_durably(os.path.join(tmp, TRAINER_STATE_NAME), trainer_state.encode())
+            publish_dir(tmp, final, STATE_NAME)
+        except BaseException:
+            discard(tmp)
+            raise
+        _rotate(run_dir, self.args.save_total_limit, best)
+
+    def flush(self) -> None:
+        """Wait until every checkpoint saved so far is published (durable, in place);
+        raise the first failure not reported yet."""
+        self._aiosnap.flush()
+
+    def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
+        self._aiosnap.flush()  # the best model is loaded from a published directory
+        return super()._finalize_training(*args, **kwargs)  # type: ignore[no-untyped-call]
+
+    # -- loading ---------------------------------------------------------------------------
+    def _aiosnap_load(self, checkpoint: str, key: str) -> Any:
+        """``key`` of the checkpoint's aiosnap file; None where that part was not saved."""
+        try:
+            part = run_sync(
+                aiosnap.load,
+                os.path.join(checkpoint, STATE_NAME),
+                keys=[key],
+                map_location="cpu",
+                allow_pickle=self._aiosnap.allow_pickle,
+            )
+        except aiosnap.CheckpointKeyError:
+            return None
+        return part[key]
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        if not _ours(resume_from_checkpoint):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+            return
+        model = self.model if model is None else model
+        logger.info("Loading model from %s.", resume_from_checkpoint)
+        result = model.load_state_dict(self._aiosnap_load(resume_from_checkpoint, "model"), False)
+        self._issue_warnings_after_load(result)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None or not _ours(checkpoint):
+            super()._load_optimizer_and_scheduler(checkpoint)
+            return
+        optimizer = self._aiosnap_load(checkpoint, "optimizer")
+        if optimizer is not None:
+            assert self.optimizer is not None
+            assert self.lr_scheduler is not None
+            self.optimizer.load_state_dict(optimizer)
+            self.lr_scheduler.load_state_dict(self._aiosnap_load(checkpoint, "scheduler"))
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        if checkpoint is None or not _ours(checkpoint):
+            super()._load_scaler(checkpoint)
+            return
+        scaler = self._aiosnap_load(checkpoint, "scaler")
+        if scaler is not None:
+            self.accelerator.scaler.load_state_dict(scaler)
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        if checkpoint is None or not _ours(checkpoint):
+            super()._load_rng_state(checkpoint)
+            return
+        states = self._aiosnap_load(checkpoint, "rng")
+        if states is None:
+            logger.info("Didn't find an RNG state, reproducibility is not guaranteed.")
+            return
+        random.setstate(states["python"])
+        np.random.set_state(states["numpy"])
+        torch.random.set_rng_state(states["cpu"])
+        if "cuda" in states and torch.cuda.is_available():
+            torch.cuda.random.set_rng_state(states["cuda"])
+
+    def _load_best_model(self) -> None:
+        best = self.state.best_model_checkpoint
+        if best is None or not _ours(best):
+            super()._load_best_model()
+            return
+        logger.info("Loading best model from %s (score: %s).", best, self.state.best_metric)
+        assert self.model is not None
+        result = self.model.load_state_dict(self._aiosnap_load(best, "model"), False)
+        self._issue_warnings_after_load(result)
+
+
+class AiosnapTrainer(AiosnapTrainerMixin, Trainer):
+    """``transformers.Trainer`` saving its checkpoints through aiosnap: construct it as a
+    Trainer, plus ``aiosnap_options`` (see ``AiosnapTrainerMixin``)."""
+
+
+def _rng_states() -> dict[str, Any]:
+    """The generators the Trainer saves for one process (``Trainer._save_rng_state``)."""
+    states: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "cpu": torch.random.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.random.get_rng_state()
+    return states
+
+
+def _ours(checkpoint: str) -> bool:
+    return os.path.isfile(os.path.join(checkpoint, STATE_NAME))
+
+
+def _rotate(run_dir: str, limit: int | None, best: str | None) -> None:
+    """The Trainer's ``rotate_checkpoints`` (by step), over directories aiosnap wrote only."""
+    if not limit or limit <= 0:
+        return
+    found = []
+    for name in os.listdir(run_dir):
+        match = _CHECKPOINT.match(name)
+        path = os.path.join(run_dir, name)
+        if match and is_aiosnap_dir(path, STATE_NAME):
+            found.append((int(match.group(1)), path))
+    found.sort()
+    if len(found) <= limit:
+        return
+    protected = {found[-1][1]}
+    if best is not None:
+        protected.add(os.path.normpath(best))
+    keep, remaining = max(limit, len(protected)), len(found)
+    for _step, path in found:
+        if remaining <= keep:
+            break
+        if os.path.normpath(path) in protected:
+            continue
+        logger.info("Deleting older checkpoint [%s] due to args.save_total_limit", path)
+        remove_dir(path, STATE_NAME)
+        remaining -= 1

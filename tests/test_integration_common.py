@@ -1,0 +1,36 @@
+"""What the integrations share: ``import aiosnap`` imports no framework, and their benchmark
+runs end to end at a small size (its numbers are not checked)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_importing_aiosnap_imports_no_framework() -> None:
+    frameworks = ("pytorch_pfn_extras", "lightning", "pytorch_lightning", "transformers", "accelerate")
+    code = f"import sys, aiosnap, aiosnap.integrations; print([m for m in {frameworks} if m in sys.modules])"
+    done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    assert done.stdout.strip() == "[]"
+
+
+def test_integrations_benchmark_runs_small(tmp_path: Path) -> None:
+    for framework in ("pytorch_pfn_extras", "lightning", "transformers", "accelerate"):
+        pytest.importorskip(framework, reason="needs aiosnap[integrations]")
+    out = tmp_path / "results"
+    command = [sys.executable, str(ROOT / "benchmarks" / "bench_integrations.py"), "--size", "8MiB"]
+    command += ["--reps", "1", "--dir", str(tmp_path / "scratch"), "--out", str(out)]
+    done = subprocess.run(command, timeout=600, capture_output=True, text=True)
+    assert done.returncode == 0, f"exited {done.returncode}:\n{done.stderr[-4000:]}"
+    results = json.loads((out / "integrations.json").read_text())["results"]
+    assert set(results) == {"ppe", "lightning", "hf", "accelerate"}
+    for data in results.values():
+        for method in ("aiosnap", "framework default", "durable torch.save"):
+            assert data[method]["call"][0] > 0
+    assert "| Accelerate (" in (out / "integrations.md").read_text()
