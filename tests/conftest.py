@@ -15,6 +15,10 @@ import aiosnap
 from aiosnap import _format
 from aiosnap._local import LocalStorage
 
+# gcsfs reads this once, when imported: unset, every call of its first client probes gRPC
+# for 60 s (fake-gcs-server serves none). Set before any test can import it.
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
 WRITERS: list[tuple[str, Callable[[], Any]]] = [
     ("simple", lambda: aiosnap.SimpleWriter()),
     ("simple-process", lambda: aiosnap.SimpleWriter(offload="process")),

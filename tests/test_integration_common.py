@@ -34,3 +34,26 @@ def test_integrations_benchmark_runs_small(tmp_path: Path) -> None:
         for method in ("aiosnap", "framework default", "durable torch.save"):
             assert data[method]["call"][0] > 0
     assert "| Accelerate (" in (out / "integrations.md").read_text()
+
+
+def test_a_removal_cut_short_leaves_a_temp_directory_never_a_checkpoints_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import aiosnap
+    from aiosnap.integrations import _files
+
+    folder = tmp_path / "checkpoint_0"
+    folder.mkdir()
+    aiosnap.save_sync(str(folder / "state.aiosnap"), {"w": 1})
+    (folder / "extra.json").write_text("{}")
+
+    def killed(path: str) -> None:  # the process dies once the first file went
+        (Path(path) / "state.aiosnap").unlink()
+        raise SystemExit("killed")
+
+    monkeypatch.setattr(_files._local, "delete_tree", killed)
+    with pytest.raises(SystemExit):
+        _files.remove_dir(str(folder), "state.aiosnap")
+    assert not folder.exists()  # no checkpoint_0 without its marker, which nothing would take
+    monkeypatch.undo()
+    assert len(_files.sweep_temps(str(tmp_path))) == 1 and list(tmp_path.iterdir()) == []

@@ -76,7 +76,14 @@ def remove_dir(path: str, marker: str) -> bool:
     if os.path.islink(path) or not is_aiosnap_dir(path, marker):
         logger.warning("not removing %s: aiosnap did not write it (no aiosnap file %s in it)", path, marker)
         return False
-    _local.delete_tree(path)
+    # Renamed to a temp name first, in one step: a process killed while the files go
+    # leaves a temp directory, which the next start sweeps, never a checkpoint's name
+    # without its marker (which nothing would recognise as aiosnap's any more).
+    parent, name = os.path.split(path)
+    doomed = os.path.join(parent, f"{TEMP_PREFIX}removed-{name}.{secrets.token_hex(6)}")
+    _posix.rename(path, doomed)
+    _posix.fsync_dir(parent or ".")
+    _local.delete_tree(doomed)
     return True
 
 
