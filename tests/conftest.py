@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import aiosnap
-from aiosnap import _format
-from aiosnap._local import LocalStorage
+from aiosnap._format import codec as _format
+from aiosnap._storage.local import LocalStorage
 
 # gcsfs reads this once, when imported: unset, every call of its first client probes gRPC
 # for 60 s (fake-gcs-server serves none). Set before any test can import it.

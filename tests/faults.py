@@ -1,6 +1,6 @@
 """System calls with a hook in front: the seam tests use to fail, count or kill.
 
-``HookedPosix(hook)`` makes the real calls of ``aiosnap._posix.Posix``, calling
+``HookedPosix(hook)`` makes the real calls of ``aiosnap._storage.posix.Posix``, calling
 ``hook(op, path)`` before each one. ``op`` is one of OPS; ``path`` is the file the
 call is about, with the temp file of an unfinished commit named by the file it will
 become (``dir/.aiosnap-tmp-ckpt.1a2b3c`` -> ``dir/ckpt``), so a hook can pick "the
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import aiosnap
-from aiosnap._posix import FileStat, Posix
+from aiosnap._storage.posix import FileStat, Posix
 
 #: The kinds of calls a hook sees.
 OPS = (

@@ -56,20 +56,21 @@ import torch
 from safetensors.torch import save_file
 
 import aiosnap
-from aiosnap import _json
-from aiosnap._catalog import HISTORY_LIMIT, INDEX_NAME
-from aiosnap._dtypes import ST_ITEMSIZE, TORCH_DTYPES
-from aiosnap._format import MAX_HEADER, read_header, st_entry
-from aiosnap._group import (
+from aiosnap._base import json as _json
+from aiosnap._base.checksums import crc32c
+from aiosnap._base.json import WINDOW
+from aiosnap._format.codec import MAX_HEADER, read_header, st_entry
+from aiosnap._format.dtypes import ST_ITEMSIZE, TORCH_DTYPES
+from aiosnap._format.header import CRC_KEY, CRC_ZERO, META_KEY
+from aiosnap._format.manifest import (
     MANIFEST_NAME,
     Manifest,
     read_manifest,
     replicated_matcher,
 )
-from aiosnap._header import CRC_KEY, CRC_ZERO, META_KEY, crc32c
-from aiosnap._json import WINDOW
-from aiosnap._load import Step, load_step
-from aiosnap._tree import LEAF_TAGS, MAX_DEPTH, ExternalLeaves
+from aiosnap._format.tree import LEAF_TAGS, MAX_DEPTH, ExternalLeaves
+from aiosnap._load.load import Step, load_step
+from aiosnap._manager.catalog import HISTORY_LIMIT, INDEX_NAME
 
 from . import hostile
 from .hostile import Pairs, Raw

@@ -40,12 +40,20 @@ import numpy as np
 import torch
 
 import aiosnap
-from aiosnap._decisions import commit
-from aiosnap._format import read_header
-from aiosnap._group import MANIFEST_NAME, Manifest, file_report, rank_file, read_manifest, replicated_matcher
-from aiosnap._header import BLOCK, CRC_KEY, crc32c
-from aiosnap._load import Step, load_step
-from aiosnap._tree import ExternalLeaves, format_path, walk_leaves
+from aiosnap._base.checksums import crc32c
+from aiosnap._dist.decisions import commit
+from aiosnap._format.codec import read_header
+from aiosnap._format.header import BLOCK, CRC_KEY
+from aiosnap._format.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    rank_file,
+    read_manifest,
+    replicated_matcher,
+)
+from aiosnap._format.tree import ExternalLeaves, format_path, walk_leaves
+from aiosnap._load.load import Step, load_step
+from aiosnap._manager.step_dirs import file_report
 
 from . import hostile
 from .fuzz import (
@@ -668,7 +676,7 @@ def sf_dtype(c: StepEdit) -> str:
     for key in ("shape", "offset"):  # each as a mutation before may have left it
         if isinstance(shard.get(key), list) and shard[key] and _ints(shard[key]):
             shard[key][-1] *= size // new_size
-    from aiosnap._format import st_entry
+    from aiosnap._format.codec import st_entry
 
     nbytes = len(e.doc.blob(name))
     code, st_shape = st_entry("tensor", new, tuple(d["shape"]), nbytes)

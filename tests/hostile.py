@@ -14,7 +14,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from aiosnap._header import CRC_KEY, CRC_ZERO, META_KEY, crc32c
+from aiosnap._base.checksums import crc32c
+from aiosnap._format.header import CRC_KEY, CRC_ZERO, META_KEY
 
 
 class Raw(str):

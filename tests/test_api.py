@@ -7,7 +7,7 @@ import inspect
 import re
 
 import aiosnap
-import aiosnap._errors as errors
+import aiosnap._base.errors as errors
 
 
 def test_all_is_sorted_and_complete() -> None:

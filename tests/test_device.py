@@ -112,13 +112,13 @@ async def test_arenas_are_unpinned_then_unmapped_off_the_event_loop(
     """Closing a writer after large saves must not unmap its arenas on the event loop
     (~150 ms for 1 GiB), and arenas pinned for device copies are unregistered first."""
     unmapped: list[bool] = []  # per unmapped arena: was it on the event-loop thread?
-    close = aiosnap._stage.Arena.close
+    close = aiosnap._save.arena.Arena.close
 
     def recording_close(arena: Any) -> None:
         unmapped.append(threading.current_thread() is threading.main_thread())
         close(arena)
 
-    monkeypatch.setattr(aiosnap._stage.Arena, "close", recording_close)
+    monkeypatch.setattr(aiosnap._save.arena.Arena, "close", recording_close)
     gpu = [torch.randn(1 << 16)]
     fake = FakeDevice(gpu)
     async with aiosnap.QueueWriter(max_pending=1, offload=offload) as writer:  # type: ignore[arg-type]

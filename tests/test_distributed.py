@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 
 import aiosnap
-from aiosnap._group import MANIFEST_NAME, Manifest, replicated_matcher
-from aiosnap._header import crc32c
-from aiosnap._tree import ExternalLeaves
-from aiosnap._triggers import deterministic
+from aiosnap._base.checksums import crc32c
+from aiosnap._format.manifest import MANIFEST_NAME, Manifest, replicated_matcher
+from aiosnap._format.tree import ExternalLeaves
+from aiosnap._manager.triggers import deterministic
 
 from .faults import enospc, failing_writes
 
@@ -170,7 +170,7 @@ def test_a_group_saves_one_directory_per_step_and_restores(tmp_path: Path, world
     assert alone["optim"]["m"][0] == 100 + 3
     with pytest.raises(aiosnap.CheckpointError, match="replicas="):
         asyncio.run(aiosnap.load(str(step / "rank_00001")))
-    index = json.loads((tmp_path / aiosnap._catalog.INDEX_NAME).read_text())
+    index = json.loads((tmp_path / aiosnap._manager.catalog.INDEX_NAME).read_text())
     assert index["latest"] == 3 and index["checkpoints"][-1]["bytes"] == sum(sizes)
     assert index["checkpoints"][-1]["wall_time"] > 0 and index["checkpoints"][-1]["timings"]["fsync_s"] >= 0
 
@@ -544,6 +544,6 @@ def test_a_rank_file_that_is_not_the_committed_one_sends_every_rank_back_a_step(
     restarted = run_ranks(2, _restart, str(tmp_path))
     ok(restarted, 2)
     assert restarted == {0: {"step": 2, "m": 2.0}, 1: {"step": 2, "m": 102.0}}
-    index = json.loads((tmp_path / aiosnap._catalog.INDEX_NAME).read_text())
+    index = json.loads((tmp_path / aiosnap._manager.catalog.INDEX_NAME).read_text())
     (three,) = [c for c in index["checkpoints"] if c["step"] == 3]
     assert "not the committed" in three["corrupt"] and "rank 1" in three["corrupt"]

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import aiosnap
-from aiosnap._catalog import INDEX_NAME
+from aiosnap._manager.catalog import INDEX_NAME
 
 from .faults import HookedPosix, Injector
 from .test_distributed import run_ranks

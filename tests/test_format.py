@@ -19,8 +19,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import aiosnap
-from aiosnap._dtypes import TORCH_DTYPES
-from aiosnap._header import crc32c
+from aiosnap._base.checksums import crc32c
+from aiosnap._format.dtypes import TORCH_DTYPES
 
 from . import hostile
 from .conftest import assert_tree_equal, headers_both_ways, raw_bytes
@@ -591,7 +591,7 @@ _UNCOMMON = '"u":{"kind":"x","a":{"b":"c"},"d":1}'
     ],
 )
 def test_the_document_shortcut_reads_what_json_reads_or_nothing(text: str) -> None:
-    from aiosnap._format import _document, _ints_of
+    from aiosnap._format.codec import _document, _ints_of
 
     try:
         want = json.loads(text)
@@ -612,7 +612,7 @@ def test_the_document_shortcut_reads_what_json_reads_or_nothing(text: str) -> No
 
 
 def test_a_document_of_common_descriptions_is_matched_in_windows() -> None:
-    from aiosnap._format import _WINDOW, _all_common
+    from aiosnap._format.codec import _WINDOW, _all_common
 
     names = [f"t{i}" for i in range(3 * _WINDOW // len(_T))]
     text = _OPEN + ",".join(f'"{n}":{{{_T}}}' for n in names) + '},"tree":1}'

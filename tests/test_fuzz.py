@@ -22,9 +22,10 @@ import pytest
 import torch
 
 import aiosnap
-from aiosnap._catalog import HISTORY_LIMIT, INDEX_NAME
-from aiosnap._group import MANIFEST_NAME, Manifest
-from aiosnap._header import CRC_KEY, META_KEY, crc32c
+from aiosnap._base.checksums import crc32c
+from aiosnap._format.header import CRC_KEY, META_KEY
+from aiosnap._format.manifest import MANIFEST_NAME, Manifest
+from aiosnap._manager.catalog import HISTORY_LIMIT, INDEX_NAME
 
 from .hostile import Raw, parse, render
 
@@ -188,7 +189,7 @@ class _Counted(int):
 def test_a_shape_of_huge_numbers_is_not_multiplied_out(good: Path) -> None:
     # Was: 17 s to multiply 300 numbers of 4,000 digits (a 1.2 MB header) before the
     # sizes were compared; the product now stops once it passes what int64 holds.
-    from aiosnap._format import nbytes
+    from aiosnap._format.codec import nbytes
 
     assert nbytes([_Counted(10**4000)] * 300, 4) is None
     assert _Counted.calls == 1
@@ -454,7 +455,7 @@ def test_one_dtensor_indexed_as_two_is_refused(step: Path) -> None:
 def test_verify_checks_block_checksums(step: Path) -> None:
     # Was: a bit flipped in the second block of a shard, behind a recomputed whole-entry
     # checksum, passed verify; a restore, which checks blocks, refused it.
-    from aiosnap._header import BLOCK
+    from aiosnap._format.header import BLOCK
 
     def flip(p: Any) -> None:
         start, _ = p.header["dt.big"]["data_offsets"]
@@ -564,7 +565,7 @@ def test_an_empty_dtensor_whose_whole_torch_cannot_hold_is_refused(step: Path) -
 def test_a_manifest_of_many_boxes_resolves_its_types_once(monkeypatch: pytest.MonkeyPatch) -> None:
     # Was: the field types of a dataclass resolved for every box: a manifest of 12,800
     # boxes took 19 s to parse (1.3 s now; one run, a loaded machine).
-    from aiosnap import _messages
+    from aiosnap._base import typed as _messages
 
     calls = 0
     hints = _messages.typing.get_type_hints

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import aiosnap
-from aiosnap._tree import MAX_DEPTH
+from aiosnap._format.tree import MAX_DEPTH
 
 from .hostile import Raw, parse, render
 

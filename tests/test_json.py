@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from aiosnap import _json
+from aiosnap._base import json as _json
 
 _CHARS = ["a", "é", '"', "\\", "\n", "\x01", "\u2028", "\U0001f600", "\ud800", " ", "/", "u", "0"]
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import aiosnap
-from aiosnap._tree import format_path
+from aiosnap._format.tree import format_path
 
 from .conftest import assert_tree_equal, training_state
 
@@ -109,13 +109,13 @@ async def test_matching_tensors_are_read_straight_into_the_target(tmp_path: Path
     }  # not contiguous: read, then copied
     pointers = (target["w"].data_ptr(), target["a"].ctypes.data)
     allocated: list[str] = []
-    real_allocate = aiosnap._readers._allocate
+    real_allocate = aiosnap._load.readers._allocate
 
     def spy(info: Any) -> Any:
         allocated.append(info.name)
         return real_allocate(info)
 
-    monkeypatch.setattr(aiosnap._readers, "_allocate", spy)
+    monkeypatch.setattr(aiosnap._load.readers, "_allocate", spy)
     await aiosnap.load_into(str(tmp_path / "c"), target)
     assert allocated == ["odd"]  # everything else went straight into the target's memory
     assert (target["w"].data_ptr(), target["a"].ctypes.data) == pointers
@@ -149,7 +149,7 @@ def _calls(monkeypatch: pytest.MonkeyPatch, owner: object, attr: str) -> list[in
 
 
 def _rebuilds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    from aiosnap import _load
+    from aiosnap._load import load as _load
 
     return _calls(monkeypatch, _load, "rebuild")
 
@@ -292,7 +292,7 @@ def test_a_tensor_leaf_naming_a_shard_is_refused_in_a_dict_of_tensors(tmp_path: 
 
 
 def _resolved(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    from aiosnap._readers import EntryReader
+    from aiosnap._load.readers import EntryReader
 
     return _calls(monkeypatch, EntryReader, "resolve")
 
@@ -321,7 +321,7 @@ def test_whole_dicts_beside_a_list_come_back_as_they_are(
 
 def _walked(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
     """The dotted paths of the leaves each walk of a tree before a read returns."""
-    from aiosnap import _readers
+    from aiosnap._load import readers as _readers
 
     walks: list[list[str]] = []
     real = _readers.walk_leaves

@@ -21,8 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import aiosnap
-from aiosnap._catalog import INDEX_NAME
-from aiosnap._retention import victims
+from aiosnap._manager.catalog import INDEX_NAME
+from aiosnap._manager.retention import victims
 
 from .conftest import temp_files
 from .faults import HookedPosix, failing_writes

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import aiosnap
-from aiosnap import _stage
+from aiosnap._save import stage as _stage
 
 from .conftest import temp_files
 from .faults import HookedPosix

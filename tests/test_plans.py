@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import aiosnap
-from aiosnap._plans import PlanCache, plan
-from aiosnap._tree import capture
+from aiosnap._format.plans import PlanCache, plan
+from aiosnap._format.tree import capture
 
 
 def _state() -> dict[str, Any]:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import aiosnap
-from aiosnap._storage import get
+from aiosnap._storage.protocol import get
 from aiosnap.storage import from_url
 
 from .conftest import assert_tree_equal, training_state

@@ -37,7 +37,7 @@ def _save_then_die_uploading(url: str, env: dict[str, str]) -> None:
     async def main() -> None:
         async with aiosnap.CheckpointManager(url, keep=aiosnap.KeepLast(1)) as mgr:
             await (await mgr.save(1, {"w": torch.full((1000,), 1.0)})).wait()
-            aiosnap._objstore._ObjectUpload.commit = stuck  # type: ignore[method-assign]
+            aiosnap._storage.objstore._ObjectUpload.commit = stuck  # type: ignore[method-assign]
             await (await mgr.save(2, {"w": torch.full((12 << 20,), 2.0)})).wait()  # 48 MiB: 3 parts
 
     asyncio.run(main())
@@ -164,7 +164,7 @@ async def faulty(s3: Any, seed: int, rate: float) -> AsyncIterator[tuple[FaultyP
 async def test_a_save_through_a_faulty_network_commits_after_retries_or_fails_cleanly(
     s3: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(aiosnap._objstore, "PART", 5 << 20)  # multipart from 5 MiB, S3's least part
+    monkeypatch.setattr(aiosnap._storage.objstore, "PART", 5 << 20)  # multipart from 5 MiB, S3's least part
     bucket = s3.bucket()
     url = f"s3://{bucket}/run"
     outcomes: list[str] = []

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import aiosnap
-from aiosnap._catalog import INDEX_NAME
+from aiosnap._manager.catalog import INDEX_NAME
 from aiosnap.storage import from_url
 
 from .servers import free_port

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 import aiosnap
-from aiosnap._catalog import INDEX_NAME
-from aiosnap._header import BLOCK
-from aiosnap._posix import Posix
+from aiosnap._format.header import BLOCK
+from aiosnap._manager.catalog import INDEX_NAME
+from aiosnap._storage.posix import Posix
 
 from .conftest import headers_both_ways
 from .test_distributed import ok, run_ranks
@@ -128,7 +128,7 @@ async def _restore(rank: int, world: int, directory: str) -> Any:
     wrong = []
     mine = 0
     for name, t in target["dt"].items():
-        from aiosnap._shards import shard_of
+        from aiosnap._format.shards import shard_of
 
         box = shard_of(t, name)
         if box is None:

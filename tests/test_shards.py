@@ -13,11 +13,12 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Partial, _StridedShard
 
 import aiosnap
-from aiosnap._decisions import Refused, commit, judge_restore, per_rank_paths, refused_per_rank
-from aiosnap._group import Manifest
-from aiosnap._messages import FileReport, LoadReport, ShardBox, decode, encode
-from aiosnap._readers import split
-from aiosnap._shards import Box, is_writer, local_box, runs, tiles
+from aiosnap._base.typed import decode, encode
+from aiosnap._dist.decisions import Refused, commit, judge_restore, per_rank_paths
+from aiosnap._dist.messages import FileReport, LoadReport, ShardBox
+from aiosnap._format.manifest import Manifest, refused_per_rank
+from aiosnap._format.shards import Box, is_writer, local_box, runs, tiles
+from aiosnap._load.readers import split
 
 
 def _brute(saved: Box, target: Box, shape: tuple[int, ...]) -> torch.Tensor:
@@ -244,7 +245,7 @@ def test_messages_are_checked_field_by_field() -> None:
 
 
 def test_aiosnap_imports_no_torch_distributed_module_of_its_own() -> None:
-    modules = "('aiosnap._coord', 'torch.distributed.tensor')"
+    modules = "('aiosnap._dist.coord', 'torch.distributed.tensor')"
     code = f"import sys, aiosnap; print(sorted(m for m in {modules} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     assert out.strip() == "[]"

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import aiosnap
-from aiosnap._format import TensorInfo
-from aiosnap._readers import _in_buffer
+from aiosnap._format.codec import TensorInfo
+from aiosnap._load.readers import _in_buffer
 
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 

@@ -278,7 +278,7 @@ def _save_then_die_uploading(local: str, url: str, env: dict[str, str]) -> None:
         async with aiosnap.CheckpointManager(local, remote=url) as mgr:
             await (await mgr.save(1, _state(1))).wait()
             await mgr.flush()
-            aiosnap._objstore._ObjectUpload.commit = stuck  # type: ignore[method-assign]
+            aiosnap._storage.objstore._ObjectUpload.commit = stuck  # type: ignore[method-assign]
             big = {"w": torch.full((12 << 20,), 2.0)}  # 48 MiB: a multipart upload
             await (await mgr.save(2, big)).wait()
             await mgr.flush()

@@ -9,12 +9,12 @@ from typing import Any, ParamSpec, TypeVar
 
 import anyio
 
-from ._backends import resolve
-from ._engine import SaveFun
-from ._handle import SaveStats
-from ._load import VerifyReport, load, load_into, verify
-from ._storage import Storage
-from ._writers import SimpleWriter
+from ._load.load import VerifyReport, load, load_into, verify
+from ._save.engine import SaveFun
+from ._save.handle import SaveStats
+from ._save.writers import SimpleWriter
+from ._storage.backends import resolve
+from ._storage.protocol import Storage
 
 P = ParamSpec("P")
 T = TypeVar("T")

@@ -7,11 +7,11 @@ committed. Policies compose with ``AnyOf``; any object with a ``keep`` method fi
 
 from __future__ import annotations
 
-from ._retention import AnyOf as AnyOf
-from ._retention import KeepBest as KeepBest
-from ._retention import KeepEvery as KeepEvery
-from ._retention import KeepLast as KeepLast
-from ._retention import KeepWithin as KeepWithin
-from ._retention import RetentionPolicy as RetentionPolicy
+from ._manager.retention import AnyOf as AnyOf
+from ._manager.retention import KeepBest as KeepBest
+from ._manager.retention import KeepEvery as KeepEvery
+from ._manager.retention import KeepLast as KeepLast
+from ._manager.retention import KeepWithin as KeepWithin
+from ._manager.retention import RetentionPolicy as RetentionPolicy
 
 __all__ = ["AnyOf", "KeepBest", "KeepEvery", "KeepLast", "KeepWithin", "RetentionPolicy"]

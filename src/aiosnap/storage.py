@@ -6,26 +6,26 @@ A backend implements ``Storage``: ``create`` an ``Upload`` that is invisible unt
 ``commit``, ``open_read`` a ``Reader`` by byte ranges, ``list``/``stat``/``delete``,
 ``read_versioned``/``replace_if`` for objects several writers race on, and a
 ``lease`` per checkpoint directory. Every method is blocking: aiosnap calls them from
-worker threads. See the module docstring of ``aiosnap._storage`` for the contract.
+worker threads. See the module docstring of ``aiosnap._storage.protocol`` for the contract.
 """
 
 from __future__ import annotations
 
-from ._backends import from_url as from_url
-from ._backends import resolve as resolve
-from ._fsspec import FsspecStorage as FsspecStorage
-from ._local import LocalStorage as LocalStorage
-from ._objstore import ObjectStorage as ObjectStorage
-from ._posix import Posix as Posix
-from ._storage import LEASE_NAME as LEASE_NAME
-from ._storage import TEMP_PREFIX as TEMP_PREFIX
-from ._storage import CommitTimes as CommitTimes
-from ._storage import Entry as Entry
-from ._storage import Lease as Lease
-from ._storage import Reader as Reader
-from ._storage import Storage as Storage
-from ._storage import Upload as Upload
-from ._storage import Version as Version
+from ._storage.backends import from_url as from_url
+from ._storage.backends import resolve as resolve
+from ._storage.fsspec import FsspecStorage as FsspecStorage
+from ._storage.local import LocalStorage as LocalStorage
+from ._storage.objstore import ObjectStorage as ObjectStorage
+from ._storage.posix import Posix as Posix
+from ._storage.protocol import LEASE_NAME as LEASE_NAME
+from ._storage.protocol import TEMP_PREFIX as TEMP_PREFIX
+from ._storage.protocol import CommitTimes as CommitTimes
+from ._storage.protocol import Entry as Entry
+from ._storage.protocol import Lease as Lease
+from ._storage.protocol import Reader as Reader
+from ._storage.protocol import Storage as Storage
+from ._storage.protocol import Upload as Upload
+from ._storage.protocol import Version as Version
 
 __all__ = [
     "CommitTimes",

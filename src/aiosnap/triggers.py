@@ -8,12 +8,12 @@ over ``Moment`` records; those that depend only on steps and epochs may say so w
 
 from __future__ import annotations
 
-from ._triggers import AnyTrigger as AnyTrigger
-from ._triggers import AtSteps as AtSteps
-from ._triggers import EveryNEpochs as EveryNEpochs
-from ._triggers import EveryNSeconds as EveryNSeconds
-from ._triggers import EveryNSteps as EveryNSteps
-from ._triggers import Moment as Moment
-from ._triggers import Trigger as Trigger
+from ._manager.triggers import AnyTrigger as AnyTrigger
+from ._manager.triggers import AtSteps as AtSteps
+from ._manager.triggers import EveryNEpochs as EveryNEpochs
+from ._manager.triggers import EveryNSeconds as EveryNSeconds
+from ._manager.triggers import EveryNSteps as EveryNSteps
+from ._manager.triggers import Moment as Moment
+from ._manager.triggers import Trigger as Trigger
 
 __all__ = ["AnyTrigger", "AtSteps", "EveryNEpochs", "EveryNSeconds", "EveryNSteps", "Moment", "Trigger"]

@@ -1,0 +1,107 @@
+"""Rank 0's decisions, as pure functions of what the ranks reported.
+
+No I/O and no communication here: each function takes the messages of every rank
+(``_messages``) and returns what the group does, or raises ``Refused`` naming the
+ranks whose part cannot be taken. A single process is a group of one and goes
+through the same functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .._format.manifest import Manifest, SavedBox, SavedTensor, rank_file
+from .._format.shards import tiles
+from .messages import FileReport, LoadReport, OpenReport
+
+
+class Refused(Exception):
+    """The ranks in ``failed`` cannot take part as they are: an orderly outcome."""
+
+    def __init__(self, failed: dict[int, str]) -> None:
+        super().__init__(failed)
+        self.failed = failed
+
+
+def agree_on_config(configs: Sequence[OpenReport]) -> None:
+    """Every rank must open the directory as rank 0 did."""
+    differ = {r: c for r, c in enumerate(configs) if c != configs[0]}
+    if differ:
+        raise Refused({r: f"is configured with {c}, rank 0 with {configs[0]}" for r, c in differ.items()})
+
+
+def commit(
+    step: int, epoch: int | None, reports: Sequence[FileReport], replicated: Sequence[str]
+) -> Manifest | None:
+    """The manifest that commits a step once every rank's file is durable, or None if
+    some rank skipped the save; Refused if the ranks' parts do not fit together."""
+    if any(r.skipped for r in reports):
+        return None
+    reference = reports[0].replicated
+    differ = {r: x.replicated for r, x in enumerate(reports) if x.replicated != reference}
+    if differ:
+        raise Refused(
+            {
+                r: f"holds replicated entries {d} (count, digest) unlike rank 0's {reference}"
+                for r, d in differ.items()
+            }
+        )
+    n = len(reports)
+    return Manifest(
+        step,
+        epoch,
+        n,
+        [rank_file(r) for r in range(n)],
+        [x.checksum for x in reports],
+        [x.bytes for x in reports],
+        list(replicated),
+        rank_file(0),
+        shard_index(reports),
+        per_rank_paths(reports),
+    )
+
+
+def shard_index(reports: Sequence[FileReport]) -> dict[str, SavedTensor]:
+    """Where every box of every DTensor lies; Refused if the ranks disagree on a
+    DTensor's dtype or shape, or if its boxes do not cover it exactly once."""
+    index: dict[str, SavedTensor] = {}
+    for r, report in enumerate(reports):
+        for b in report.shards:
+            saved = index.setdefault(b.path, SavedTensor(b.dtype, b.shape, []))
+            if (saved.dtype, saved.shape) != (b.dtype, b.shape):
+                raise Refused(
+                    {r: f"holds {b.path} as {b.dtype} {b.shape}, another rank as {saved.dtype} {saved.shape}"}
+                )
+            saved.boxes.append(SavedBox(r, b.name, b.offsets, b.lengths))
+    for path, saved in index.items():
+        if not tiles(saved.shape, [b.box for b in saved.boxes]):
+            holders = sorted({b.file for b in saved.boxes})
+            raise Refused(
+                {
+                    r: f"the shards of {path} do not cover its shape {saved.shape} exactly once"
+                    for r in holders
+                }
+            )
+    return index
+
+
+def per_rank_paths(reports: Sequence[FileReport]) -> list[str]:
+    """The leaves that are not the same on every rank (or not on every rank at all)."""
+    if len(reports) == 1:
+        return []
+    first = reports[0].leaves
+    differ = {p for r in reports[1:] for p, d in r.leaves.items() if first.get(p) != d}
+    differ |= {p for r in reports[1:] for p in first if p not in r.leaves}
+    return sorted(differ)
+
+
+def judge_restore(reports: Sequence[LoadReport]) -> LoadReport:
+    """The group's outcome of loading a step: a mismatch with what the caller asked for
+    wins (no older step would fit better); then corruption, then a file that is gone or
+    not aiosnap's, each of which sends every rank to an older step."""
+    for outcome in ("mismatch", "corrupt", "unreadable"):
+        found = [(r, x.reason) for r, x in enumerate(reports) if x.outcome == outcome]
+        if found:
+            reason = found[0][1] if len(reports) == 1 else "; ".join(f"rank {r}: {why}" for r, why in found)
+            return LoadReport(outcome, reason)
+    return LoadReport("ok")

@@ -1,0 +1,216 @@
+"""A group's manifest: which files make up a step, and where every box of every DTensor lies.
+
+A step of a group is a directory with a file per rank and this manifest, written
+last by rank 0 (``_manager.step_dirs``). Replicated entries (tree paths matching
+``replicated`` globs) are stored only in rank 0's file; the other ranks' files mark
+them external and are read together with it.
+A DTensor's boxes are stored by one rank each; the manifest indexes where every box
+of every DTensor lies, so a restore at any world size reads exactly the bytes it
+needs. A step exists once its manifest does; rank 0 writes it only after every rank
+reported its file durable, with the crc32c of its header (which holds the checksum
+of every entry), so a restore can tell that each file is the one that was committed.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import final
+
+from .._base.checksums import crc32c
+from .._base.errors import CorruptCheckpointError
+from .._base.typed import decode, encode
+from .._storage.protocol import Storage, get
+from .codec import TensorInfo, nbytes
+from .dtypes import TORCH_DTYPES
+from .shards import Box, tiles
+
+logger = logging.getLogger(__name__)
+
+MANIFEST_NAME = "aiosnap-manifest.json"
+MANIFEST_FORMAT = "aiosnap-manifest/2"
+_OLD_FORMATS = ("aiosnap-manifest/1",)
+
+
+def rank_file(rank: int) -> str:
+    return f"rank_{rank:05d}"
+
+
+def replicated_matcher(patterns: Sequence[str]) -> Callable[[str], bool]:
+    """Whether a dotted tree path is replicated: a glob matches it or one of its parents."""
+    pats = list(patterns)
+
+    def matches(path: str) -> bool:
+        parts = path.split(".")
+        prefixes = (".".join(parts[:i]) for i in range(len(parts), 0, -1))
+        return any(fnmatch.fnmatchcase(p, pat) for p in prefixes for pat in pats)
+
+    return matches
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class SavedBox:
+    """A box of a DTensor, stored as entry ``name`` of file number ``file``."""
+
+    file: int
+    name: str
+    offsets: list[int]
+    lengths: list[int]
+
+    @property
+    def box(self) -> Box:
+        return Box(tuple(self.offsets), tuple(self.lengths))
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class SavedTensor:
+    """Every stored box of one DTensor (they tile its ``shape`` exactly)."""
+
+    dtype: str
+    shape: list[int]
+    boxes: list[SavedBox]
+
+
+def holds_box(info: TensorInfo | None, saved: SavedTensor, box: SavedBox) -> bool:
+    """Whether a file's entry is the box of a DTensor the manifest says it is: a shard of
+    the same dtype and whole shape, at the box's offsets, of its lengths. Only then does
+    the entry's size (which the file justifies) bound what the box reads and allocates."""
+    return (
+        info is not None
+        and info.kind == "tensor"
+        and info.shard == (tuple(saved.shape), tuple(box.offsets))
+        and list(info.shape) == box.lengths
+        and info.dtype == saved.dtype
+    )
+
+
+def indexed(index: dict[str, SavedTensor], where: str, info: TensorInfo | None) -> SavedTensor | None:
+    """The boxes of the DTensor at tree path ``where``, whose entry in the rank's file is
+    ``info``; None if the index lacks them. A step indexes every DTensor that has bytes;
+    one without any is read from its entry's description (the entry itself is only
+    this rank's box: taken for the whole, it would have the box's shape)."""
+    saved = index.get(where)
+    if saved is None and info is not None and info.shard is not None and 0 in info.shard[0]:
+        return SavedTensor(info.dtype, list(info.shard[0]), [])
+    return saved
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """What rank 0 writes last: which files make up the step, and their summaries."""
+
+    step: int
+    epoch: int | None
+    world_size: int
+    files: list[str]
+    checksums: list[str]  # header crc32c of each rank's file
+    sizes: list[int]
+    replicated: list[str]  # the globs
+    replicas: str  # the file that holds the replicated entries
+    #: Tree path -> where the boxes of that DTensor lie.
+    shards: dict[str, SavedTensor] = field(default_factory=dict)
+    #: Tree paths of the leaves whose values differed between ranks: state of its
+    #: own rank, which a restore at another world size must not hand to another.
+    per_rank: list[str] = field(default_factory=list)
+
+    def to_bytes(self) -> bytes:
+        body = json.dumps(encode(self), sort_keys=True, separators=(",", ":"))
+        return json.dumps(
+            {"format": MANIFEST_FORMAT, "body": json.loads(body), "crc32c": f"{crc32c(body.encode()):08x}"},
+            separators=(",", ":"),
+        ).encode()
+
+    @classmethod
+    def parse(cls, path: str, raw: bytes) -> Manifest:
+        try:
+            outer = json.loads(raw)
+            body = json.dumps(outer["body"], sort_keys=True, separators=(",", ":"))
+            if (
+                outer.get("format") not in (MANIFEST_FORMAT, *_OLD_FORMATS)
+                or outer.get("crc32c") != f"{crc32c(body.encode()):08x}"
+            ):
+                raise ValueError("format or checksum mismatch")
+            manifest = decode(cls, outer["body"])
+        except RecursionError:  # json's C parser and encoder stop at the interpreter's limit
+            raise CorruptCheckpointError(path, "bad manifest: nested too deeply") from None
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CorruptCheckpointError(path, f"bad manifest: {exc}") from None
+        problem = manifest._problem()
+        if problem:
+            raise CorruptCheckpointError(path, f"bad manifest: {problem}")
+        return manifest
+
+    def _problem(self) -> str:
+        n = self.world_size
+        if self.step < 0 or any(s < 0 for s in self.sizes):
+            return "a negative step or size"
+        if not (len(self.files) == len(self.checksums) == len(self.sizes) == n > 0):
+            return "the lists do not match the world size"
+        if not all(_plain_name(f) for f in [*self.files, self.replicas]):
+            return "a file name leaves the step directory or is not one"
+        if self.replicas not in self.files:  # no checksum would vouch for it
+            return "the file of the replicated entries is not one of the step's"
+        for path, saved in self.shards.items():
+            dtype = TORCH_DTYPES.get(saved.dtype)
+            # A shape torch cannot hold would fail inside torch.empty, with its own error.
+            if (
+                dtype is None
+                or any(s < 0 for s in saved.shape)
+                or nbytes(saved.shape, dtype.itemsize) is None
+            ):
+                return f"DTensor {path!r}: bad dtype or shape"
+            if any(not len(b.offsets) == len(b.lengths) == len(saved.shape) for b in saved.boxes):
+                return f"DTensor {path!r}: a box of another number of dimensions"
+            if any(not 0 <= b.file < n for b in saved.boxes):
+                return f"DTensor {path!r}: a box in a file that is not in the step"
+            if not tiles(saved.shape, [b.box for b in saved.boxes]):
+                return f"DTensor {path!r}: its boxes do not cover it exactly once"
+        return ""
+
+
+def _plain_name(name: str) -> bool:
+    """Whether ``name`` names a file in the step directory that a file system can open: one
+    path component (not "." or ".." or hidden), no NUL, UTF-8 (no lone surrogates), and
+    at most NAME_MAX (255) bytes. Any other name would fail inside open(), with an error
+    that is not the manifest's."""
+    if not name or "/" in name or "\0" in name or name.startswith("."):
+        return False
+    try:
+        return len(name.encode("utf-8")) <= 255
+    except UnicodeEncodeError:
+        return False
+
+
+def read_manifest(storage: Storage, step_dir: str) -> Manifest:
+    path = storage.join(step_dir, MANIFEST_NAME)
+    return Manifest.parse(path, get(storage, path))
+
+
+def leaf_count(boxes: Sequence[SavedBox]) -> int:
+    return sum(math.prod(b.lengths) for b in boxes)
+
+
+#: The name of a rank's file in a step directory.
+
+
+def refused_per_rank(manifest: Manifest, world_size: int, asked: Sequence[str]) -> list[str]:
+    """The per-rank leaves a restore at ``world_size`` must not hand out: at another
+    world size, the state of one rank is nobody else's."""
+    if world_size == manifest.world_size:
+        return []
+    per_rank = set(manifest.per_rank)
+    return sorted(p for p in asked if p in per_rank)
+
+
+def base_file(manifest: Manifest, rank: int, world_size: int) -> int:
+    """The rank file a rank reads its tree and plain entries from: its own at the same
+    world size; else its own if there is one (any rank's holds the shared leaves),
+    else rank 0's."""
+    return rank if rank < manifest.world_size else 0

@@ -1,0 +1,591 @@
+"""Reading the values a tree refers to, verified, into the memory they end up in.
+
+Plain entries are read in file order, neighbours with one scattered read, straight
+into the tensors and arrays that are returned (or the target's own, for
+``load_into``). External entries come from the file of replicated entries. A DTensor
+of a group checkpoint is read from the boxes the manifest indexes: only the byte runs
+that overlap the box wanted (the target's local shard, or the whole), each checked
+against the checksums of the blocks it lies in.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import operator
+import pickle
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._base import offload as _offload
+from .._base.checksums import crc32c
+from .._base.errors import CorruptCheckpointError, PickleNotAllowedError, StateMismatchError
+from .._format import dtypes as _dtypes
+from .._format.codec import Header, TensorInfo
+from .._format.header import BLOCK
+from .._format.manifest import SavedTensor, holds_box, indexed
+from .._format.shards import Box, Run, is_dtensor, runs, shard_of
+from .._format.tree import format_path, walk_leaves
+from .._save.device import as_copyable
+from .._storage.posix import HUGE_MIN, huge_pages, populate
+from .._storage.protocol import Reader
+from .targets import SMALL, Destinations
+
+#: Neighbouring entries are read together, up to this many bytes and buffers per read.
+READ_GROUP = 64 << 20
+READ_IOVECS = 512
+#: Entries under SMALL bytes (see ``_targets``) are read with their neighbours into one
+#: scratch buffer of at most this many bytes, checked there and copied out.
+SMALL_GROUP = 4 << 20
+#: Bytes of shard read through a scratch buffer at a time (partial reads, devices).
+SCRATCH = 64 << 20
+
+MapLocation = str | torch.device | None
+#: What a load made or found for each entry: the object, and where its bytes go: a flat
+#: uint8 array, or for a tensor under SMALL bytes the address of its data; None for an
+#: entry under SMALL bytes that is made as it is read (``_in_buffer``).
+Made = dict[str, Any]
+#: Opens rank file ``i`` of the step (cached by the caller), checked against the manifest.
+OpenRank = Callable[[int], tuple[Reader, Header]]
+
+
+@dataclass(frozen=True, slots=True)
+class Shards:
+    """A group checkpoint's DTensors, for a reader: where their boxes lie (as the
+    manifest at ``path`` says)."""
+
+    index: dict[str, SavedTensor]
+    open: OpenRank
+    path: str = ""
+
+    def saved(self, where: str, info: TensorInfo | None) -> SavedTensor:
+        """The boxes of the DTensor at tree path ``where`` (see ``indexed``): a DTensor
+        with bytes that the manifest does not index means it is not this step's."""
+        saved = indexed(self.index, where, info)
+        if saved is None:
+            raise CorruptCheckpointError(self.path, f"no boxes of the DTensor at {where}")
+        return saved
+
+
+class EntryReader:
+    """Reads the leaves a tree refers to: from the file, external ones from the file of
+    replicated entries, DTensors from their boxes; checking that each is the entry the
+    tree describes."""
+
+    def __init__(
+        self,
+        f: Reader,
+        header: Header,
+        map_location: MapLocation,
+        allow_pickle: bool,
+        shards: Shards | None = None,
+    ) -> None:
+        self.sources: list[tuple[Reader, Header]] = [(f, header)]
+        self.map_location, self.allow_pickle, self.shards = map_location, allow_pickle, shards
+        self.made: dict[str, object] = {}
+
+    def add_replicas(self, f: Reader, header: Header) -> None:
+        own = self.sources[0][1]
+        for name, want in own.external.items():
+            have = header.tensors.get(name)
+            if have is not None and want.shard is None and _spec(have) != _spec(want):
+                raise CorruptCheckpointError(
+                    f.path,
+                    f"replicated entry {name!r} is {have.dtype} {have.shape}, not {want.dtype} {want.shape}",
+                )
+        self.sources.append((f, header))
+
+    def source(self, name: str) -> int:
+        if name in self.sources[0][1].tensors:
+            return 0
+        if len(self.sources) > 1 and name in self.sources[0][1].external:
+            if name not in self.sources[1][1].tensors:
+                raise CorruptCheckpointError(self.sources[1][0].path, f"no replicated entry {name!r}")
+            return 1
+        if name in self.sources[0][1].external:
+            raise CorruptCheckpointError(
+                self.sources[0][0].path,
+                f"entry {name!r} is stored in another rank's file: load the step directory",
+            )
+        raise ValueError(f"the tree refers to a missing tensor {name!r}")
+
+    def lookup(self, name: str) -> TensorInfo | None:
+        info = self.sources[0][1].tensors.get(name)
+        if info is not None:
+            return info
+        try:
+            return self.sources[self.source(name)][1].tensors[name]
+        except (ValueError, CorruptCheckpointError):
+            return None
+
+    def resolve(self, kind: str, name: str, path: tuple[object, ...]) -> object:
+        return self.made[name]  # prefetch() read every leaf the tree refers to
+
+    def prefetch(self, tree: Any, dests: Destinations) -> None:
+        """Check every leaf the tree refers to, then read them all in file order.
+
+        Neighbouring entries are read with one scattered read each, straight into the
+        memory of the tensors and arrays that will be returned; checksums follow.
+        """
+        wanted: dict[str, TensorInfo] = {}
+        sharded: dict[str, tuple[str, SavedTensor]] = {}
+        by_source: list[list[TensorInfo]] = [[] for _ in self.sources]
+        seen: dict[str, str] = {}  # name -> the kind the tree first called it
+        own = self.sources[0][1]
+        stored, plain = own.tensors, by_source[0]
+        # Every tensor leaf under a known dict (see Destinations.known) is one that find
+        # took as a common leaf of this file, read in place: taken from its list, those
+        # subtrees are not walked again (~1 us a tensor; for a target that is such a
+        # dict, nothing is), and as nothing resolves them, they are in no table of what
+        # was made. Each is still a tensor to any other reference the walk meets.
+        skip = dests.known if dests.known and len(self.sources) == 1 else None
+        leaves = walk_leaves(tree, skip=skip)
+        if skip is not None and leaves:
+            seen.update((known.name, "tensor") for known in dests.infos)
+        others = 0  # leaves that are not the common one: made objects to finish
+        for path, kind, name in leaves:
+            info = stored.get(name)
+            if kind == "tensor" and info is not None and info.kind == "tensor" and not info.shard:
+                # The common leaf, in this file (checked as the general case below).
+                if seen.setdefault(name, kind) != kind:
+                    raise ValueError(f"{format_path(path)} is a {kind} but {name!r} is a {seen[name]}")
+                if name not in wanted:
+                    wanted[name] = info
+                    plain.append(info)
+                continue
+            others += 1
+            if kind == "dtensor" and self.shards is not None:
+                where = format_path(path)
+                saved = self.shards.saved(where, own.tensors.get(name) or own.external.get(name))
+                # One DTensor at two paths (tied weights) is read once, for both: the
+                # index must say the same of both.
+                first = sharded.setdefault(name, (where, saved))
+                if first[1] != saved:
+                    raise ValueError(f"{where} and {first[0]} are one DTensor {name!r}, indexed as two")
+            # Every reference is checked, not only the first: a second one of another
+            # kind would get the first's object (a tensor where the tree says ndarray).
+            if name in seen:
+                if seen[name] != kind:
+                    raise ValueError(f"{format_path(path)} is a {kind} but {name!r} is a {seen[name]}")
+                continue
+            seen[name] = kind
+            if kind == "dtensor" and self.shards is not None:
+                continue
+            src = self.source(name)
+            info = self.sources[src][1].tensors[name]
+            if info.kind != ("tensor" if kind == "dtensor" else kind) or (kind == "dtensor") != bool(
+                info.shard
+            ):
+                raise ValueError(f"{format_path(path)} is a {kind} but {name!r} is not")
+            if kind == "pickle" and not self.allow_pickle:
+                raise PickleNotAllowedError(
+                    f"{self.sources[src][0].path}: {format_path(path)} is pickled; loading it runs code "
+                    "from the file, so it needs allow_pickle=True"
+                )
+            wanted[name] = info
+            by_source[src].append(info)
+        _offload.release(leaves)  # not at once: see release
+        direct = dests.direct
+        # None: an entry under SMALL bytes, made where its group is read (see _read_small).
+        made: Made = {
+            name: direct.get(name) or (_allocate(info) if info.end - info.start >= SMALL else None)
+            for name, info in wanted.items()
+        }
+        reading = made
+        if skip is not None:
+            unwalked = [info for info in dests.infos if info.name not in wanted] if wanted else dests.infos
+            if unwalked:
+                plain += unwalked
+                reading = {**direct, **made} if made else direct
+        for (f, header), infos in zip(self.sources, by_source, strict=True):
+            self.read_all(f, header, sorted(infos, key=_START), reading, direct)
+        if reading is not made:  # what read_all made of small entries is in reading
+            made = {name: reading[name] for name in made}
+        if self.map_location is None and not others:  # only tensors, as they were made
+            self.made = _offload.zip_dict(list(made), list(map(_OBJECT, made.values())))
+        elif self.map_location is None:  # a tensor is what was made: only the others change
+            self.made = {
+                name: obj if wanted[name].kind == "tensor" else self.finish(wanted[name], obj)
+                for name, (obj, _) in made.items()
+            }
+        else:
+            self.made = {name: self.finish(wanted[name], obj) for name, (obj, _) in made.items()}
+        _offload.release(made)  # its pairs and arrays (the rest only refers to what lives on)
+        for name, (where, saved) in sharded.items():
+            self.made[name] = self.read_dtensor(saved, dests.shards.get(name), where)
+
+    def read_all(
+        self, f: Reader, header: Header, infos: list[TensorInfo], made: Made, placed: Mapping[str, Any]
+    ) -> None:
+        """Read ``infos`` (in file order) into ``made``, verified. A helper thread works
+        beside the reads: it faults in the pages of the next group's buffers that are not
+        ``placed`` in a target's memory (those were allocated for this load; the faults
+        would otherwise stop the read at every page) and checks the previous group's
+        checksums."""
+        most, iovecs = getattr(f, "batch_bytes", READ_GROUP), getattr(f, "batch_iovecs", READ_IOVECS)
+        groups = list(_groups(infos, most, iovecs))
+        ahead = _buffer(groups[0], made) if groups else None
+        if groups:
+            _populate(made, groups[0], placed, ahead)
+        behind: list[tuple[TensorInfo, memoryview]] = []
+        scratch = None
+        with _offload.side_thread() as side:
+            for k, group in enumerate(groups):
+                side.wait()
+                buffer, ahead = ahead, _buffer(groups[k + 1], made) if k + 1 < len(groups) else None
+                side.submit(_side_work, f.path, behind, made, groups[k + 1 : k + 2], placed, ahead)
+                behind = []
+                start = header.data_start + group[0].start
+                if group[0].nbytes < SMALL:
+                    if buffer is None:  # every entry has its place already: read through scratch
+                        if scratch is None:
+                            scratch = np.empty(min(SMALL_GROUP, infos[-1].end - group[0].start), np.uint8)
+                        buffer = scratch
+                    _read_small(f, start, group, made, buffer)
+                    continue
+                views = [memoryview(made[info.name][1]) for info in group]
+                f.read_batch([(start, views)])
+                behind = list(zip(group, views, strict=True))
+            side.wait()
+        _verify(f.path, behind)
+
+    def finish(self, info: TensorInfo, obj: Any) -> object:
+        if info.kind == "tensor":
+            return obj if self.map_location is None else obj.to(self.map_location)
+        if info.kind == "pickle":
+            return pickle.loads(obj.tobytes())  # the caller opted in
+        return obj[()] if info.kind == "npscalar" else obj
+
+    # -- DTensors ---------------------------------------------------------------------------
+    def read_dtensor(self, saved: SavedTensor, target: Any, where: str) -> Any:
+        """Fill ``target`` (a DTensor: its local shard; a tensor: the whole) from the
+        saved boxes, or assemble the whole tensor when there is no target."""
+        dtype, shape = _dtypes.TORCH_DTYPES[saved.dtype], tuple(saved.shape)
+        if target is not None and (tuple(target.shape) != shape or target.dtype != dtype):
+            raise StateMismatchError(
+                f"{where}: checkpoint has {dtype} {shape}, target {target.dtype} {tuple(target.shape)}"
+            )
+        if is_dtensor(target):
+            mine = shard_of(target, where)
+            if mine is not None:
+                self._fill(self._plan(saved, mine.box, where), mine.local)
+            return target
+        # The boxes are found in their files before the whole is allocated: only entries
+        # the files hold, of the manifest's sizes, justify the memory.
+        plan = self._plan(saved, Box((0,) * len(shape), shape), where)
+        whole = target
+        if whole is None:
+            whole = torch.empty(shape, dtype=dtype)
+            if whole.nbytes >= HUGE_MIN:
+                huge_pages(whole.data_ptr(), whole.nbytes)
+        self._fill(plan, whole)
+        if target is None and self.map_location is not None:
+            return whole.to(self.map_location)
+        return whole
+
+    def _plan(
+        self, saved: SavedTensor, box: Box, where: str
+    ) -> list[tuple[Reader, int, TensorInfo, list[Run]]]:
+        """The reads that fill ``box`` of a DTensor: for each saved box it overlaps, its
+        file, its entry (checked to be that box) and the runs to read of it."""
+        assert self.shards is not None
+        itemsize = _dtypes.TORCH_DTYPES[saved.dtype].itemsize
+        plan = []
+        for sb in saved.boxes:
+            overlap = sb.box.intersect(box)
+            if overlap is None or not overlap.numel:
+                continue
+            # The entry first: the runs of a box no file holds could be any number.
+            f, header = self.shards.open(sb.file)
+            info = header.tensors.get(sb.name)
+            if not holds_box(info, saved, sb):
+                raise CorruptCheckpointError(f.path, f"does not hold the box of {where} its manifest says")
+            assert info is not None
+            pieces = [r for run in runs(sb.box, box, itemsize) for r in split(run, SCRATCH, itemsize)]
+            plan.append((f, header.data_start, info, pieces))
+        return plan
+
+    def _fill(self, plan: list[tuple[Reader, int, TensorInfo, list[Run]]], local: torch.Tensor) -> None:
+        for f, data_start, info, pieces in plan:
+            _BoxReader(f, data_start, info, local).read(pieces)
+
+
+class _BoxReader:
+    """Reads runs of one saved box into a local tensor, verifying what it reads."""
+
+    def __init__(self, f: Reader, data_start: int, info: TensorInfo, local: torch.Tensor) -> None:
+        self.f, self.info, self.local = f, info, local
+        self.base = data_start + info.start
+
+    def read(self, pieces: list[Run]) -> None:
+        if self.info.blocks is None:  # small: read it whole, once, and check it whole
+            buf = np.empty(self.info.nbytes, dtype=np.uint8)
+            self.f.readinto(self.base, buf.data)
+            if crc32c(buf.data) != self.info.crc:
+                raise CorruptCheckpointError(self.f.path, f"checksum mismatch in tensor {self.info.name!r}")
+            for run in pieces:
+                self._copy(run, buf[run.src : run.src + run.nbytes])
+            return
+        pieces = sorted(pieces, key=lambda r: r.src)
+        i = 0
+        while i < len(pieces):
+            run = pieces[i]
+            lo, hi = self._span(run)
+            dest = self._view(run)
+            if (lo, hi) == (run.src, run.src + run.nbytes) and _is_host_contiguous(dest):
+                raw = _bytes_of(dest).data  # the run is whole blocks: read in place
+                self.f.readinto(self.base + lo, raw)
+                self._check(lo, raw)
+                i += 1
+                continue
+            # Runs whose blocks meet share one read (a column shard is a run per row:
+            # each block is read once, not once per row), within the scratch bound.
+            j = i + 1
+            while j < len(pieces):
+                lo_j, hi_j = self._span(pieces[j])
+                if lo_j > hi or hi_j - lo > SCRATCH:
+                    break
+                hi = max(hi, hi_j)
+                j += 1
+            buf = np.empty(hi - lo, dtype=np.uint8)
+            self.f.readinto(self.base + lo, buf.data)
+            self._check(lo, buf.data)
+            for piece in pieces[i:j]:
+                self._copy(piece, buf[piece.src - lo : piece.src - lo + piece.nbytes])
+            i = j
+
+    def _span(self, run: Run) -> tuple[int, int]:
+        """The blocks a run lies in, as a byte range of the entry."""
+        end = -(-(run.src + run.nbytes) // BLOCK) * BLOCK
+        return run.src // BLOCK * BLOCK, min(self.info.nbytes, end)
+
+    def _check(self, lo: int, raw: memoryview) -> None:
+        assert self.info.blocks is not None
+        first = lo // BLOCK
+        got = [crc32c(raw[i : i + BLOCK]) for i in range(0, len(raw), BLOCK)]
+        if got != list(self.info.blocks[first : first + len(got)]):
+            raise CorruptCheckpointError(self.f.path, f"checksum mismatch in tensor {self.info.name!r}")
+
+    def _view(self, run: Run) -> torch.Tensor:
+        k = len(run.dst) - len(run.shape)
+        index = tuple(run.dst[:k]) + tuple(
+            slice(d, d + n) for d, n in zip(run.dst[k:], run.shape, strict=True)
+        )
+        return self.local[index] if index else self.local
+
+    def _copy(self, run: Run, raw: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
+        dest = self._view(run)
+        src = as_copyable(torch.from_numpy(raw).view(self.local.dtype)).view(run.shape)
+        with torch.no_grad():
+            as_copyable(dest).copy_(src)
+
+
+def _is_host_contiguous(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+
+
+def _bytes_of(t: torch.Tensor) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    raw: np.ndarray[Any, np.dtype[np.uint8]] = as_copyable(t.detach()).reshape(-1).view(torch.uint8).numpy()
+    return raw
+
+
+def split(run: Run, limit: int, itemsize: int) -> Iterator[Run]:
+    """``run`` in pieces of at most ``limit`` bytes (but never less than one element),
+    cut along its leading dimensions, so each piece still lands in one box."""
+    if run.nbytes <= limit or not run.shape:
+        yield run
+        return
+    k = len(run.dst) - len(run.shape)
+    rows, row_bytes = run.shape[0], run.nbytes // run.shape[0]
+    if row_bytes <= limit:
+        step = max(1, limit // row_bytes)
+        for i in range(0, rows, step):
+            n = min(step, rows - i)
+            dst = (*run.dst[:k], run.dst[k] + i, *run.dst[k + 1 :])
+            yield Run(run.src + i * row_bytes, n * row_bytes, dst, (n, *run.shape[1:]))
+        return
+    for i in range(rows):  # a row alone is too long: one row at a time, cut further
+        dst = (*run.dst[:k], run.dst[k] + i, *run.dst[k + 1 :])
+        yield from split(Run(run.src + i * row_bytes, row_bytes, dst, run.shape[1:]), limit, itemsize)
+
+
+_START, _OBJECT = operator.attrgetter("start"), operator.itemgetter(0)
+
+
+def _spec(info: TensorInfo) -> tuple[str, str, tuple[int, ...]]:
+    return info.kind, info.dtype, info.shape
+
+
+def _groups(infos: list[TensorInfo], most: int, iovecs: int) -> Iterator[list[TensorInfo]]:
+    """Neighbouring entries, in runs of at most ``most`` bytes and ``iovecs`` buffers (a
+    reader may take larger batches than a file's preadv: an object store's batch is a
+    round trip, its GETs run in parallel); entries under SMALL bytes in runs of their
+    own, of at most SMALL_GROUP bytes, each one read into a scratch buffer."""
+    group: list[TensorInfo] = []
+    small = False
+    for info in infos:
+        if group and (
+            info.start != group[-1].end
+            or (info.nbytes < SMALL) != small
+            or (info.end - group[0].start > SMALL_GROUP if small else len(group) >= iovecs)
+            or info.end - group[0].start > most
+        ):
+            yield group
+            group = []
+        if not group:
+            small = info.nbytes < SMALL
+        group.append(info)
+    if group:
+        yield group
+
+
+def _read_small(
+    f: Reader, start: int, group: list[TensorInfo], made: Made, buffer: np.ndarray[Any, np.dtype[np.uint8]]
+) -> None:
+    """Read a run of small entries into ``buffer`` at once and check each there. An
+    entry that has a place (a target's memory) is copied to it; one that has none (None
+    in ``made``) becomes a view of the buffer (``_in_buffer``)."""
+    base = group[0].start
+    buf = buffer[: group[-1].end - base]
+    raw, address = buf.data, buf.ctypes.data
+    f.read_batch([(start, [raw])])
+    check, move, view = crc32c, ctypes.memmove, _in_buffer  # per entry, a global looked up costs
+    for info in group:
+        at, end = info.start - base, info.end - base
+        if info.crc is not None and check(raw[at:end]) != info.crc:
+            raise CorruptCheckpointError(f.path, f"checksum mismatch in tensor {info.name!r}")
+        pair = made[info.name]
+        if pair is None:
+            made[info.name] = view(info, buf, at)
+            continue
+        dest = pair[1]
+        if type(dest) is int:
+            move(dest, address + at, end - at)
+        else:
+            dest[:] = buf[at:end]
+
+
+def _buffer(group: list[TensorInfo], made: Made) -> np.ndarray[Any, np.dtype[np.uint8]] | None:
+    """The memory a run of small entries is read into, if some of them have no place
+    yet: its own, which their objects then share (see ``_in_buffer``); else None."""
+    if group[0].nbytes >= SMALL or all(made[info.name] is not None for info in group):
+        return None
+    nbytes = group[-1].end - group[0].start
+    raw = np.empty(nbytes + _ALIGNMENT, np.uint8)
+    skip = -raw.ctypes.data % _ALIGNMENT  # as torch aligns what it allocates
+    return raw[skip : skip + nbytes]
+
+
+#: Where a buffer of small entries starts (torch's CPU allocator aligns to 64 bytes).
+_ALIGNMENT = 64
+
+
+def _in_buffer(info: TensorInfo, buf: np.ndarray[Any, np.dtype[np.uint8]], at: int) -> tuple[Any, Any]:
+    """What a small entry becomes, made on its bytes at ``buf[at:]`` (a buffer of its
+    group alone) where its alignment allows: a tensor or array that is a view of them,
+    with a storage of its own bytes (``torch.save`` writes those alone; the buffer lives
+    while any of its views does). Made so, an entry costs no allocation and no copy;
+    the buffer's pages were faulted in beside the read, where fresh memory's faults
+    cost most (see ``_populate``). Otherwise a copy in memory of its own."""
+    nbytes = info.end - info.start
+    if info.kind == "tensor":
+        carrier = _carrier(info.dtype)
+        if carrier is not None and nbytes and at % carrier[0].itemsize == 0:
+            tensor = torch.from_numpy(np.ndarray(info.shape, carrier[0], buf, at))
+            return (tensor if carrier[1] is None else tensor.view(carrier[1])), None
+    else:
+        dtype = np.dtype(info.dtype)
+        if nbytes and at % dtype.itemsize == 0:
+            return np.ndarray(info.shape, dtype, buf, at), None
+    obj, dest = _allocate(info)
+    if type(dest) is int:
+        ctypes.memmove(dest, buf.ctypes.data + at, nbytes)
+    else:
+        dest[:] = buf[at : at + nbytes]
+    return obj, None
+
+
+#: torch dtype name -> (the NumPy dtype its elements are read as, the torch dtype to
+#: view the result as when NumPy has no such dtype), or None: made by copying.
+_CARRIERS: dict[str, tuple[np.dtype[Any], torch.dtype | None] | None] = {}
+
+
+def _carrier(name: str) -> tuple[np.dtype[Any], torch.dtype | None] | None:
+    if name not in _CARRIERS:
+        _CARRIERS[name] = _find_carrier(_dtypes.TORCH_DTYPES[name])
+    return _CARRIERS[name]
+
+
+def _find_carrier(dtype: torch.dtype) -> tuple[np.dtype[Any], torch.dtype | None] | None:
+    try:
+        same = torch.empty(1, dtype=dtype).numpy().dtype
+        if torch.from_numpy(np.empty(1, same)).dtype == dtype:
+            return same, None
+    except (TypeError, RuntimeError):  # no NumPy dtype: bfloat16, float8, complex32, ...
+        pass
+    size = dtype.itemsize
+    if (dtype.is_floating_point or dtype.is_complex) and size in (1, 2, 4, 8):
+        try:  # bfloat16, float8 and complex32 read as unsigned ints of their size
+            carrier = np.dtype(f"<u{size}")
+            if torch.from_numpy(np.empty(1, carrier)).view(dtype).dtype == dtype:
+                return carrier, dtype
+        except (TypeError, RuntimeError):
+            pass
+    return None  # sub-byte and bit types: copied
+
+
+def _side_work(
+    path: str,
+    behind: list[tuple[TensorInfo, memoryview]],
+    made: Made,
+    ahead: list[list[TensorInfo]],
+    placed: Mapping[str, Any],
+    buffer: np.ndarray[Any, np.dtype[np.uint8]] | None,
+) -> None:
+    _verify(path, behind)
+    for group in ahead:
+        _populate(made, group, placed, buffer)
+
+
+def _verify(path: str, read: list[tuple[TensorInfo, memoryview]]) -> None:
+    for info, view in read:
+        if info.crc is not None and crc32c(view) != info.crc:
+            raise CorruptCheckpointError(path, f"checksum mismatch in tensor {info.name!r}")
+
+
+#: Buffers below this come from the allocator's heap, mostly faulted in already.
+_POPULATE_MIN = 1 << 20
+
+
+def _populate(
+    made: Made,
+    group: list[TensorInfo],
+    placed: Mapping[str, Any],
+    buffer: np.ndarray[Any, np.dtype[np.uint8]] | None,
+) -> None:
+    if buffer is not None:  # small entries' own buffer: fresh memory, all of it
+        populate(buffer.ctypes.data, buffer.nbytes)
+        return
+    for info in group:
+        if info.nbytes >= _POPULATE_MIN and info.name not in placed:
+            array = made[info.name][1]
+            populate(array.ctypes.data, array.nbytes)
+
+
+def _allocate(info: TensorInfo) -> tuple[Any, Any]:
+    """The object an entry becomes, and where its bytes go (see Made)."""
+    if info.kind == "tensor":
+        # Sizes as arguments, not a tuple: torch parses them in 0.6 us instead of 1.1.
+        shape, dtype = info.shape, _dtypes.TORCH_DTYPES[info.dtype]
+        tensor = torch.empty(*shape, dtype=dtype) if shape else torch.empty((), dtype=dtype)
+        nbytes = info.end - info.start
+        if nbytes < SMALL:
+            return tensor, tensor.data_ptr()
+        if nbytes >= HUGE_MIN:  # (NumPy's arrays, below, have them already)
+            huge_pages(tensor.data_ptr(), nbytes)
+        return tensor, tensor.reshape(-1).view(torch.uint8).numpy()
+    array = np.empty(info.shape, dtype=np.dtype(info.dtype))
+    return array, array.reshape(-1).view(np.uint8)

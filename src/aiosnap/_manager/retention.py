@@ -1,0 +1,120 @@
+"""Which checkpoints to keep: a small Protocol and composable policies.
+
+A policy sees the committed, valid checkpoints (oldest first) and names the steps it
+wants kept. The manager keeps the union of that and the newest checkpoint, and only
+ever deletes checkpoints older than the newest one, after the newest has committed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol, final
+
+from .records import CheckpointRecord
+
+
+class RetentionPolicy(Protocol):
+    """Decides which checkpoints stay."""
+
+    def keep(self, checkpoints: Sequence[CheckpointRecord], now: float) -> set[int]:
+        """The steps to keep, out of ``checkpoints`` (sorted by step, oldest first)."""
+        ...
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class KeepLast:
+    """The newest ``n`` checkpoints."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError("KeepLast needs n >= 1")
+
+    def keep(self, checkpoints: Sequence[CheckpointRecord], now: float) -> set[int]:
+        return {c.step for c in checkpoints[-self.n :]}
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class KeepEvery:
+    """Checkpoints whose step is a multiple of ``steps`` (permanent milestones)."""
+
+    steps: int
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError("KeepEvery needs steps >= 1")
+
+    def keep(self, checkpoints: Sequence[CheckpointRecord], now: float) -> set[int]:
+        return {c.step for c in checkpoints if c.step % self.steps == 0}
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class KeepBest:
+    """The ``n`` checkpoints with the best value of ``metric``; those without it (or with
+    NaN, a diverged run's loss, or a bool) are not kept."""
+
+    metric: str
+    mode: Literal["min", "max"] = "min"
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("min", "max") or self.n < 1:
+            raise ValueError("KeepBest needs mode 'min' or 'max' and n >= 1")
+
+    def keep(self, checkpoints: Sequence[CheckpointRecord], now: float) -> set[int]:
+        scored = [c for c in checkpoints if _number(c.metrics.get(self.metric))]
+        sign = 1.0 if self.mode == "min" else -1.0
+        # Ties go to the newer checkpoint.
+        scored.sort(key=lambda c: (sign * float(c.metrics[self.metric]), -c.step))
+        return {c.step for c in scored[: self.n]}
+
+
+def _number(value: object) -> bool:
+    # NaN compares false with everything: sorted among numbers it lands anywhere, and
+    # was kept as the best loss of a run that diverged.
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class KeepWithin:
+    """Checkpoints committed in the last ``seconds``."""
+
+    seconds: float
+
+    def keep(self, checkpoints: Sequence[CheckpointRecord], now: float) -> set[int]:
+        return {c.step for c in checkpoints if now - c.wall_time <= self.seconds}
+
+
+@final
+class AnyOf:
+    """Keeps what any of its policies keeps."""
+
+    def __init__(self, *policies: RetentionPolicy) -> None:
+        if not policies:
+            raise ValueError("AnyOf needs at least one policy")
+        self.policies = policies
+
+    def __repr__(self) -> str:
+        return f"AnyOf{self.policies!r}"
+
+    def keep(self, checkpoints: Sequence[CheckpointRecord], now: float) -> set[int]:
+        kept: set[int] = set()
+        for policy in self.policies:
+            kept |= policy.keep(checkpoints, now)
+        return kept
+
+
+def victims(policy: RetentionPolicy | None, checkpoints: Sequence[CheckpointRecord], now: float) -> list[int]:
+    """Steps to delete: not kept by the policy, and older than the newest checkpoint."""
+    if policy is None or not checkpoints:
+        return []
+    ordered = sorted(checkpoints, key=lambda c: c.step)
+    kept = policy.keep(ordered, now) | {ordered[-1].step}
+    return [c.step for c in ordered if c.step not in kept]

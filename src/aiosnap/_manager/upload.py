@@ -1,0 +1,241 @@
+"""The remote tier's writer: copies checkpoints committed on the local tier, in the background.
+
+A tiered CheckpointManager saves to its local directory and hands each committed
+checkpoint to a second manager on the remote directory, whose writer is an
+``UploadWriter``: the remote save's "state" is a ``LocalCopy``, the local file once
+its own save resolved. So an upload commits, is indexed and rotated exactly as a save
+is (in a group: every rank copies its own file, rank 0 writes the manifest last).
+
+The queue is bounded: when ``max_pending`` uploads wait behind the running one, the
+oldest waiting one is dropped (its handle says skipped): the newest checkpoint is
+never dropped. A copy that fails is tried again after an exponential backoff with
+jitter, ``retries`` times, before its failure is reported.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import random
+import time
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Literal, Self, final
+
+import anyio
+import anyio.abc
+
+from .._base import offload as _offload
+from .._base.errors import CheckpointNotFoundError, CorruptCheckpointError, WriterClosedError
+from .._format.tree import ExternalLeaves
+from .._save.engine import SaveFun
+from .._save.handle import Failures, SaveFailure, SaveHandle, SaveStats, raise_first
+from .._storage.backends import resolve
+from .._storage.protocol import CommitTimes, Storage
+
+logger = logging.getLogger(__name__)
+
+#: Bytes read from the local file and handed to the upload per call.
+COPY_PIECE = 32 << 20
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class LocalCopy:
+    """What the remote tier saves: the local checkpoint file of ``committed``, once that
+    save resolved (a failed or skipped local save is not uploaded)."""
+
+    storage: Storage
+    committed: SaveHandle
+
+
+def copy_object(src: Storage, src_path: str, dst: Storage, dst_path: str) -> CommitTimes:
+    """Copy a committed object to another storage, through its commit protocol (the copy
+    is invisible until whole). Blocking."""
+    reader = src.open_read(src_path)
+    try:
+        size = reader.size
+        upload = dst.create(dst_path, size)
+        try:
+            buf = memoryview(bytearray(min(COPY_PIECE, max(size, 1))))
+            t0 = time.perf_counter()
+            for offset in range(0, size, len(buf)):
+                piece = buf[: min(len(buf), size - offset)]
+                reader.readinto(offset, piece)
+                upload.write_at(offset, piece)
+            write_s = time.perf_counter() - t0
+            times = upload.commit()
+        except BaseException:
+            upload.abort()
+            raise
+    finally:
+        reader.close()
+    return CommitTimes(write_s + times.write_s, times.fsync_s, size)
+
+
+@dataclass(eq=False, slots=True)
+class _Job:
+    handle: SaveHandle
+    source: LocalCopy
+    storage: Storage
+    t0: float
+
+
+@final
+class UploadWriter:
+    """A Writer whose saves copy ``LocalCopy`` files (see the module docstring)."""
+
+    def __init__(
+        self, *, storage: Storage | None = None, max_pending: int = 2, retries: int = 5, backoff: float = 1.0
+    ) -> None:
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be at least 1, not {max_pending}")
+        if retries < 0:
+            raise ValueError(f"retries must be at least 0, not {retries}")
+        self._storage = storage
+        self.max_pending, self.retries, self.backoff = max_pending, retries, backoff
+        self._queue: collections.deque[_Job] = collections.deque()
+        self._running: _Job | None = None
+        self._wake = anyio.Event()
+        self._failures = Failures()
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._state: Literal["new", "open", "closing", "closed"] = "new"
+
+    def _use(self, storage: Storage) -> None:
+        """Upload through the remote tier's storage (one made from its URL, unless given)."""
+        if self._storage is None:
+            self._storage = storage
+        elif self._storage is not storage:
+            raise ValueError("the uploader's storage= is not the manager's remote_storage=")
+
+    async def __aenter__(self) -> Self:
+        if self._state != "new":
+            raise WriterClosedError("a writer can be opened only once")
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        self._state = "open"
+        self._tg.start_soon(self._consume)
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            await self.aclose()
+        finally:
+            await self._stop()
+
+    async def _stop(self) -> None:
+        if self._tg is not None:
+            tg, self._tg = self._tg, None
+            tg.cancel_scope.cancel()
+            await tg.__aexit__(None, None, None)
+
+    async def __call__(
+        self, filename: str, out_dir: str, target: object, *, savefun: SaveFun | None = None
+    ) -> SaveHandle:
+        """Queue the upload of ``target`` (a LocalCopy) to ``out_dir/filename``; returns at once."""
+        if self._state != "open":
+            raise WriterClosedError("the upload writer is not open")
+        if isinstance(target, ExternalLeaves):  # a group's replicated leaves: the file says so already
+            target = target.state
+        if not isinstance(target, LocalCopy) or savefun is not None:
+            raise TypeError("an UploadWriter uploads committed local checkpoints (LocalCopy) only")
+        storage, directory = resolve(out_dir, self._storage)
+        job = _Job(SaveHandle(storage.join(directory, filename)), target, storage, time.perf_counter())
+        if len(self._queue) >= self.max_pending:
+            dropped = self._queue.popleft()
+            logger.warning(
+                "the upload of %s was dropped: %d newer uploads wait (the newest is never dropped)",
+                dropped.handle.path,
+                self.max_pending,
+            )
+            dropped.handle._skip()
+        self._queue.append(job)
+        self._wake.set()
+        return job.handle
+
+    async def accept(
+        self, filename: str, out_dir: str, target: object, *, savefun: SaveFun | None = None
+    ) -> SaveHandle:
+        """As the call: an upload has nothing of the caller's to capture."""
+        return await self(filename, out_dir, target, savefun=savefun)
+
+    async def _consume(self) -> None:
+        while True:
+            if not self._queue:
+                self._wake = anyio.Event()
+                await self._wake.wait()
+                continue
+            job = self._queue.popleft()
+            self._running = job
+            try:
+                await self._upload(job)
+            finally:
+                self._running = None
+
+    async def _upload(self, job: _Job) -> None:
+        outcome = await job.source.committed._outcome()
+        if isinstance(outcome, SaveFailure) or outcome.skipped:
+            job.handle._skip()  # nothing committed locally: nothing to upload
+            return
+        src, dst = job.source.storage, job.handle.path
+        attempt = 0
+        while True:
+            try:
+                times = await _offload.run_io(copy_object, src, outcome.path, job.storage, dst)
+                break
+            except (CheckpointNotFoundError, CorruptCheckpointError) as exc:  # the local file: no retry helps
+                job.handle._fail(self._failures.add(dst, exc))
+                return
+            except OSError as exc:  # RemoteStorageError included: the network, the far end
+                if attempt >= self.retries:
+                    exc.add_note(f"aiosnap: the upload of {dst} failed {attempt + 1} times; giving up")
+                    logger.warning("uploading %s failed for good: %r", dst, exc)
+                    job.handle._fail(self._failures.add(dst, exc))
+                    return
+                delay = min(self.backoff * 2**attempt, 60.0) * (0.5 + random.random())
+                attempt += 1
+                logger.warning(
+                    "uploading %s failed (%r); attempt %d of %d in %.1f s",
+                    dst,
+                    exc,
+                    attempt + 1,
+                    self.retries + 1,
+                    delay,
+                )
+                await anyio.sleep(delay)
+            except Exception as exc:
+                job.handle._fail(self._failures.add(dst, exc))
+                return
+        total = time.perf_counter() - job.t0
+        job.handle._finish(SaveStats(dst, times.bytes, 0.0, 0.0, times.write_s, times.fsync_s, total))
+
+    def pending(self) -> int:
+        """Uploads queued or running."""
+        return len(self._queue) + (self._running is not None)
+
+    async def flush(self) -> None:
+        """Wait until every upload accepted so far has ended; raise the first unreported failure."""
+        await self._wait()
+        raise_first(self._failures.take())
+
+    async def _wait(self) -> None:
+        for job in [*([self._running] if self._running else []), *self._queue]:
+            await job.handle._done.wait()
+
+    async def aclose(self) -> None:
+        """Wait for the uploads, raise any unreported failure. Idempotent. The task
+        group is exited by ``__aexit__`` (task groups end in the order they began)."""
+        if self._state in ("new", "closed"):
+            self._state = "closed"
+            return
+        self._state = "closing"
+        try:
+            await self._wait()
+        finally:
+            self._state = "closed"
+        raise_first(self._failures.take())
+
+    def take_failures(self) -> list[SaveFailure]:
+        return self._failures.take()

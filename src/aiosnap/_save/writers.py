@@ -1,0 +1,655 @@
+"""The writers: when capture, stage and commit run, and who waits for what.
+
+Every save runs in a task of the writer's own task group: capture (copy into an
+arena, in a worker thread) and then commit (engine). The caller awaits only the
+capture, through an event, so plain-asyncio cancellation of the caller can never
+interrupt a copy or a commit half-way: a save cancelled before its capture finished
+is dropped whole; after it, it commits whole.
+
+A save whose commit can start at once -- no earlier save ahead of it, a commit in a
+thread, no ``savefun`` -- is *pipelined* (``_pipeline``): its commit is handed the
+arena as soon as the image is laid out, and writes the first pieces while later ones
+are still being copied. The commit then owns the end of the save: it settles it,
+also when the capture fails (the caller gets that error, the writer reports nothing).
+"""
+
+from __future__ import annotations
+
+import abc
+import functools
+import inspect
+import logging
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Literal, Protocol, Self, TypedDict, Unpack, final
+
+import anyio
+import anyio.abc
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from .._base import offload as _offload
+from .._base.errors import WriterClosedError
+from .._base.names import check_component
+from .._format.header import seal
+from .._format.plans import Plan, PlanCache
+from .._storage.backends import resolve
+from .._storage.protocol import CommitTimes, Storage
+from .arena import Arena, ArenaPool
+from .device import default_copier
+from .engine import Engine, ProcessEngine, SaveFun, ThreadEngine
+from .handle import Capture, Failures, SaveFailure, SaveHandle, SaveStats, raise_first
+from .pipeline import CaptureEnded, Pipe, commit_pipelined
+from .stage import StagedImage, stage_or_plan, write_in_pieces
+
+logger = logging.getLogger(__name__)
+
+Offload = Literal["thread", "process"]
+WhenFull = Literal["block", "skip", "replace"]
+#: Below this, a budget could not even hold one header page and one piece.
+_MIN_BUDGET = 1 << 20
+_After = Callable[["_Save"], Coroutine[Any, Any, None]]
+"""What follows a save's capture: its commit, or its place in a queue."""
+PostSaveHook = Callable[[SaveStats], object] | Callable[[SaveStats], Awaitable[object]]
+
+
+class WriterOptions(TypedDict, total=False):
+    """Options every writer takes (keyword-only).
+
+    ``storage``: where files go (by default, what each ``out_dir`` names: a local path,
+    or a URL such as ``s3://bucket/run``). ``allow_pickle``: store
+    values that are not state types pickled. ``max_host_bytes``: the most host memory
+    staging may hold, queued saves included; a state larger than that is staged and
+    written in pieces before the call returns. ``pipeline``: let a save with nothing
+    ahead of it be written while it is still being copied (the default: durable about one
+    disk write after the call); False commits only after the capture, which stalls the
+    caller ~15-25 % less (the copy then has the memory bus and the cores to itself).
+    """
+
+    storage: Storage | None
+    allow_pickle: bool
+    max_host_bytes: int | None
+    pipeline: bool
+
+
+class Writer(Protocol):
+    """What every writer does; user code should depend on this, not a class.
+
+    ``accept`` takes a save and returns its handle before its state is captured; the
+    caller then awaits ``handle.wait_captured()``. A CheckpointManager uses it, so that
+    its record of a save follows the save's own outcome whatever happens to the call (a
+    cancellation included). A writer of one's own may leave it out: the manager then
+    calls the writer itself, and a save cancelled right after its capture may commit a
+    file that the manager does not record.
+    """
+
+    async def __aenter__(self) -> Self: ...
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None: ...
+
+    async def __call__(
+        self, filename: str, out_dir: str, target: object, *, savefun: SaveFun | None = None
+    ) -> SaveHandle: ...
+
+    async def accept(
+        self, filename: str, out_dir: str, target: object, *, savefun: SaveFun | None = None
+    ) -> SaveHandle: ...
+
+    async def flush(self) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+    def take_failures(self) -> list[SaveFailure]: ...
+
+
+@dataclass(eq=False, slots=True)
+class _Save:
+    handle: SaveHandle
+    storage: Storage
+    target: object  # walked in the staging thread, while the caller waits
+    savefun: SaveFun | None
+    t0: float
+    capture: Capture
+    staged: StagedImage | None = None
+    arena: Arena | None = None  # released when the save settles
+    pipe: Pipe | None = None  # set once a pipelined commit has taken the save
+    capture_error: BaseException | None = None
+    abandoned: bool = False
+    stall_s: float = 0.0
+    producers: object = None  # the device streams producing the tensors, seen from the loop
+    stats: SaveStats | None = None  # set when the save was written in pieces during capture
+
+
+class _WriterBase(abc.ABC):
+    """Behaviour shared by all writers; subclasses decide what follows a capture."""
+
+    _arenas_kept = 1
+
+    def __init__(
+        self,
+        *,
+        offload: Offload = "thread",
+        storage: Storage | None = None,
+        allow_pickle: bool = False,
+        max_host_bytes: int | None = None,
+        pipeline: bool = True,
+    ) -> None:
+        if offload not in ("thread", "process"):
+            raise ValueError(f"offload must be 'thread' or 'process', not {offload!r}")
+        if max_host_bytes is not None and max_host_bytes < _MIN_BUDGET:
+            raise ValueError(f"max_host_bytes must be at least {_MIN_BUDGET}")
+        self.offload = offload
+        self._storage = storage
+        self._engine: Engine = ProcessEngine() if offload == "process" else ThreadEngine()
+        self._pool = ArenaPool(
+            shared=self._engine.shared, keep=self._arenas_kept, budget=max_host_bytes, on_free=self._unpin
+        )
+        self._allow_pickle = allow_pickle
+        self._pipeline = pipeline
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._state: Literal["new", "open", "closing", "closed"] = "new"
+        self._inflight: set[_Save] = set()
+        self._failures = Failures()
+        self._hooks: list[PostSaveHook] = []
+        self._capture_lock = anyio.Lock()
+        self._plans = PlanCache()  # used under the capture lock
+        self._copier = default_copier()
+
+    # -- lifecycle ---------------------------------------------------------------------
+    async def __aenter__(self) -> Self:
+        if self._state != "new":
+            raise WriterClosedError("a writer can be opened only once")
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        self._tg, self._state = tg, "open"
+        try:
+            await self._engine.start()
+            self._on_open(tg)
+        except BaseException:
+            self._state = "closed"
+            await self._exit_task_group(cancel=True)
+            raise
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        # The body's own exception propagates as it is, never wrapped in a group: the
+        # task group is exited clean, after aclose() has drained every save.
+        try:
+            await self.aclose()
+        except BaseException as error:
+            await self._exit_task_group(cancel=not isinstance(error, Exception))
+            raise
+        await self._exit_task_group(cancel=False)
+
+    async def _exit_task_group(self, *, cancel: bool) -> None:
+        assert self._tg is not None
+        if cancel:
+            self._tg.cancel_scope.cancel()
+        await self._tg.__aexit__(None, None, None)
+
+    async def aclose(self) -> None:
+        """Wait for every accepted save, stop the workers, raise any unreported failure.
+
+        Idempotent. Cancelling it stops the wait, not the saves that are running.
+        """
+        if self._state in ("new", "closed"):
+            self._state = "closed"
+            return
+        self._state = "closing"
+        try:
+            await self._drain()
+        finally:
+            await self._engine.aclose()
+            # Unmapping hundreds of MiB takes ~100 ms: not on the event loop.
+            with anyio.CancelScope(shield=True):
+                await _offload.run_io(self._pool.close)
+                await _offload.run_cpu(self._plans.clear)
+            self._state = "closed"
+        raise_first(self._failures.take())
+
+    async def flush(self) -> None:
+        """Wait until every save accepted so far is durable; raise the first failure not
+        reported yet (with a note naming any others)."""
+        await self._wait_inflight()
+        raise_first(self._failures.take())
+
+    def take_failures(self) -> list[SaveFailure]:
+        """The failed saves not reported yet, oldest first; from now on they count as
+        reported, so no later call, ``flush`` or ``aclose`` raises them."""
+        return self._failures.take()
+
+    def add_post_save_hook(self, hook: PostSaveHook) -> None:
+        """Call ``hook(stats)`` after each commit (async hooks are awaited, sync ones run
+        in a worker thread). A failing hook fails its save's handle."""
+        self._hooks.append(hook)
+
+    def _unpin(self, array: object) -> None:
+        if self._copier is not None:
+            self._copier.unpin(array)
+
+    def _on_open(self, tg: anyio.abc.TaskGroup) -> None:  # noqa: B027 - optional hook
+        """Start the writer's own background tasks."""
+
+    async def _drain(self) -> None:
+        await self._wait_inflight()
+
+    async def _wait_inflight(self) -> None:
+        for save in list(self._inflight):
+            await save.handle._done.wait()
+
+    # -- one save ------------------------------------------------------------------------
+    async def __call__(
+        self, filename: str, out_dir: str, target: object, *, savefun: SaveFun | None = None
+    ) -> SaveHandle:
+        """Capture ``target`` now and write it to ``out_dir/filename``.
+
+        ``filename`` is one name inside ``out_dir`` (ValueError for ``"../x"``, ``"/abs"``,
+        ``"."`` or a name starting like aiosnap's own files); with ``out_dir=""`` it is
+        the whole path.
+
+        Returns once the state is captured: from then on ``target`` may change. The
+        capture (the tree walk, ``state_dict()`` calls, tensor copies) runs in a worker
+        thread so the event loop keeps serving other tasks; those tasks must not change
+        ``target`` while the call is pending. With a
+        ``savefun(obj, path)`` (such as ``torch.save``) that function writes the file
+        from the captured copy, still through the durable atomic commit; it implies
+        ``allow_pickle`` for values that are not state types.
+
+        If an earlier background save failed and that was not reported yet, the call
+        raises that failure -- after it has accepted its own save, which goes on.
+        """
+        handle = await self.accept(filename, out_dir, target, savefun=savefun)
+        await handle.wait_captured()
+        raise_first(self._failures.take(), accepted=handle.path)
+        return handle
+
+    async def accept(
+        self, filename: str, out_dir: str, target: object, *, savefun: SaveFun | None = None
+    ) -> SaveHandle:
+        """Take a save, as ``__call__`` does, and return its handle as soon as the writer
+        has it (a slot in its queue, its turn), before the state is captured: the caller
+        must ``await handle.wait_captured()`` before it changes ``target``. Earlier
+        failures are not raised here (``flush()``, ``take_failures()``)."""
+        t0 = time.perf_counter()
+        if self._state != "open":
+            raise WriterClosedError(
+                "the writer is closed"
+                if self._state != "new"
+                else "the writer is not open: use `async with writer:` around the saves"
+            )
+        if out_dir:
+            check_component(filename, "filename")
+            storage, directory = resolve(out_dir, self._storage)
+            path = storage.join(directory, filename)
+        else:
+            storage, path = resolve(filename, self._storage)
+            check_component(storage.split(path)[1], "the file name of")
+        capture = Capture()
+        save = _Save(SaveHandle(path, capture), storage, target, savefun, t0, capture)
+        # A caller that stops waiting before the capture ended may be changing the state.
+        capture._on_abandon = functools.partial(setattr, save, "abandoned", True)
+        if self._copier is not None:
+            # Current streams are per thread: take the caller's here, on the loop thread.
+            save.producers = self._copier.producer_streams()
+        return await self._submit(save)
+
+    @abc.abstractmethod
+    async def _submit(self, save: _Save) -> SaveHandle:
+        """Admit the save and start it (``_start``, with no await after it: the caller
+        must get the handle of every save that started); return its handle."""
+
+    def _start(self, save: _Save, after: _After) -> None:
+        assert self._tg is not None
+        self._inflight.add(save)
+        self._tg.start_soon(self._capture_then, save, after)
+
+    async def _capture_then(self, save: _Save, after: _After) -> None:
+        begin = None
+        if self._pipeline and not self._engine.shared and save.savefun is None:
+            begin = functools.partial(_offload.from_loop, self._begin_pipeline, save, after)
+        try:
+            async with self._capture_lock:
+                staged = await _offload.run_cpu(
+                    stage_or_plan,
+                    save.target,
+                    self._allow_pickle or save.savefun is not None,
+                    self._pool,
+                    self._copier,
+                    save.producers,
+                    save.savefun is not None,
+                    begin,
+                    self._plans,
+                )
+                if isinstance(staged, Plan):
+                    save.stats = await self._commit_in_pieces(save, staged)
+                else:
+                    save.staged, save.arena = staged, staged.arena
+        except BaseException as exc:
+            save.capture_error = exc
+            if not isinstance(exc, Exception):
+                if save.pipe is not None:
+                    save.pipe.fail()  # its commit settles the save
+                else:
+                    self._drop(save, WriterClosedError("the writer closed during a capture"))
+                raise
+        finally:
+            save.target = None
+            save.stall_s = time.perf_counter() - save.t0  # the caller's own figure replaces it
+            save.capture.set(save.capture_error)
+        if save.pipe is not None:
+            await self._seal(save, save.pipe)
+            return
+        if save.capture_error is not None or save.abandoned:
+            self._drop(save, self._capture_failure(save))
+            return
+        if save.stats is not None:  # written in pieces during the capture: nothing follows
+            self._settle(save, None, save.stats)
+            self._dropped(save)
+            return
+        await after(save)
+
+    def _begin_pipeline(self, save: _Save, after: _After, pipe: Pipe) -> bool:
+        """On the loop, asked by the staging thread once the arena is taken: start the
+        commit now, if nothing is ahead of it. True if it started."""
+        if save.abandoned or self._state != "open" or not self._commit_free():
+            return False
+        save.pipe, save.arena = pipe, pipe.arena
+        self._hand_over(save, after)
+        return True
+
+    def _commit_free(self) -> bool:
+        """Whether a save handed over now would be committed at once, behind no other."""
+        return True
+
+    def _hand_over(self, save: _Save, after: _After) -> None:
+        assert self._tg is not None
+        self._tg.start_soon(after, save)
+
+    async def _seal(self, save: _Save, pipe: Pipe) -> None:
+        """After a pipelined capture: checksum the staged entries and write the header
+        into the arena while the commit writes the data, or make the commit abort."""
+        staged = save.staged
+        if save.capture_error is not None or save.abandoned or staged is None:
+            pipe.fail()
+            return
+        try:
+            await _offload.run_cpu(seal, staged.image(), staged.template, staged.spans)
+        except BaseException:
+            pipe.fail()
+            raise
+        pipe.seal()
+
+    def _capture_failure(self, save: _Save) -> BaseException:
+        """What a save whose capture did not complete ends with."""
+        error = save.capture_error
+        if isinstance(error, Exception):
+            return error
+        if save.abandoned:
+            return WriterClosedError("the caller was cancelled")
+        return WriterClosedError("the writer closed during a capture")
+
+    async def _commit_in_pieces(self, save: _Save, layout: Plan) -> SaveStats:
+        """A state larger than ``max_host_bytes``: staged and written through a buffer of
+        that size before the call returns (slower, but bounded). A caller cancelled
+        meanwhile stops it between two pieces, and nothing is committed."""
+        budget = self._pool.budget
+        assert budget is not None
+        storage, path = save.storage, save.handle.path
+
+        def commit() -> CommitTimes:
+            upload = storage.create(path, layout.size)
+            try:
+                write_in_pieces(layout, upload, budget, lambda: save.abandoned)
+                return upload.commit()
+            except BaseException:
+                upload.abort()
+                raise
+
+        times = await _offload.run_io(commit)
+        total = time.perf_counter() - save.t0
+        stats = SaveStats(path, times.bytes, total, 0.0, times.write_s, times.fsync_s, total)
+        await self._run_hooks(stats)
+        return stats
+
+    async def _run_hooks(self, stats: SaveStats) -> None:
+        for hook in self._hooks:
+            await _call_hook(hook, stats)
+
+    def _drop(self, save: _Save, error: BaseException) -> None:
+        self._settle(save, error)
+        self._dropped(save)
+
+    def _dropped(self, save: _Save) -> None:  # noqa: B027 - optional hook
+        """A save ended before it was handed on (capture failed or was abandoned)."""
+
+    async def _commit(self, save: _Save) -> None:
+        try:
+            if save.pipe is not None:
+                times = await _offload.run_commit(commit_pipelined, save.storage, save.handle.path, save.pipe)
+            else:
+                assert save.staged is not None
+                times = await self._engine.commit(save.storage, save.handle.path, save.staged, save.savefun)
+            assert save.staged is not None
+            returned = save.capture.returned_at
+            stats = SaveStats(
+                save.handle.path,
+                times.bytes,
+                save.stall_s if returned is None else returned - save.t0,
+                save.staged.stage_s,
+                times.write_s,
+                times.fsync_s,
+                time.perf_counter() - save.t0,
+            )
+            await self._run_hooks(stats)
+        except Exception as exc:
+            captured = not (isinstance(exc, CaptureEnded) or save.capture_error is not None or save.abandoned)
+            if save.pipe is not None and not captured:
+                # The capture failed: its caller has the error; nothing else reports it.
+                self._settle(save, self._capture_failure(save))
+                return
+            logger.warning("background save of %s failed: %r", save.handle.path, exc)
+            self._settle(save, self._failures.add(save.handle.path, exc))
+        except BaseException:
+            self._settle(save, WriterClosedError("the writer closed during a commit"))
+            raise
+        else:
+            self._settle(save, None, stats)
+
+    def _settle(
+        self, save: _Save, error: SaveFailure | BaseException | None, stats: SaveStats | None = None
+    ) -> None:
+        arena, save.arena, save.staged = save.arena, None, None
+        if arena is not None:
+            self._pool.release(arena)
+        self._inflight.discard(save)
+        if save.handle.done():
+            return
+        if stats is not None:
+            logger.info(
+                "saved %s: %d bytes, caller stalled %.1f ms, durable after %.1f ms",
+                stats.path,
+                stats.bytes,
+                stats.stall_s * 1e3,
+                stats.total_s * 1e3,
+            )
+            save.handle._finish(stats)
+        elif error is not None:
+            save.handle._fail(error)
+        else:
+            save.handle._skip()
+
+
+async def _call_hook(hook: PostSaveHook, stats: SaveStats) -> None:
+    if inspect.iscoroutinefunction(hook) or inspect.iscoroutinefunction(
+        getattr(hook, "__call__", None)  # noqa: B004 - async callable objects
+    ):
+        await hook(stats)  # type: ignore[misc]
+        return
+    result = await _offload.run_io(hook, stats)
+    if inspect.isawaitable(result):
+        await result
+
+
+@final
+class SimpleWriter(_WriterBase):
+    """Persists before returning: the call ends when the file is durable."""
+
+    #: Its call returns once the save is durable (a CheckpointManager's save with it too).
+    returns_durable = True
+
+    async def __call__(
+        self, filename: str, out_dir: str, target: object, *, savefun: SaveFun | None = None
+    ) -> SaveHandle:
+        """Capture ``target`` and write it to ``out_dir/filename``; return once the file
+        is durable, or raise what failed the save."""
+        handle = await self.accept(filename, out_dir, target, savefun=savefun)
+        await handle.wait_captured()
+        await handle.wait()  # raised here, to the caller: reported
+        return handle
+
+    async def _submit(self, save: _Save) -> SaveHandle:
+        self._start(save, self._commit)
+        return save.handle
+
+
+class StandardWriter(_WriterBase):
+    """One save in flight: a call first waits for the previous save to be durable."""
+
+    def __init__(self, *, offload: Offload = "thread", **options: Unpack[WriterOptions]) -> None:
+        super().__init__(offload=offload, **options)
+        self._last: _Save | None = None
+        self._turn = anyio.Lock()
+
+    async def _submit(self, save: _Save) -> SaveHandle:
+        async with self._turn:
+            if self._last is not None:
+                await self._last.handle._done.wait()
+            self._start(save, self._commit)
+            self._last = save
+        return save.handle
+
+
+@final
+class ThreadWriter(StandardWriter):
+    """StandardWriter committing in a worker thread (the seeds' ThreadWriter)."""
+
+    def __init__(self, **options: Unpack[WriterOptions]) -> None:
+        super().__init__(offload="thread", **options)
+
+
+@final
+class ProcessWriter(StandardWriter):
+    """StandardWriter committing in a worker process (the seeds' ProcessWriter)."""
+
+    def __init__(self, **options: Unpack[WriterOptions]) -> None:
+        super().__init__(offload="process", **options)
+
+
+class QueueWriter(_WriterBase):
+    """A bounded queue of captured saves, committed in order by one consumer task.
+
+    ``max_pending`` saves may wait behind the one being committed. When the queue is
+    full, ``when_full`` decides: ``"block"`` waits for room, ``"skip"`` drops the new
+    save (its handle says skipped), ``"replace"`` drops the oldest waiting save so the
+    newest state always gets written. Host memory is bounded by ``max_pending + 1``
+    staged images, reused across saves.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_pending: int = 2,
+        when_full: WhenFull = "block",
+        offload: Offload = "thread",
+        **options: Unpack[WriterOptions],
+    ) -> None:
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be at least 1, not {max_pending}")
+        if when_full not in ("block", "skip", "replace"):
+            raise ValueError(f"when_full must be 'block', 'skip' or 'replace', not {when_full!r}")
+        self._arenas_kept = max_pending + 1
+        super().__init__(offload=offload, **options)
+        self.max_pending = max_pending
+        self.when_full = when_full
+        self._slots = anyio.Semaphore(max_pending)
+        self._send: MemoryObjectSendStream[_Save]
+        self._receive: MemoryObjectReceiveStream[_Save]
+        self._send, self._receive = anyio.create_memory_object_stream[_Save](max_pending)
+
+    def _on_open(self, tg: anyio.abc.TaskGroup) -> None:
+        tg.start_soon(self._consume)
+
+    async def _consume(self) -> None:
+        async with self._receive:
+            async for save in self._receive:
+                self._slots.release()
+                await self._commit(save)
+
+    async def _drain(self) -> None:
+        await super()._drain()
+        self._send.close()
+
+    async def _submit(self, save: _Save) -> SaveHandle:
+        if not await self._take_slot():
+            save.handle._skip()
+            return save.handle
+        self._start(save, self._enqueue)
+        return save.handle
+
+    async def _take_slot(self) -> bool:
+        try:
+            self._slots.acquire_nowait()
+            return True
+        except anyio.WouldBlock:
+            if self.when_full == "skip":
+                return False
+        if self.when_full == "replace":
+            try:
+                oldest = self._receive.receive_nowait()
+            except anyio.WouldBlock:
+                pass
+            else:
+                self._settle(oldest, None)  # its slot passes to the new save
+                return True
+        await self._slots.acquire()
+        return True
+
+    async def _enqueue(self, save: _Save) -> None:
+        self._send.send_nowait(save)
+
+    def _commit_free(self) -> bool:
+        # The consumer waits, so nothing is queued or being committed: a save sent now
+        # goes straight to it, and can never be dropped by ``when_full="replace"``.
+        queue = self._receive.statistics()
+        return queue.tasks_waiting_receive > 0 and queue.current_buffer_used == 0
+
+    def _hand_over(self, save: _Save, after: _After) -> None:
+        self._send.send_nowait(save)
+
+    def _dropped(self, save: _Save) -> None:
+        self._slots.release()
+
+
+@final
+class ThreadQueueWriter(QueueWriter):
+    """QueueWriter committing in a worker thread (the seeds' ThreadQueueWriter)."""
+
+    def __init__(
+        self, *, max_pending: int = 2, when_full: WhenFull = "block", **options: Unpack[WriterOptions]
+    ) -> None:
+        super().__init__(max_pending=max_pending, when_full=when_full, offload="thread", **options)
+
+
+@final
+class ProcessQueueWriter(QueueWriter):
+    """QueueWriter committing in a worker process (the seeds' ProcessQueueWriter)."""
+
+    def __init__(
+        self, *, max_pending: int = 2, when_full: WhenFull = "block", **options: Unpack[WriterOptions]
+    ) -> None:
+        super().__init__(max_pending=max_pending, when_full=when_full, offload="process", **options)

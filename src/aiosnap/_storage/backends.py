@@ -1,0 +1,86 @@
+"""Which storage a path or URL lives on.
+
+A plain path is local; a URL picks its backend by scheme: ``file://`` is local too,
+the object stores (``s3://``, ``gs://``, ``az://`` ...) go through obstore, and any
+other scheme fsspec knows (``memory://`` ...) through the fsspec adapter. A URL is
+never taken for a local path, and an unknown scheme is a ValueError.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from .local import LocalStorage
+from .protocol import Storage
+
+#: Schemes served by obstore (``backend="fsspec"`` sends them to fsspec instead).
+OBJECT_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "azure", "abfs", "abfss")
+
+_cache: dict[tuple[str, str], Storage] = {}
+_cache_lock = threading.Lock()
+
+
+def scheme_of(path: str) -> str | None:
+    head, sep, _ = path.partition("://")
+    return head.lower() if sep and head.replace("+", "").replace("-", "").isalnum() else None
+
+
+def from_url(url: str, **options: Any) -> Storage:
+    """The storage for ``url``, configured from ``options`` and the environment
+    (``AWS_*``, ``GOOGLE_*``, ``AZURE_*``), as obstore and fsspec read them.
+
+    ``s3://``, ``gs://`` and ``az://`` (and their aliases) go to obstore: ``options``
+    are obstore's (``endpoint``, ``region``, ``access_key_id``, ``client_options``...),
+    plus ``deadline``, the seconds transient errors are retried. Any other scheme fsspec
+    knows goes to fsspec, with ``options`` for its filesystem; ``backend="fsspec"``
+    sends an object store there too (GCS through gcsfs, say)."""
+    scheme = scheme_of(url)
+    if scheme is None or scheme == "file":
+        if options:
+            raise ValueError(f"local storage takes no options (got {sorted(options)})")
+        return LocalStorage()
+    backend = options.pop("backend", None)
+    if scheme in OBJECT_SCHEMES and backend in (None, "obstore"):
+        from .objstore import ObjectStorage
+
+        return ObjectStorage.from_url(url, **options)
+    from .fsspec import FsspecStorage, known_protocol
+
+    if known_protocol(scheme) and backend in (None, "fsspec"):
+        return FsspecStorage.from_url(url, **options)
+    raise ValueError(
+        f"{url!r}: unknown storage scheme {scheme!r}; aiosnap knows local paths, file://, "
+        f"{', '.join(s + '://' for s in OBJECT_SCHEMES)} (obstore) and the protocols of fsspec, "
+        "if it is installed (pip install fsspec)"
+    )
+
+
+def resolve(path: str, storage: Storage | None = None) -> tuple[Storage, str]:
+    """The storage ``path`` lives on, and the path in that storage's own form."""
+    if storage is not None:
+        return storage, path
+    scheme = scheme_of(path)
+    if scheme is None:
+        return _default("", ""), path
+    if scheme == "file":
+        return _default("", ""), path.partition("://")[2]
+    key = (scheme, _bucket_of(path))
+    with _cache_lock:
+        found = _cache.get(key)
+        if found is None:
+            found = _cache[key] = from_url(path)
+    return found, path
+
+
+def _bucket_of(url: str) -> str:
+    return url.partition("://")[2].partition("/")[0]
+
+
+def _default(scheme: str, bucket: str) -> Storage:
+    key = (scheme, bucket)
+    with _cache_lock:
+        found = _cache.get(key)
+        if found is None:
+            found = _cache[key] = LocalStorage()
+    return found
