@@ -181,7 +181,7 @@ async def test_a_failure_is_reported_once_and_never_costs_the_next_checkpoint(tm
             await failed.wait()  # seen through the handle...
         await (await mgr.save(3, {"x": np.full(3, 3)})).wait()  # ...so not raised again
         unseen = await mgr.save(4, {"x": np.full(3, 4)})
-        await unseen._outcome()
+        await unseen.outcome()
         with pytest.raises(OSError, match="snapshot_iter_4") as info:
             await mgr.save(5, {"x": np.full(3, 5)})  # unseen: raised by the next call...
         assert any("own save of" in n for n in info.value.__notes__)
@@ -219,7 +219,7 @@ async def test_take_failures_shows_an_index_failure_without_raising_it(tmp_path:
     storage = aiosnap.LocalStorage(posix=HookedPosix(fail_the_index))
     async with aiosnap.CheckpointManager(str(tmp_path), storage=storage) as mgr:
         handle = await mgr.save(1, {"x": np.full(3, 1)})
-        await handle._outcome()
+        await handle.outcome()
         (failure,) = mgr.take_failures()
         assert isinstance(failure.error, OSError) and failure.error.errno == errno.EIO
         (tmp_path / "go-on").touch()

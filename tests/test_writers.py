@@ -256,7 +256,7 @@ async def test_the_next_call_reports_an_unseen_failure_and_keeps_its_own_save(
 ) -> None:
     async with make() as writer:
         failed = await writer("ckpt", str(tmp_path), {"x": torch.ones(3)}, savefun=failing_savefun)
-        await failed._outcome()  # finished, unseen by the caller
+        await failed.outcome()  # finished, unseen by the caller
         state = {"x": torch.full((3,), 2.0)}
         with pytest.raises(Boom) as info:
             await writer("next", str(tmp_path), state)
@@ -269,7 +269,7 @@ async def test_the_next_call_reports_an_unseen_failure_and_keeps_its_own_save(
 async def test_take_failures_reports_them_once(tmp_path: Path) -> None:
     async with aiosnap.QueueWriter() as writer:
         handle = await writer("a", str(tmp_path), {"x": torch.ones(1)}, savefun=failing_savefun)
-        await handle._outcome()
+        await handle.outcome()
         (failure,) = writer.take_failures()
         assert failure.path == str(tmp_path / "a") and isinstance(failure.error, Boom) and failure.reported
         assert writer.take_failures() == []

@@ -38,7 +38,7 @@ from .._base.names import check_step, render, template
 from .._dist.channel import Channel, LocalChannel
 from .._dist.messages import OpenReport
 from .._format.tree import ExternalLeaves
-from .._save.handle import Failures, SaveFailure, SaveHandle, SaveStats, raise_first
+from .._save.handle import Failures, Resolver, SaveFailure, SaveHandle, SaveStats, raise_first, skipped
 from .._save.writers import QueueWriter, Writer
 from .._storage.backends import resolve
 from .._storage.protocol import Lease, Storage
@@ -452,7 +452,7 @@ class CheckpointManager(anyio.abc.AsyncResource):
 
     async def _wait_pending(self) -> None:
         for handle in list(self._pending):
-            await handle._done.wait()
+            await handle.outcome()
 
     def _raise_pending(self, *, accepted: str | None = None) -> None:
         raise_first(self.take_failures(), accepted=accepted)
@@ -509,17 +509,14 @@ class CheckpointManager(anyio.abc.AsyncResource):
         )
         if not force and not await self._due(step, epoch):
             self._raise_pending()
-            handle = SaveHandle(self._storage.join(self.directory, filename))
-            handle._skip()
-            return handle
+            return skipped(self._storage.join(self.directory, filename))
         try:
             outer = await self._submit(record, state, overwrite=overwrite)
         except BaseException:
             if self._uploads_every_save():
                 # Every member hands every save to the remote tier, in the same order: one
                 # whose own save was refused hands it over as failed (not uploaded).
-                refused = SaveHandle(self._storage.join(self.directory, filename))
-                refused._skip()
+                refused = skipped(self._storage.join(self.directory, filename))
                 with anyio.CancelScope(shield=True):
                     await self._upload_after(record, refused)
             raise
@@ -552,8 +549,7 @@ class CheckpointManager(anyio.abc.AsyncResource):
         turn = member.votes.turn(f"save step {record.step}")
         out_dir, file = member.layout.place(record, self.rank)
         target = state if self.rank == 0 or not self._replicated else ExternalLeaves(state, member.matches)
-        outer = SaveHandle(self._storage.join(out_dir, file))
-        self._pending.add(outer)
+        path = self._storage.join(out_dir, file)
         try:
             if check:
                 committed = self._catalog is not None and record.step in self._catalog.records
@@ -564,11 +560,14 @@ class CheckpointManager(anyio.abc.AsyncResource):
             failure = (
                 exc if isinstance(exc, Exception) else WriterClosedError("this rank's save was cancelled")
             )
-            tg.start_soon(self._vote, turn, failure, record, outer)
+            refused = Resolver(path)
+            self._pending.add(refused.handle)
+            tg.start_soon(self._vote, turn, failure, record, refused)
             raise
+        outer = Resolver(path, following=inner)  # its caller waits for the writer's capture
+        self._pending.add(outer.handle)
         tg.start_soon(self._vote, turn, inner, record, outer)
-        outer._capture = inner._capture
-        return outer
+        return outer.handle
 
     def _uploads_every_save(self) -> bool:
         return self._remote is not None and self._upload_mode == "every"
@@ -582,8 +581,7 @@ class CheckpointManager(anyio.abc.AsyncResource):
             # Another manager took the remote directory: upload nothing more to it (its
             # turn is still taken, and voted down).
             self._failures.add(self._remote.directory, self._remote._lease_lost)
-            local = SaveHandle(local.path)
-            local._skip()
+            local = skipped(local.path)
         # An upload replaces the remote copy of its step, as the local save did: both are
         # aiosnap's own (what is not, it still refuses).
         upload = await self._remote._submit(
@@ -598,7 +596,7 @@ class CheckpointManager(anyio.abc.AsyncResource):
 
     async def _release_after(self, step: int, upload: SaveHandle, released: anyio.Event) -> None:
         try:
-            await upload._done.wait()
+            await upload.outcome()
             assert self._catalog is not None
             await self._catalog.release(step)
         except Exception as exc:  # the index or a removal failed: reported as a failed save is
@@ -615,16 +613,16 @@ class CheckpointManager(anyio.abc.AsyncResource):
         return due
 
     async def _vote(
-        self, turn: Any, inner: SaveHandle | BaseException, record: CheckpointRecord, outer: SaveHandle
+        self, turn: Any, inner: SaveHandle | BaseException, record: CheckpointRecord, outer: Resolver
     ) -> None:
         assert self._member is not None
-        path = outer.path
+        path = outer.handle.path
         try:
             await self._member.vote(turn, inner, record, outer, lambda exc: self._failures.add(path, exc))
         finally:
-            self._pending.discard(outer)
-            if not outer.done():
-                outer._fail(WriterClosedError("the manager closed before the save finished"))
+            self._pending.discard(outer.handle)
+            if not outer.handle.done():
+                outer.fail(WriterClosedError("the manager closed before the save finished"))
 
     def filename(self, step: int, epoch: int | None = None) -> str:
         """The name ``step`` is saved under (ValueError for a step that is not a
@@ -764,12 +762,12 @@ class CheckpointManager(anyio.abc.AsyncResource):
         raw = await self._member.ask("record", lambda: self._rank0().records[chosen].to_json())
         record = CheckpointRecord.from_json(raw)
         out_dir, file = self._member.layout.place(record, self.rank)
-        local = SaveHandle(self._storage.join(out_dir, file))
+        local = Resolver(self._storage.join(out_dir, file))
         if chosen in await self._remote.steps():
-            local._skip()  # handed over all the same: every member takes the same turns
+            local.skip()  # handed over all the same: every member takes the same turns
         else:
-            local._finish(SaveStats(local.path, record.bytes or 0, 0.0, 0.0, 0.0, 0.0, 0.0))
-        return await self._upload_after(record, local)
+            local.finish(SaveStats(local.handle.path, record.bytes or 0, 0.0, 0.0, 0.0, 0.0, 0.0))
+        return await self._upload_after(record, local.handle)
 
     # -- saving when things go wrong -----------------------------------------------------
     def save_on_signal(

@@ -30,7 +30,7 @@ from .._dist.channel import Channel, Turn
 from .._dist.decisions import Refused, agree_on_config, commit, judge_restore
 from .._dist.messages import FileReport, LoadReport, OpenReport
 from .._format.manifest import replicated_matcher
-from .._save.handle import SaveFailure, SaveHandle, SaveStats
+from .._save.handle import Resolver, SaveFailure, SaveHandle, SaveStats
 from .catalog import Catalog
 from .layouts import Layout
 from .records import CheckpointRecord
@@ -122,7 +122,7 @@ class Member:
         turn: Turn,
         inner: SaveHandle | BaseException,
         record: CheckpointRecord,
-        outer: SaveHandle,
+        outer: Resolver,
         report: Callable[[BaseException], SaveFailure],
     ) -> None:
         """The second phase of a save: wait for this member's part, report it, and let
@@ -134,7 +134,7 @@ class Member:
         async def work() -> Any:
             if isinstance(inner, BaseException):
                 raise inner
-            outcome = await inner._outcome()
+            outcome = await inner.outcome()
             if isinstance(outcome, SaveFailure):
                 own.append(outcome)
                 raise outcome.error
@@ -154,7 +154,7 @@ class Member:
             async with turn:
                 verdict = await turn.agree(work, decide)
             if not verdict["committed"]:
-                outer._skip()
+                outer.skip()
                 return
             if self.catalog is not None:
                 await self.catalog.add(record, stats[0], verdict["bytes"])
@@ -164,23 +164,23 @@ class Member:
                 # This member's write failed: one failure (the group's, chained from the
                 # write's), reported once, through the handle or the writer.
                 own[0].error = exc
-                outer._fail(own[0])
+                outer.fail(own[0])
             elif self.rank in exc.failed:
-                outer._fail(exc)  # the save call itself raised: reported already
+                outer.fail(exc)  # the save call itself raised: reported already
             else:
-                outer._fail(report(exc))
+                outer.fail(report(exc))
             return
         except Exception as exc:
             if own and exc is own[0].error:
-                outer._fail(own[0])  # a group of one: its own failure, as itself
+                outer.fail(own[0])  # a group of one: its own failure, as itself
             elif exc is inner:
-                outer._fail(exc)  # the save call itself raised it
+                outer.fail(exc)  # the save call itself raised it
             else:
-                outer._fail(report(exc))
+                outer.fail(report(exc))
             return
         finally:
             self.busy.discard(record.file)
-        outer._finish(stats[0])
+        outer.finish(stats[0])
 
     # -- restoring -----------------------------------------------------------------------
     async def restore(

@@ -29,7 +29,7 @@ from .._base import offload as _offload
 from .._base.errors import CheckpointNotFoundError, CorruptCheckpointError, WriterClosedError
 from .._format.tree import ExternalLeaves
 from .._save.engine import SaveFun
-from .._save.handle import Failures, SaveFailure, SaveHandle, SaveStats, raise_first
+from .._save.handle import Failures, Resolver, SaveFailure, SaveHandle, SaveStats, raise_first
 from .._storage.backends import resolve
 from .._storage.protocol import CommitTimes, Storage
 
@@ -75,10 +75,14 @@ def copy_object(src: Storage, src_path: str, dst: Storage, dst_path: str) -> Com
 
 @dataclass(eq=False, slots=True)
 class _Job:
-    handle: SaveHandle
+    resolver: Resolver
     source: LocalCopy
     storage: Storage
     t0: float
+
+    @property
+    def handle(self) -> SaveHandle:
+        return self.resolver.handle
 
 
 @final
@@ -142,7 +146,7 @@ class UploadWriter:
         if not isinstance(target, LocalCopy) or savefun is not None:
             raise TypeError("an UploadWriter uploads committed local checkpoints (LocalCopy) only")
         storage, directory = resolve(out_dir, self._storage)
-        job = _Job(SaveHandle(storage.join(directory, filename)), target, storage, time.perf_counter())
+        job = _Job(Resolver(storage.join(directory, filename)), target, storage, time.perf_counter())
         if len(self._queue) >= self.max_pending:
             dropped = self._queue.popleft()
             logger.warning(
@@ -150,7 +154,7 @@ class UploadWriter:
                 dropped.handle.path,
                 self.max_pending,
             )
-            dropped.handle._skip()
+            dropped.resolver.skip()
         self._queue.append(job)
         self._wake.set()
         return job.handle
@@ -175,9 +179,9 @@ class UploadWriter:
                 self._running = None
 
     async def _upload(self, job: _Job) -> None:
-        outcome = await job.source.committed._outcome()
+        outcome = await job.source.committed.outcome()
         if isinstance(outcome, SaveFailure) or outcome.skipped:
-            job.handle._skip()  # nothing committed locally: nothing to upload
+            job.resolver.skip()  # nothing committed locally: nothing to upload
             return
         src, dst = job.source.storage, job.handle.path
         attempt = 0
@@ -186,13 +190,13 @@ class UploadWriter:
                 times = await _offload.run_io(copy_object, src, outcome.path, job.storage, dst)
                 break
             except (CheckpointNotFoundError, CorruptCheckpointError) as exc:  # the local file: no retry helps
-                job.handle._fail(self._failures.add(dst, exc))
+                job.resolver.fail(self._failures.add(dst, exc))
                 return
             except OSError as exc:  # RemoteStorageError included: the network, the far end
                 if attempt >= self.retries:
                     exc.add_note(f"aiosnap: the upload of {dst} failed {attempt + 1} times; giving up")
                     logger.warning("uploading %s failed for good: %r", dst, exc)
-                    job.handle._fail(self._failures.add(dst, exc))
+                    job.resolver.fail(self._failures.add(dst, exc))
                     return
                 delay = min(self.backoff * 2**attempt, 60.0) * (0.5 + random.random())
                 attempt += 1
@@ -206,10 +210,10 @@ class UploadWriter:
                 )
                 await anyio.sleep(delay)
             except Exception as exc:
-                job.handle._fail(self._failures.add(dst, exc))
+                job.resolver.fail(self._failures.add(dst, exc))
                 return
         total = time.perf_counter() - job.t0
-        job.handle._finish(SaveStats(dst, times.bytes, 0.0, 0.0, times.write_s, times.fsync_s, total))
+        job.resolver.finish(SaveStats(dst, times.bytes, 0.0, 0.0, times.write_s, times.fsync_s, total))
 
     def pending(self) -> int:
         """Uploads queued or running."""
@@ -222,7 +226,7 @@ class UploadWriter:
 
     async def _wait(self) -> None:
         for job in [*([self._running] if self._running else []), *self._queue]:
-            await job.handle._done.wait()
+            await job.handle.outcome()
 
     async def aclose(self) -> None:
         """Wait for the uploads, raise any unreported failure. Idempotent. The task

@@ -147,26 +147,53 @@ class SaveHandle:
         self._failure.reported = True
         return self._failure.error
 
-    async def _outcome(self) -> SaveStats | SaveFailure:
-        """What ``wait`` would give, without reporting a failure (for aiosnap's own waits)."""
+    async def outcome(self) -> SaveStats | SaveFailure:
+        """Once the save has ended: its stats, or its SaveFailure, which this does not
+        report (``wait`` raises it and marks it reported). For whoever only needs to know
+        that the save ended, and how: a manager's vote, an upload of the file."""
         await self._done.wait()
         if self._failure is not None:
             return self._failure
         assert self._stats is not None
         return self._stats
 
-    def _finish(self, stats: SaveStats) -> None:
-        self._stats = stats
-        self._capture.set()
-        self._done.set()
 
-    def _fail(self, failure: SaveFailure | BaseException) -> None:
-        self._failure = failure if isinstance(failure, SaveFailure) else SaveFailure(self.path, failure)
-        self._capture.set(self._failure.error)
-        self._done.set()
+@final
+class Resolver:
+    """The side of a SaveHandle that ends the save: only its holder (a writer, a manager,
+    an uploader) resolves the handle it made, once. ``Resolver(path)`` makes the handle;
+    ``capture`` is the capture its callers wait for (none: nothing of theirs to copy), or
+    ``following=`` another handle whose capture it shares (a manager's handle of a
+    writer's save)."""
 
-    def _skip(self) -> None:
-        self._finish(SaveStats(self.path, 0, 0.0, 0.0, 0.0, 0.0, 0.0, skipped=True))
+    def __init__(
+        self, path: str, capture: Capture | None = None, *, following: SaveHandle | None = None
+    ) -> None:
+        self.handle = SaveHandle(path, capture if following is None else following._capture)
+
+    def finish(self, stats: SaveStats) -> None:
+        h = self.handle
+        h._stats = stats
+        h._capture.set()
+        h._done.set()
+
+    def fail(self, failure: SaveFailure | BaseException) -> None:
+        """End the save failed: ``failure`` is a SaveFailure shared with whoever else may
+        report it (a writer's list), or an exception reported only through this handle."""
+        h = self.handle
+        h._failure = failure if isinstance(failure, SaveFailure) else SaveFailure(h.path, failure)
+        h._capture.set(h._failure.error)
+        h._done.set()
+
+    def skip(self) -> None:
+        self.finish(SaveStats(self.handle.path, 0, 0.0, 0.0, 0.0, 0.0, 0.0, skipped=True))
+
+
+def skipped(path: str) -> SaveHandle:
+    """A handle that is resolved already: a save that was not made."""
+    resolver = Resolver(path)
+    resolver.skip()
+    return resolver.handle
 
 
 @final

@@ -39,7 +39,7 @@ from .._storage.protocol import CommitTimes, Storage
 from .arena import Arena, ArenaPool
 from .device import default_copier
 from .engine import Engine, ProcessEngine, SaveFun, ThreadEngine
-from .handle import Capture, Failures, SaveFailure, SaveHandle, SaveStats, raise_first
+from .handle import Capture, Failures, Resolver, SaveFailure, SaveHandle, SaveStats, raise_first
 from .pipeline import CaptureEnded, Pipe, commit_pipelined
 from .stage import StagedImage, stage_or_plan, write_in_pieces
 
@@ -107,7 +107,7 @@ class Writer(Protocol):
 
 @dataclass(eq=False, slots=True)
 class _Save:
-    handle: SaveHandle
+    resolver: Resolver
     storage: Storage
     target: object  # walked in the staging thread, while the caller waits
     savefun: SaveFun | None
@@ -121,6 +121,10 @@ class _Save:
     stall_s: float = 0.0
     producers: object = None  # the device streams producing the tensors, seen from the loop
     stats: SaveStats | None = None  # set when the save was written in pieces during capture
+
+    @property
+    def handle(self) -> SaveHandle:
+        return self.resolver.handle
 
 
 class _WriterBase(abc.ABC):
@@ -240,7 +244,7 @@ class _WriterBase(abc.ABC):
 
     async def _wait_inflight(self) -> None:
         for save in list(self._inflight):
-            await save.handle._done.wait()
+            await save.handle.outcome()
 
     # -- one save ------------------------------------------------------------------------
     async def __call__(
@@ -290,7 +294,7 @@ class _WriterBase(abc.ABC):
             storage, path = resolve(filename, self._storage)
             check_component(storage.split(path)[1], "the file name of")
         capture = Capture()
-        save = _Save(SaveHandle(path, capture), storage, target, savefun, t0, capture)
+        save = _Save(Resolver(path, capture), storage, target, savefun, t0, capture)
         # A caller that stops waiting before the capture ended may be changing the state.
         capture._on_abandon = functools.partial(setattr, save, "abandoned", True)
         if self._copier is not None:
@@ -477,11 +481,11 @@ class _WriterBase(abc.ABC):
                 stats.stall_s * 1e3,
                 stats.total_s * 1e3,
             )
-            save.handle._finish(stats)
+            save.resolver.finish(stats)
         elif error is not None:
-            save.handle._fail(error)
+            save.resolver.fail(error)
         else:
-            save.handle._skip()
+            save.resolver.skip()
 
 
 async def _call_hook(hook: PostSaveHook, stats: SaveStats) -> None:
@@ -528,7 +532,7 @@ class StandardWriter(_WriterBase):
     async def _submit(self, save: _Save) -> SaveHandle:
         async with self._turn:
             if self._last is not None:
-                await self._last.handle._done.wait()
+                await self._last.handle.outcome()
             self._start(save, self._commit)
             self._last = save
         return save.handle
@@ -596,7 +600,7 @@ class QueueWriter(_WriterBase):
 
     async def _submit(self, save: _Save) -> SaveHandle:
         if not await self._take_slot():
-            save.handle._skip()
+            save.resolver.skip()
             return save.handle
         self._start(save, self._enqueue)
         return save.handle
