@@ -106,7 +106,10 @@ class S3:
         return [u["Key"] for u in found]
 
 
-def start_moto() -> S3:
+def start_moto(port: int = 0) -> S3:
+    """moto in this process, on ``port`` (0: any free one). Its buckets live in the
+    process, not the server: a server stopped and started again on the same port is an
+    object store that went away and came back with its data."""
     from moto.moto_server import werkzeug_app
     from moto.server import ThreadedMotoServer
 
@@ -121,7 +124,7 @@ def start_moto() -> S3:
 
         serialized.serialized = True  # type: ignore[attr-defined]
         werkzeug_app.DomainDispatcherApplication.__call__ = serialized  # type: ignore[method-assign]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
     server.start()
     host, port = server.get_host_and_port()
     wait_http(port, "/moto-api/")

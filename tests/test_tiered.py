@@ -125,7 +125,9 @@ async def test_a_full_upload_queue_drops_the_oldest_waiting_never_the_newest(tmp
         assert await mgr.steps() == [1, 2, 3, 4]
 
 
-async def test_a_failing_upload_is_retried_then_reported_with_its_own_type(tmp_path: Path) -> None:
+async def test_a_failing_upload_is_retried_then_reported_with_its_own_type(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     local, remote = tmp_path / "local", tmp_path / "remote"
     remote.mkdir()
     failing = {"n": 0}
@@ -156,37 +158,57 @@ async def test_a_failing_upload_is_retried_then_reported_with_its_own_type(tmp_p
         str(local),
         remote=str(remote),
         remote_storage=aiosnap.LocalStorage(posix=HookedPosix(dying)),
-        uploader=aiosnap.UploadWriter(retries=2, backoff=0.01),
+        uploader=aiosnap.UploadWriter(retries=2, backoff=0.01, max_backoff=0.05),
     )
-    async with mgr:
-        handle = await mgr.save(2, _state(2))
-        await handle.wait()  # the local commit is unaffected
-        with pytest.raises(OSError) as raised:
-            await mgr.flush()
-        assert raised.value.errno == errno.EIO
-        assert any("failed 3 times" in note for note in raised.value.__notes__)
-        assert handle.upload is not None and handle.upload.exception() is raised.value
-        assert await mgr.steps() == [1, 2] and await mgr.remote_steps() == [1]
-    assert dead.calls >= 3  # tried three times: the first attempt and two retries
+    await mgr.__aenter__()
+    handle = await mgr.save(2, _state(2))
+    await handle.wait()  # the local commit is unaffected
+    await wait_until(lambda: dead.calls >= 3, what="three tries of the upload")
+    await wait_until(
+        lambda: any("the remote tier is unavailable" in r.getMessage() for r in caplog.records),
+        what="the user told once the tries in a row ran out",
+    )
+    # The remote tier is unavailable now: flush says so, once uploads made no progress for
+    # the time it is given; they go on in the background.
+    with pytest.raises(aiosnap.RemoteStorageError, match="made no progress for 0.2 s") as stuck:
+        await mgr.flush(upload_timeout=0.2)
+    assert isinstance(stuck.value.__cause__, OSError) and stuck.value.__cause__.errno == errno.EIO
+    assert handle.upload is not None and not handle.upload.done()
+    # A close gives up on them likewise, and reports them once, with their own type.
+    with pytest.raises(OSError) as raised:
+        await mgr.aclose(upload_timeout=0.2)
+    assert raised.value.errno == errno.EIO
+    assert any("1 upload(s) did not finish" in note for note in raised.value.__notes__)
+    assert handle.upload.exception() is raised.value
+    assert sorted(p.name for p in local.glob("snapshot_iter_*")) == ["snapshot_iter_1", "snapshot_iter_2"]
+    assert sorted(p.name for p in remote.glob("snapshot_iter_*")) == ["snapshot_iter_1"]
 
 
-async def test_a_remote_tier_that_cannot_be_opened_fails_the_open_and_releases_both(tmp_path: Path) -> None:
+async def test_a_remote_tier_that_cannot_be_opened_never_holds_up_the_local_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     local, remote = tmp_path / "local", tmp_path / "remote"
     remote.mkdir()
+    hung = threading.Event()
 
-    def broken(op: str, path: str) -> None:  # the remote's lock cannot be written
-        if op == "write" and path.startswith(str(remote)):
-            raise OSError(errno.EIO, "injected", path)
+    def hanging(op: str, path: str) -> None:  # the remote does not answer: its lock is never taken
+        if path.startswith(str(remote)) and op == "open":
+            hung.wait()
 
-    with pytest.raises(OSError, match="injected") as raised:
+    try:
         async with aiosnap.CheckpointManager(
-            str(local), remote=str(remote), remote_storage=aiosnap.LocalStorage(posix=HookedPosix(broken))
-        ):
-            pass
-    assert raised.value.errno == errno.EIO
-    async with aiosnap.CheckpointManager(str(local), remote=str(remote)) as mgr:  # both released
-        await (await mgr.save(1, _state(1))).wait()
-        await mgr.flush()
+            str(local), remote=str(remote), remote_storage=aiosnap.LocalStorage(posix=HookedPosix(hanging))
+        ) as mgr:
+            handle = await mgr.save(1, _state(1))
+            await handle.wait()  # opened and committed locally while the remote hangs
+            assert await mgr.steps() == [1] and handle.upload is not None and not handle.upload.done()
+            with pytest.raises(OSError, match="did not finish"):
+                await mgr.aclose(upload_timeout=0.2)
+    finally:
+        hung.set()  # lets the abandoned thread end
+    assert [n for n in os.listdir(remote) if n.startswith("snapshot")] == []  # nothing uploaded
+    async with aiosnap.CheckpointManager(str(local), remote=str(remote)) as mgr:  # the remote answers
+        await mgr.flush()  # the next open catches up: the newest local step is uploaded
         assert await mgr.remote_steps() == [1]
 
 

@@ -7,19 +7,19 @@ background: written to a temp file in the target directory, fsynced, renamed ove
 target and the directory fsynced, in a worker thread or a worker process that reads
 the arena from shared memory.
 
-Data flows one way, one module a step: ``_tree`` captures the state tree, ``_stage``
-copies it into the arena, ``_format`` encodes the safetensors-compatible header with
-checksums, ``_engine`` runs the commit through a ``_storage`` backend. Loading runs
-it backwards in ``_load``, verifying every checksum. The writers in ``_writers`` only
-choose *when* each step runs; all blocking work passes through ``_offload``.
+Data flows one way, a folder a floor (ARCHITECTURE.md walks through it): ``_format``
+captures the state tree and lays out the file image with its checksummed header,
+``_save`` stages it into the arena and commits it through a ``_storage`` backend (the
+writers only choose *when* each step runs); ``_load`` runs it backwards, verifying
+every checksum. All blocking work passes through ``_base.offload``.
 
-``CheckpointManager`` (``_manager``) names, indexes (``_catalog``), rotates and
-restores checkpoints. A process is a group of one (``_member``): in a
-torch.distributed group every rank writes its own file of a step directory
-(``_layouts``, ``_group``), and rank 0 (``_decisions``) writes the manifest that
-commits the step only once all reported success over a gloo channel of aiosnap's
-own (``_coord``). Storage backends (``_local``, ``_objstore``, ``_fsspec``)
-implement ``_storage``; a second tier uploads committed checkpoints (``_upload``).
+``CheckpointManager`` (``_manager``) names, indexes, rotates and restores checkpoints
+of a directory (a ``Site``), and uploads them to a remote tier (a ``Tier``, a Site of
+its own opened in the background). A process is a group of one: in a
+torch.distributed group every rank writes its own file of a step directory, and rank 0
+writes the manifest that commits the step only once all reported success, over a
+gloo channel of aiosnap's own (``_dist``). ``_cli`` is the command line; ``_train``
+the Job, AsyncLoader and RNGState; ``integrations`` the trainers' plug-ins.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from ._base.errors import StepExistsError as StepExistsError
 from ._base.errors import UnsupportedTypeError as UnsupportedTypeError
 from ._base.errors import WorkerCrashedError as WorkerCrashedError
 from ._base.errors import WriterClosedError as WriterClosedError
+from ._base.notice import AiosnapWarning as AiosnapWarning
 from ._load.load import VerifyReport as VerifyReport
 from ._load.load import load as load
 from ._load.load import load_into as load_into
@@ -101,6 +102,7 @@ from ._train.rng import RNGState as RNGState
 __version__ = "0.1.0"
 
 __all__ = [
+    "AiosnapWarning",
     "AnyOf",
     "AnyTrigger",
     "AsyncLoader",

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import gc
+import logging
 import os
+import queue
 import threading
 import traceback
 import weakref
@@ -21,6 +24,10 @@ from typing import Any, TypeVar
 import anyio
 import anyio.from_thread
 import anyio.to_thread
+
+from .notice import notice
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 K = TypeVar("K")
@@ -36,6 +43,12 @@ COMMIT_THREADS = 4
 #: Messages between ranks: each waits on the network, never on the disk or a core, and
 #: must not queue behind bulk I/O (a rank that waits too long is reported as failed).
 COORD_THREADS = 4
+#: Calls to a remote tier (``remote_io``): they wait on the network, and must never hold
+#: the threads of the local disk (a remote tier that is down would stall local saves).
+REMOTE_THREADS = 8
+
+#: Set while the remote tier's work runs (``remote_io``).
+_remote: contextvars.ContextVar[bool] = contextvars.ContextVar("aiosnap_remote_io", default=False)
 
 _limiters: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, anyio.CapacityLimiter]] = (
     weakref.WeakKeyDictionary()
@@ -52,14 +65,113 @@ def _limiter(kind: str) -> anyio.CapacityLimiter:
             "cpu": anyio.CapacityLimiter(CPU_THREADS),
             "coord": anyio.CapacityLimiter(COORD_THREADS),
             "commit": anyio.CapacityLimiter(COMMIT_THREADS),
+            "remote": anyio.CapacityLimiter(REMOTE_THREADS),
         }
         _limiters[loop] = per_loop
     return per_loop[kind]
 
 
 async def run_io(fn: Callable[..., T], *args: object) -> T:
-    """Run blocking file I/O in a worker thread."""
+    """Run blocking file I/O in a worker thread. Inside ``remote_io()``, the call has
+    threads of its own, and a cancelled caller abandons it to them."""
+    if _remote.get():
+        return await _remote_call(fn, *args)
     return await anyio.to_thread.run_sync(_unpinned, fn, *args, limiter=_limiter("io"))
+
+
+#: A remote call that has not answered after this many seconds is told to the user.
+SLOW_REMOTE = 5.0
+
+
+async def _remote_call(fn: Callable[..., T], *args: object) -> T:
+    outcome: list[T] = []
+    error: list[Exception] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_watch, fn, args)
+        try:
+            async with _limiter("remote"):
+                outcome.append(await asyncio.wrap_future(_remote_pool().submit(_unpinned, fn, *args)))
+        except Exception as exc:  # raised outside the task group, which would wrap it in a group
+            error.append(exc)
+        finally:
+            tg.cancel_scope.cancel()
+    if error:
+        raise error[0]
+    return outcome[0]
+
+
+class _DaemonPool:
+    """Threads for calls to a remote store, which a cancelled caller abandons. They are
+    daemon threads: an abandoned call that an object store holds for its whole retry
+    deadline must not hold the process at its exit (Ctrl-C) as well; what it was doing
+    is left for the next open to sweep."""
+
+    def __init__(self, size: int) -> None:
+        self._size, self._started = size, 0
+        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]] = (
+            queue.SimpleQueue()
+        )
+        self._idle = 0
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable[..., T], *args: object) -> Future[T]:
+        future: Future[T] = Future()
+        self._jobs.put((future, fn, args))
+        with self._lock:
+            if self._idle == 0 and self._started < self._size:
+                self._started += 1
+                threading.Thread(target=self._work, name="aiosnap-remote", daemon=True).start()
+        return future
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                self._idle += 1
+            future, fn, args = self._jobs.get()
+            with self._lock:
+                self._idle -= 1
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:
+                future.set_exception(exc)
+
+
+_remote_threads: _DaemonPool | None = None
+
+
+def _remote_pool() -> _DaemonPool:
+    global _remote_threads
+    with _side_lock:
+        if _remote_threads is None:
+            _remote_threads = _DaemonPool(REMOTE_THREADS)
+        return _remote_threads
+
+
+async def _watch(fn: Callable[..., object], args: tuple[object, ...]) -> None:
+    await anyio.sleep(SLOW_REMOTE)
+    what = next((a for a in args if isinstance(a, str)), "")
+    name = getattr(fn, "__qualname__", repr(fn))
+    notice(
+        logger,
+        f"{name}({what!r}) has not answered for {SLOW_REMOTE:g} s: an object store is retried until "
+        "its deadline (aiosnap.storage.from_url(url, deadline=...) sets it); Ctrl-C stops waiting",
+    )
+
+
+@contextlib.contextmanager
+def remote_io() -> Iterator[None]:
+    """Within (and in tasks started within): ``run_io`` calls go to a remote tier. An
+    object store that does not answer retries for up to its deadline in one call; a
+    caller cancelled meanwhile (Ctrl-C, a timeout) leaves at once, abandoning the
+    thread, which ends on its own. What such a call was doing is left for the next
+    open to sweep (an upload never completed is never visible)."""
+    token = _remote.set(True)
+    try:
+        yield
+    finally:
+        _remote.reset(token)
 
 
 async def run_cpu(fn: Callable[..., T], *args: object) -> T:
@@ -131,8 +243,8 @@ def _side_executor() -> ThreadPoolExecutor:
 
 def _forget_side_threads() -> None:
     # A forked child has none of its parent's threads: a job given to them never runs.
-    global _side_pool, _side_lock, _side_slots
-    _side_pool, _side_lock = None, threading.Lock()
+    global _side_pool, _side_lock, _side_slots, _remote_threads
+    _side_pool, _side_lock, _remote_threads = None, threading.Lock(), None
     _side_slots = threading.BoundedSemaphore(SIDE_THREADS)
 
 

@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
+import anyio
+
+from .._base import offload as _offload
 from .._base.errors import CheckpointError, CheckpointNotFoundError, DirectoryLockedError
 from .._base.names import template
 from .._format.manifest import MANIFEST_NAME, read_manifest
@@ -23,6 +27,8 @@ from .._manager.records import CheckpointRecord
 from .._manager.retention import RetentionPolicy
 from .._storage.backends import resolve
 from .._storage.protocol import Storage, exists, get
+
+T = TypeVar("T")
 
 DEFAULT_NAME = "snapshot_iter_{step}"
 #: What torch.distributed.checkpoint writes last into its directory.
@@ -41,9 +47,30 @@ class Located:
     size: int  # of a file; 0 for a directory
 
 
+def run(fn: Callable[..., Awaitable[T]], *args: object) -> T:
+    """``anyio.run(fn, *args)`` for a command: every storage call it makes is abandoned
+    at Ctrl-C, and one that an object store holds up is told to the user within seconds
+    (``offload.remote_io``), as the command line reaches local paths and URLs alike."""
+
+    async def remote() -> T:
+        with _offload.remote_io():
+            return await fn(*args)
+
+    return anyio.run(remote)
+
+
 def locate(path: str) -> Located:
     """What is at ``path``; CheckpointNotFoundError if nothing is."""
+    return run(locate_async, path)
+
+
+async def locate_async(path: str) -> Located:
+    """``locate``, from async code."""
     storage, where = resolve(path)
+    return await _offload.run_io(_locate, storage, path, where)
+
+
+def _locate(storage: Storage, path: str, where: str) -> Located:
     entry = storage.stat(where)
     if entry is None:
         raise CheckpointNotFoundError(path, f"{path}: no such file or directory")
@@ -133,7 +160,7 @@ class Listing:
 
 async def listing(directory: str, name: str | None, remote: str | None) -> Listing:
     """The committed checkpoints of ``directory`` (and which of them ``remote`` holds)."""
-    place = directory_at(directory)
+    place = await directory_at(directory)
     name = name or guess_name(place.storage, place.path)
     async with CheckpointManager(directory, name=name, read_only=True) as manager:
         records = await manager.records()
@@ -156,9 +183,9 @@ async def listing(directory: str, name: str | None, remote: str | None) -> Listi
     return Listing(directory, name, rows)
 
 
-def directory_at(path: str) -> Located:
+async def directory_at(path: str) -> Located:
     """``path``, which must be a directory of checkpoints."""
-    place = locate(path)
+    place = await locate_async(path)
     if place.kind == "file":
         raise CheckpointError(f"{path} is a file, not a directory of checkpoints (see `aiosnap inspect`)")
     if place.kind == "step":
@@ -171,7 +198,7 @@ def directory_at(path: str) -> Located:
 async def checkpoints(directory: str, name: str | None) -> list[tuple[CheckpointRecord, str, int]]:
     """Every committed checkpoint of ``directory``, those marked corrupt included:
     (record, path, bytes)."""
-    place = directory_at(directory)
+    place = await directory_at(directory)
     name = name or guess_name(place.storage, place.path)
     async with CheckpointManager(directory, name=name, read_only=True) as manager:
         records = await manager.records()
@@ -188,7 +215,7 @@ async def prune(
     """Apply ``keep`` to ``directory`` as its manager would: (what went, or would go; what
     stays, those marked corrupt included: retention leaves them be). A dry run reads
     only; a real one takes the directory."""
-    place = directory_at(directory)
+    place = await directory_at(directory)
     name = name or guess_name(place.storage, place.path)
     try:
         async with CheckpointManager(directory, name=name, keep=keep, read_only=dry_run) as manager:

@@ -23,7 +23,6 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Annotated, Any, get_args
 
-import anyio
 import typer
 
 from .. import __version__
@@ -39,7 +38,7 @@ from . import tables, views
 from .bench import Bench, parse_size
 from .convert import convert, read_state
 from .diff import Status, diff
-from .dirs import checkpoints, listing, locate, prune
+from .dirs import checkpoints, listing, locate, prune, run
 from .entries import describe
 from .help import Command, Group
 from .select import select
@@ -125,7 +124,7 @@ def ls_command(
 
     Steps, epochs, times, sizes, metrics, the latest, those marked corrupt (and which
     the remote tier holds, with --remote)."""
-    found = anyio.run(listing, directory, name, remote)
+    found = run(listing, directory, name, remote)
     if as_json:
         views.print_json(views.listing_json(found))
         return
@@ -185,7 +184,7 @@ def verify_command(
     if place.kind == "dcp":
         raise CheckpointError(f"{target} is a torch.distributed.checkpoint directory: it has no checksums")
     if place.kind == "directory":
-        found = anyio.run(checkpoints, target, name)
+        found = run(checkpoints, target, name)
         if not found:
             raise CheckpointNotFoundError(target, f"no checkpoints in {target} (--name sets the name)")
         todo = [(path, size) for _, path, size in found]
@@ -305,7 +304,7 @@ def prune_command(
     keeps it, and the newest always stays. Takes the directory's lock (and fails,
     saying so, while training holds it)."""
     policy = _policy(keep_last, keep_every, keep_best, best_mode, best_n, keep_within)
-    gone, kept = anyio.run(functools.partial(prune, directory, name, policy, dry_run=dry_run))
+    gone, kept = run(functools.partial(prune, directory, name, policy, dry_run=dry_run))
     views.print_pruned(gone, kept, dry_run)
 
 

@@ -55,3 +55,12 @@ class LoadReport:
     #: replaced it); like "corrupt", every rank goes on to an older step.
     outcome: Literal["ok", "corrupt", "unreadable", "mismatch"]
     reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class CommitVerdict:
+    """Rank 0's outcome of a save: whether the step committed, and its bytes (every
+    rank's file) if it did."""
+
+    committed: bool
+    bytes: int = 0

@@ -1,12 +1,16 @@
-"""CheckpointManager: steps, triggers, retention, verified resume, history.
+"""CheckpointManager: steps, triggers, retention, verified resume, history; and a remote tier.
 
 The files are the truth. A checkpoint exists once its file has been committed (the
 writer's durable atomic rename) -- in a process group, once rank 0 wrote the step's
-manifest (``_ranks``); the index next to them (latest pointer, history; ``_catalog``)
+manifest (``step_dirs``); the index next to them (latest pointer, history; ``catalog``)
 is a cache that is replaced atomically after each commit and rebuilt from the
 directory whenever it is missing, stale or unreadable. Retention runs after a commit,
 deletes only checkpoints older than the newest one, and never the newest one, so a
 crash at any point leaves at least one valid checkpoint.
+
+The manager owns a writer, its triggers and signal handlers; its directory is a
+``Site`` (lease, layout, catalog, the group's votes), and a remote tier (``Tier``) has
+a Site of its own, opened and fed in the background.
 """
 
 from __future__ import annotations
@@ -25,35 +29,31 @@ from typing import Any, Literal, Self, final
 import anyio
 import anyio.abc
 
-from .._base import offload as _offload
 from .._base.errors import (
     CheckpointError,
     CheckpointNotFoundError,
-    CorruptCheckpointError,
-    DirectoryLockedError,
-    LeaseLostError,
+    RemoteStorageError,
     WriterClosedError,
 )
 from .._base.names import check_step, render, template
-from .._dist.channel import Channel, LocalChannel
-from .._dist.messages import OpenReport
-from .._format.tree import ExternalLeaves
+from .._base.notice import notice
 from .._save.handle import Failures, Resolver, SaveFailure, SaveHandle, SaveStats, raise_first, skipped
 from .._save.writers import QueueWriter, Writer
-from .._storage.backends import resolve
-from .._storage.protocol import Lease, Storage
-from .catalog import Catalog
-from .layouts import Files, Layout, StepDirectories
-from .member import Member
+from .._storage.protocol import Storage
+from .member import Attempt, restore_first
 from .records import CheckpointRecord
 from .retention import RetentionPolicy
-from .step_dirs import has_step_dirs
+from .site import Group, Naming, Site
+from .tier import Tier
 from .triggers import EveryNSteps, Moment, Trigger, deterministic
-from .upload import LocalCopy, UploadWriter
+from .upload import UploadWriter
 
 logger = logging.getLogger(__name__)
 
 StateFn = Callable[[], "tuple[int, object] | Awaitable[tuple[int, object]]"]
+
+#: Seconds ``flush`` and ``aclose`` wait for uploads that make no progress at all.
+UPLOAD_TIMEOUT = 60.0
 
 
 @final
@@ -76,6 +76,20 @@ def _in_a_group(group: object) -> bool:
         return True
     dist = sys.modules.get("torch.distributed")
     return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+def _group_of(name: str, group: Any, rank: int, replicated: Sequence[str], timeout: float) -> Group:
+    if not _in_a_group(group):
+        if replicated:
+            raise ValueError("replicated= needs a process group")
+        return Group(None, rank, 1, None, (), timeout)
+    if "{rank}" in name:
+        raise ValueError(f"name {name!r}: in a group each step is a directory; drop {{rank}}")
+    from .._dist import coord
+
+    parent = None if group is None else group
+    rank, size = coord.rank_and_size(parent)
+    return Group(parent, rank, size, size, tuple(replicated), timeout)
 
 
 @final
@@ -112,13 +126,39 @@ class CheckpointManager(anyio.abc.AsyncResource):
     **Two tiers.** With ``remote="s3://bucket/run"`` (any URL or path), saves commit to
     ``directory`` as ever, and each committed checkpoint is then uploaded in the
     background to ``remote``, committed there as a save is (``keep_remote`` rotates
-    it). ``handle.upload`` is the upload's own handle; ``flush()`` and ``aclose()``
-    wait for uploads too, and a failed upload is reported as a failed save is. A local
-    checkpoint is not rotated away while its upload is pending. ``uploader`` (an
-    UploadWriter) sets the retries and how many uploads may wait (the oldest waiting
+    it). The local tier never waits on the remote one: opening returns at once and the
+    remote directory is opened in the background, tried again while it is unavailable;
+    uploads wait meanwhile (the user is told once). ``handle.upload`` is the upload's
+    own handle; ``flush()`` and ``aclose()`` wait for uploads too, for as long as they
+    make progress (``upload_timeout``), and a failed upload is reported as a failed save
+    is. A local checkpoint is not rotated away while its upload is pending. ``uploader``
+    (an UploadWriter) sets the retries and how many uploads may wait (the oldest waiting
     one is dropped when more come; the newest never is). ``upload="manual"`` uploads
-    only what ``upload()`` is asked to. ``restore()`` takes the newest valid
-    checkpoint of either tier, the local one when both hold that step.
+    only what ``upload()`` is asked to. ``latest_step()``, ``restore()`` and
+    ``resume()`` take the newest valid checkpoint of either tier, the local one when
+    both hold that step.
+
+    Args:
+        directory: the checkpoint directory: a local path, or a URL.
+        writer: the writer saves go through (unopened); a QueueWriter by default.
+        name: the name template of a step's checkpoint (``{step}``, ``{epoch}``, ``{rank}``).
+        keep: the retention policy of the directory; None keeps everything.
+        save_every: a save each N steps, or a Trigger; None saves at every call.
+        storage: the storage of ``directory`` (by default, what the path or URL names).
+        rank: this process's rank among processes that share a directory without a
+            group (a ``{rank}`` in ``name`` keeps their files apart).
+        allow_pickle: store values that are not state types pickled, and read them back.
+        group: the torch.distributed group to checkpoint with (None: the default group
+            when torch.distributed is initialised; False: none).
+        replicated: globs of tree paths every rank holds the same (rank 0 stores them).
+        timeout: seconds of silence after which a rank of the group counts as failed.
+        read_only: list and restore only; take no lock, write nothing.
+        lease_ttl: seconds a holder that stopped renewing keeps an object store's lease.
+        remote: the remote tier's directory (a URL or a path).
+        remote_storage: the remote tier's storage (by default, what ``remote`` names).
+        keep_remote: the remote tier's retention policy.
+        upload: ``"every"`` committed save is uploaded, or ``"manual"`` (``upload()``).
+        uploader: the UploadWriter of the remote tier (retries, waiting uploads).
     """
 
     def __init__(
@@ -143,110 +183,80 @@ class CheckpointManager(anyio.abc.AsyncResource):
         upload: Literal["every", "manual"] = "every",
         uploader: UploadWriter | None = None,
     ) -> None:
-        self._storage, self.directory = resolve(directory, storage)
         if upload not in ("every", "manual"):
             raise ValueError(f"upload must be 'every' or 'manual', not {upload!r}")
         if remote is None and (remote_storage is not None or keep_remote is not None or uploader is not None):
             raise ValueError("remote_storage=, keep_remote= and uploader= need remote=")
-        self._upload_mode = upload
-        #: The remote tier: a manager of its own whose saves are uploads.
-        self._remote: CheckpointManager | None = None
-        self._uploader: UploadWriter | None = None
+        naming = Naming(name, template(name))
+        self._group = _group_of(name, group, rank, replicated, timeout)
+        self._site = Site(
+            directory,
+            storage=storage,
+            naming=naming,
+            keep=keep,
+            group=self._group,
+            read_only=read_only,
+            lease_ttl=lease_ttl,
+            allow_pickle=allow_pickle,
+        )
+        self.directory = self._site.directory
+        self._tier: Tier | None = None
         if remote is not None:
-            self._uploader = uploader if uploader is not None else UploadWriter(storage=remote_storage)
-            self._remote = CheckpointManager(
+            far = Site(
                 remote,
-                writer=self._uploader,
-                name=name,
-                keep=keep_remote,
                 storage=remote_storage,
-                rank=rank,
-                allow_pickle=allow_pickle,
-                group=group,
-                replicated=replicated,
-                timeout=timeout,
+                naming=naming,
+                keep=keep_remote,
+                group=self._group,
                 read_only=read_only,
                 lease_ttl=lease_ttl,
+                allow_pickle=allow_pickle,
             )
-            self._uploader._use(self._remote._storage)
-        #: Whether steps are directories, when another tier decided it.
-        self._steps_are_dirs: bool | None = None
+            uploads = uploader if uploader is not None else UploadWriter(storage=remote_storage)
+            uploads.bind(far.storage)
+            self._tier = Tier(far, uploads, local=self._site.storage)
+        self._upload_mode = upload
         self.read_only = read_only
-        self._lease_ttl = lease_ttl
-        self._writer: Writer = writer if writer is not None else QueueWriter(storage=self._storage)
-        self._name = name
-        self._pattern = template(name)
-        self._keep = keep
+        self._writer: Writer = writer if writer is not None else QueueWriter(storage=self._site.storage)
         self._trigger: Trigger | None = EveryNSteps(save_every) if isinstance(save_every, int) else save_every
-        self._allow_pickle = allow_pickle
-        self._group: Any = None
-        self._timeout = timeout
-        self._replicated = list(replicated)
-        if _in_a_group(group):
-            if "{rank}" in name:
-                raise ValueError(f"name {name!r}: in a group each step is a directory; drop {{rank}}")
-            from .._dist import coord as _coord
-
-            self._group = None if group is None else group
-            rank, size = _coord.rank_and_size(self._group)
-        elif replicated:
-            raise ValueError("replicated= needs a process group")
-        else:
-            size = 1
-        self.rank = rank
+        #: This process's rank in the group (or as given, on its own).
+        self.rank = self._group.rank
         #: The number of ranks that checkpoint together; None outside a group.
-        self.world_size: int | None = size if _in_a_group(group) else None
-        self._size = size
-        self._member: Member | None = None
-        self._catalog: Catalog | None = None
+        self.world_size: int | None = self._group.world_size
         self._last: Moment | None = None
-        self._pending: set[SaveHandle] = set()
         #: Set once local retention has let go of an uploaded step (see _release_after).
         self._releases: set[anyio.Event] = set()
         self._failures = Failures()
         self._tg: anyio.abc.TaskGroup | None = None
-        self._lock: Lease | None = None
-        self._renewal = anyio.CancelScope()
-        self._lease_lost: LeaseLostError | None = None
         self._signals: list[int] = []
-        self._state = "new"
+        self._state: Literal["new", "opening", "open", "closing", "closed"] = "new"
         #: Set once a signal given to ``save_on_signal`` has arrived and its save is done.
         self.preempted = anyio.Event()
+
+    @property
+    def remote(self) -> str | None:
+        """The remote tier's directory, or None without one."""
+        return None if self._tier is None else self._tier.directory
 
     # -- lifecycle ---------------------------------------------------------------------
     async def __aenter__(self) -> Self:
         if self._state != "new":
             raise WriterClosedError("a CheckpointManager can be opened only once")
         self._state = "opening"
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        self._tg = tg
         writer_open = False
         try:
-            layout = await self._layout()
-            if self.rank == 0:
-                self._catalog = Catalog(
-                    self._storage,
-                    self.directory,
-                    self._pattern,
-                    self._keep,
-                    steps=layout,
-                    writable=not self.read_only,
-                )
-            self._member = Member(
-                self._channels,
-                rank=self.rank,
-                size=self._size,
-                layout=layout,
-                catalog=self._catalog,
-                replicated=self._replicated,
-                where=self.directory,
-            )
-            config = OpenReport(self._name, self._replicated, self._size)
-            await self._member.open(config, self._prepare)
+            await self._site.connect()
+            await self._site.open(tg)
+            if self._tier is not None:
+                await self._tier.connect(steps_are_dirs=self._site.steps_are_dirs)
             if not self.read_only:
                 await self._writer.__aenter__()
                 writer_open = True
-            if self._remote is not None:
-                self._remote._steps_are_dirs = layout.manifests
-                await self._remote.__aenter__()
+            if self._tier is not None:
+                await self._tier.start(tg)
         except BaseException:
             try:
                 if writer_open:  # nothing was saved through it yet
@@ -254,129 +264,64 @@ class CheckpointManager(anyio.abc.AsyncResource):
                     # it was entered in.
                     await self._writer.__aexit__(None, None, None)
             finally:
-                with anyio.CancelScope(shield=True):
-                    await self._release()
+                try:
+                    await self._exit_task_group()
+                finally:
+                    await self._leave(remote=True)
             raise
-        self._tg = anyio.create_task_group()
-        await self._tg.__aenter__()
-        if self._lock is not None:
-            self._tg.start_soon(self._renew, self._lock)
         self._state = "open"
         if self._uploads_every_save() and not self.read_only:
             try:
                 await self._catch_up()
             except BaseException:
-                with anyio.CancelScope(shield=True):
-                    await self.aclose()
+                await self.aclose()
                 raise
         return self
 
     async def _catch_up(self) -> None:
-        """Upload the newest local checkpoint if the remote tier lacks it: the upload of
-        a run that crashed (or ran without a remote tier) is not lost."""
-        assert self._remote is not None
-        local = await self.steps()
-        if local and local[-1] not in await self._remote.steps():
-            logger.info("uploading step %d, which %s lacks", local[-1], self._remote.directory)
-            await self.upload(local[-1])
+        """Upload the newest local checkpoint if the remote tier lacks it, once it is open:
+        the upload a crash cut short (or a run without a remote tier) is not lost."""
+        assert self._tier is not None
+        local = await self._site.steps()
+        if local:  # the newest: retention never removes it meanwhile
+            record = await self._site.record(local[-1])
+            assert record is not None
+            self._tier.catch_up(record, self._committed(record))
 
-    async def _renew(self, lease: Lease) -> None:
-        """Keep the lease of the directory (an object store's expires unless renewed)."""
-        with self._renewal:
-            while True:
-                await anyio.sleep(self._lease_ttl / 3)
-                try:
-                    await _offload.run_io(lease.renew)
-                except LeaseLostError as exc:
-                    logger.error("%s", exc)
-                    self._lease_lost = exc
-                    return
-                except Exception as exc:  # a transient failure: the next renewal may pass
-                    logger.warning("renewing the lease of %s failed (%r)", self.directory, exc)
+    def _committed(self, record: CheckpointRecord) -> SaveHandle:
+        """A handle of the committed local checkpoint of ``record``, resolved."""
+        out_dir, file = self._site.member.layout.place(record, self.rank)
+        done = Resolver(self._site.storage.join(out_dir, file))
+        done.finish(SaveStats(done.handle.path, record.bytes, 0.0, 0.0, 0.0, 0.0, 0.0))
+        return done.handle
 
-    async def _layout(self) -> Layout:
-        """A directory per step in a group, or where a group left its checkpoints; else a
-        file per step."""
-        steps_are_dirs = self._group is not None or self.world_size is not None
-        if self._steps_are_dirs is not None:
-            steps_are_dirs = self._steps_are_dirs
-        if not steps_are_dirs:
-            steps_are_dirs = await _offload.run_io(
-                has_step_dirs, self._storage, self.directory, self._pattern
-            )
-        if not steps_are_dirs and self._remote is not None:  # a group's run, resumed from its remote tier
-            far = self._remote
-            steps_are_dirs = await _offload.run_io(has_step_dirs, far._storage, far.directory, self._pattern)
-        if steps_are_dirs:
-            if "{rank}" in self._name:
-                raise ValueError(
-                    f"name {self._name!r}: {self.directory} holds a directory per step; drop {{rank}}"
-                )
-            return StepDirectories(
-                self._storage, self.directory, self._pattern, self._allow_pickle, writable=not self.read_only
-            )
-        return Files(self._storage, self.directory, self._pattern, self.rank, self._allow_pickle)
+    async def _exit_task_group(self) -> None:
+        """Exit the task group, cancelling what is left in it: what runs for ever (lease
+        renewals, the remote tier's attempts to open), or after a failed open, anything.
+        Not inside a shielding scope: a task group is exited in the scope it was entered in."""
+        if self._tg is not None:
+            tg, self._tg = self._tg, None
+            tg.cancel_scope.cancel()
+            await tg.__aexit__(None, None, None)
 
-    async def _channels(self) -> tuple[Channel, Channel]:
-        if self.world_size is None:
-            return LocalChannel(), LocalChannel()
-        from .._dist import coord as _coord
-
-        return await _coord.channels(self._group, self._timeout)
-
-    async def _prepare(self) -> None:
-        """Lock the directory, sweep what crashed saves left, load the index (rank 0); a
-        reader only loads the index."""
-        assert self._catalog is not None
-        if not self.read_only:
-            self._lock = await self._take_lease()
-            swept = await _offload.run_io(self._storage.sweep_incomplete, self.directory)
-            if swept:
-                logger.info("removed %d temp file(s) of crashed saves in %s", len(swept), self.directory)
-        await self._catalog.load()
-
-    async def _take_lease(self) -> Lease:
-        """The directory's lease. A holder that stopped renewing its lease (it died on
-        another host) holds it until it goes stale: opening waits for that, up to
-        ``lease_ttl``, and gives up at once if it sees the lease renewed (a live holder)."""
-        patience = time.monotonic() + self._lease_ttl + 1.0  # clocks differ a little
-        stale_at: float | None = None
-        while True:
-            try:
-                return await _offload.run_io(self._storage.lease, self.directory, self._lease_ttl)
-            except DirectoryLockedError as exc:
-                if exc.retry_after is None:
-                    raise
-                now = time.monotonic()
-                renewed = stale_at is not None and now + exc.retry_after > stale_at + 0.2
-                if renewed or now >= patience:
-                    raise
-                if stale_at is None:
-                    logger.warning(
-                        "%s is leased by a manager that may have died; waiting up to %.0f s for its "
-                        "lease to go stale",
-                        self.directory,
-                        exc.retry_after,
-                    )
-                stale_at = now + exc.retry_after
-                await anyio.sleep(min(max(exc.retry_after, 0.05), patience - now, 1.0))
-
-    async def _release(self) -> None:
+    async def _leave(self, *, remote: bool) -> None:
+        """Leave the directories (``remote``: the remote tier's too, which closing it did
+        not: after a failed open)."""
         self._state = "closed"
-        if self._remote is not None and self._remote._state != "closed":
-            await self._remote._release()
-        if self._catalog is not None:
-            self._catalog.close()
-        if self._member is not None:
-            await _offload.run_coord(self._member.close)
-        if self._lock is not None:
-            lock, self._lock = self._lock, None
-            with anyio.CancelScope(shield=True):  # a network round trip on an object store
-                await _offload.run_io(lock.release)
+        with anyio.CancelScope(shield=True):
+            try:
+                if remote and self._tier is not None:
+                    await self._tier.site.close()
+            finally:
+                await self._site.close()
 
-    async def aclose(self) -> None:
+    async def aclose(self, *, upload_timeout: float | None = UPLOAD_TIMEOUT) -> None:
         """Wait for pending commits (and uploads) and the rotation they trigger; release
-        the directory."""
+        the directories; raise the first failure not reported yet.
+
+        Uploads are waited for as long as they make progress: after ``upload_timeout``
+        seconds without any (None: no bound), those still pending are ended and
+        reported (their checkpoints stay local, and the next open uploads the newest)."""
         if self._state != "open":
             return
         self._state = "closing"
@@ -384,13 +329,37 @@ class CheckpointManager(anyio.abc.AsyncResource):
         for sig in self._signals:
             loop.remove_signal_handler(sig)
         errors: list[Exception] = []
+        left: list[str] | None = None  # uploads still pending; None: not waited for (cancelled)
         try:
             try:
-                await self._drain(errors)
-            finally:
-                await self._exit_task_groups()
+                if not self.read_only:
+                    await self._writer.aclose()  # raises (so reports) the writer's failures
+            except Exception as exc:
+                errors.append(exc)
+            await self._site.wait_pending()
+            if self._tier is not None:
+                left = await self._tier.drain(upload_timeout)
         finally:
-            await self._release()
+            # Task groups are exited the last entered first, each in the scope it was
+            # entered in (never inside a shielding scope), also when this is cancelled.
+            try:
+                if self._tier is not None:
+                    try:
+                        await self._tier.close(abandon=left != [])
+                    except Exception as exc:
+                        errors.append(exc)
+                    if left == []:
+                        for released in list(self._releases):  # local retention the uploads held
+                            await released.wait()
+            finally:
+                try:
+                    if not self.read_only:
+                        await self._writer.__aexit__(None, None, None)  # closed already: exits its group
+                finally:
+                    try:
+                        await self._exit_task_group()
+                    finally:
+                        await self._leave(remote=False)
         if errors:
             first = errors[0]
             for other in errors[1:]:
@@ -400,59 +369,38 @@ class CheckpointManager(anyio.abc.AsyncResource):
             raise first
         self._raise_pending()
 
-    async def _drain(self, errors: list[Exception]) -> None:
-        """Let every accepted save (and upload) end; the writers' failures go to ``errors``."""
-        try:
-            if not self.read_only:
-                await self._writer.aclose()  # raises (so reports) the writer's failures
-        except Exception as exc:
-            errors.append(exc)
-        finally:
-            await self._wait_pending()
-            if self._remote is not None and self._remote._state == "open":
-                self._remote._state = "closing"
-                await self._remote._drain(errors)
-
-    async def _exit_task_groups(self) -> None:
-        """Exit the task groups this manager entered, the last entered first: its own,
-        the remote tier's, its writer's."""
-        self._renewal.cancel()
-        assert self._tg is not None
-        await self._tg.__aexit__(None, None, None)
-        if self._remote is not None and self._remote._tg is not None:
-            await self._remote._exit_task_groups()
-        if not self.read_only:
-            await self._writer.__aexit__(None, None, None)  # closed already: exits its task group
-
-    async def flush(self) -> None:
-        """Wait until every accepted save is committed, indexed and rotated; raise the
-        first failure not reported yet (noting any others)."""
+    async def flush(self, *, upload_timeout: float | None = UPLOAD_TIMEOUT) -> None:
+        """Wait until every accepted save is committed, indexed and rotated, and its upload
+        ended or made no progress for ``upload_timeout`` seconds (None: no bound); raise
+        the first failure not reported yet (noting any others). Uploads still pending
+        then go on in the background, and this raises RemoteStorageError saying so."""
         try:
             if not self.read_only:
                 await self._writer.flush()
         finally:
-            await self._wait_pending()  # a raising flush has still waited for every save
-            await self._wait_uploads()
+            await self._site.wait_pending()  # a raising flush has still waited for every save
+            stuck: list[str] = []
+            if self._tier is not None:
+                stuck = await self._tier.drain(upload_timeout)
+                if not stuck:
+                    for released in list(self._releases):  # the local retention the uploads held back
+                        await released.wait()
         self._raise_pending()
-
-    async def _wait_uploads(self) -> None:
-        """Wait until every upload handed to the remote tier so far has ended."""
-        if self._remote is not None and self._uploader is not None:
-            await self._uploader._wait()
-            await self._remote._wait_pending()
-        for released in list(self._releases):  # and the local retention the uploads held back
-            await released.wait()
+        if stuck:
+            assert self._tier is not None
+            cause = self._tier.error or self._tier.uploader.unavailable
+            raise RemoteStorageError(
+                f"{len(stuck)} upload(s) to {self._tier.directory} made no progress for {upload_timeout:g} s "
+                f"({', '.join(stuck)}); they go on in the background (the remote tier is "
+                f"{'unavailable: ' + repr(cause) if cause is not None else 'slow'})"
+            ) from cause
 
     def take_failures(self) -> list[SaveFailure]:
-        """The failed saves (of the writer, the index, the group) not reported yet, oldest
-        first; from now on they count as reported: no later call raises them."""
+        """The failed saves (of the writer, the index, the group, the uploads) not reported
+        yet, oldest first; from now on they count as reported: no later call raises them."""
         writer = [] if self.read_only else self._writer.take_failures()
-        remote = [] if self._remote is None else self._remote.take_failures()
+        remote = [] if self._tier is None else self._tier.uploader.take_failures()
         return writer + self._failures.take() + remote
-
-    async def _wait_pending(self) -> None:
-        for handle in list(self._pending):
-            await handle.outcome()
 
     def _raise_pending(self, *, accepted: str | None = None) -> None:
         raise_first(self.take_failures(), accepted=accepted)
@@ -466,6 +414,9 @@ class CheckpointManager(anyio.abc.AsyncResource):
             return await self._writer(filename, directory, state)
         handle: SaveHandle = await accept(filename, directory, state)
         return handle
+
+    def _report(self, path: str, error: BaseException) -> SaveFailure:
+        return self._failures.add(path, error)
 
     # -- saving --------------------------------------------------------------------------
     def should_save(self, step: int, *, epoch: int | None = None) -> bool:
@@ -493,15 +444,17 @@ class CheckpointManager(anyio.abc.AsyncResource):
         name without being aiosnap's (a user's file, a link) never is (ForeignFileError).
         Returns once the state is captured. The handle resolves when the checkpoint is
         committed, indexed, and the retention it triggers is done; a save the triggers
-        did not call for resolves at once, skipped. An earlier save's failure not yet
-        reported is raised here, after this save was accepted.
+        did not call for resolves at once, skipped. A cancelled call either drops the
+        save whole (before its capture ended) or lets it commit, indexed and rotated as
+        any other. An earlier save's failure not yet reported is raised here, after this
+        save was accepted.
         """
         if self._state != "open":
             raise WriterClosedError("the manager is not open: use `async with manager:`")
         if self.read_only:
             raise CheckpointError(f"{self.directory}: this manager is read-only (read_only=True)")
-        if self._lease_lost is not None:
-            raise self._lease_lost
+        if self._site.lease_lost is not None:
+            raise self._site.lease_lost
         filename = self.filename(step, epoch)
         step, epoch = check_step(step), None if epoch is None else check_step(epoch, "epoch")
         record = CheckpointRecord(
@@ -509,22 +462,24 @@ class CheckpointManager(anyio.abc.AsyncResource):
         )
         if not force and not await self._due(step, epoch):
             self._raise_pending()
-            return skipped(self._storage.join(self.directory, filename))
+            return skipped(self._site.storage.join(self.directory, filename))
+        assert self._tg is not None
         try:
-            outer = await self._submit(record, state, overwrite=overwrite)
+            outer = await self._site.submit(
+                self._tg, record, state, self._accept, overwrite=overwrite, report=self._report
+            )
         except BaseException:
             if self._uploads_every_save():
                 # Every member hands every save to the remote tier, in the same order: one
                 # whose own save was refused hands it over as failed (not uploaded).
-                refused = skipped(self._storage.join(self.directory, filename))
                 with anyio.CancelScope(shield=True):
-                    await self._upload_after(record, refused)
+                    await self._upload(record, skipped(self._site.storage.join(self.directory, filename)))
             raise
         if self._uploads_every_save():
             # Handed over whatever becomes of the capture below: the upload follows the
             # local save's own outcome, as the index does.
             with anyio.CancelScope(shield=True):
-                outer.upload = await self._upload_after(record, outer)
+                outer.upload = await self._upload(record, outer)
         # Cancelled before the capture ended, the save is dropped whole (its handle
         # fails, nothing is written); after, it commits and is indexed and rotated.
         await outer.wait_captured()
@@ -535,142 +490,95 @@ class CheckpointManager(anyio.abc.AsyncResource):
         self._raise_pending(accepted=outer.path)
         return outer
 
-    async def _submit(
-        self, record: CheckpointRecord, state: object, *, overwrite: bool, check: bool = True
-    ) -> SaveHandle:
-        """Take this save's turn, hand it to the writer, and vote on it in the background;
-        the returned handle follows the writer's, its capture included. ``check``: look
-        first at what stands at the step's name (``Layout.check_vacant``)."""
-        member, tg = self._member, self._tg
-        assert member is not None
-        assert tg is not None
-        # The turn is taken now, in program order, as every member does for this call;
-        # the vote that fills it runs in the background.
-        turn = member.votes.turn(f"save step {record.step}")
-        out_dir, file = member.layout.place(record, self.rank)
-        target = state if self.rank == 0 or not self._replicated else ExternalLeaves(state, member.matches)
-        path = self._storage.join(out_dir, file)
-        try:
-            if check:
-                committed = self._catalog is not None and record.step in self._catalog.records
-                await member.layout.check_vacant(record, committed, overwrite)
-            inner = await self._accept(file, out_dir, target)
-        except BaseException as exc:
-            # The other members vote on this step all the same: this one votes that it failed.
-            failure = (
-                exc if isinstance(exc, Exception) else WriterClosedError("this rank's save was cancelled")
-            )
-            refused = Resolver(path)
-            self._pending.add(refused.handle)
-            tg.start_soon(self._vote, turn, failure, record, refused)
-            raise
-        outer = Resolver(path, following=inner)  # its caller waits for the writer's capture
-        self._pending.add(outer.handle)
-        tg.start_soon(self._vote, turn, inner, record, outer)
-        return outer.handle
-
     def _uploads_every_save(self) -> bool:
-        return self._remote is not None and self._upload_mode == "every"
+        return self._tier is not None and self._upload_mode == "every"
 
-    async def _upload_after(self, record: CheckpointRecord, local: SaveHandle) -> SaveHandle:
-        """Hand the checkpoint ``local`` commits to the remote tier; it is uploaded once
-        committed. Until its upload ends, local retention keeps it."""
-        assert self._remote is not None
-        assert self._tg is not None
-        if self._remote._lease_lost is not None:
-            # Another manager took the remote directory: upload nothing more to it (its
-            # turn is still taken, and voted down).
-            self._failures.add(self._remote.directory, self._remote._lease_lost)
-            local = skipped(local.path)
-        # An upload replaces the remote copy of its step, as the local save did: both are
-        # aiosnap's own (what is not, it still refuses).
-        upload = await self._remote._submit(
-            record, LocalCopy(self._storage, local), overwrite=True, check=False
-        )
-        if self._catalog is not None:
-            self._catalog.hold(record.step)
+    async def _upload(self, record: CheckpointRecord, local: SaveHandle) -> SaveHandle:
+        """Hand the checkpoint ``local`` commits to the remote tier; until its upload ends,
+        local retention keeps it."""
+        assert self._tier is not None
+        upload = await self._tier.upload(record, local)
+        self._hold(record.step, upload)
+        return upload
+
+    def _hold(self, step: int, upload: SaveHandle) -> None:
+        catalog = self._site.catalog
+        if catalog is not None:
+            assert self._tg is not None
+            catalog.hold(step)
             released = anyio.Event()
             self._releases.add(released)
-            self._tg.start_soon(self._release_after, record.step, upload, released)
-        return upload
+            self._tg.start_soon(self._release_after, step, upload, released)
 
     async def _release_after(self, step: int, upload: SaveHandle, released: anyio.Event) -> None:
         try:
             await upload.outcome()
-            assert self._catalog is not None
-            await self._catalog.release(step)
+            catalog = self._site.catalog
+            assert catalog is not None
+            await catalog.release(step)
         except Exception as exc:  # the index or a removal failed: reported as a failed save is
-            self._failures.add(self._storage.join(self.directory, f"<retention after step {step}>"), exc)
+            self._failures.add(self._site.storage.join(self.directory, f"<retention after step {step}>"), exc)
         finally:
             self._releases.discard(released)
             released.set()
 
     async def _due(self, step: int, epoch: int | None) -> bool:
         due = self.should_save(step, epoch=epoch)
-        if self._size > 1 and self._trigger is not None and not deterministic(self._trigger):
-            assert self._member is not None
-            due = await self._member.agree_on_trigger(due)
+        if self._group.size > 1 and self._trigger is not None and not deterministic(self._trigger):
+            due = await self._site.member.agree_on_trigger(due)
         return due
-
-    async def _vote(
-        self, turn: Any, inner: SaveHandle | BaseException, record: CheckpointRecord, outer: Resolver
-    ) -> None:
-        assert self._member is not None
-        path = outer.handle.path
-        try:
-            await self._member.vote(turn, inner, record, outer, lambda exc: self._failures.add(path, exc))
-        finally:
-            self._pending.discard(outer.handle)
-            if not outer.handle.done():
-                outer.fail(WriterClosedError("the manager closed before the save finished"))
 
     def filename(self, step: int, epoch: int | None = None) -> str:
         """The name ``step`` is saved under (ValueError for a step that is not a
         non-negative int, or a name that would not read back as this step)."""
         step = check_step(step)
         epoch = None if epoch is None else check_step(epoch, "epoch")
-        return render(self._name, self._pattern, step, epoch, self.rank)
+        return render(self._site.naming.name, self._site.naming.pattern, step, epoch, self.rank)
 
     # -- reading -------------------------------------------------------------------------
     async def steps(self) -> list[int]:
-        """Steps of the committed checkpoints that have not failed verification, oldest
-        first. A save still being written, or one that failed, is not listed: a step
-        appears once its checkpoint is durable and indexed (its handle has resolved)."""
-        assert self._member is not None
-        await self._refresh()
-        return list(await self._member.ask("steps", lambda: self._rank0().steps()))
-
-    async def _refresh(self) -> None:
-        """A reader's view is never older than its last call: training beside it commits
-        and rotates, so a read-only manager reads the directory again at each call."""
-        if self.read_only and self._catalog is not None:
-            await self._catalog.load()
-
-    def _rank0(self) -> Catalog:
-        assert self._catalog is not None
-        return self._catalog
+        """Steps of the committed checkpoints of the local directory that have not failed
+        verification, oldest first. A save still being written, or one that failed, is
+        not listed: a step appears once its checkpoint is durable and indexed (its handle
+        has resolved). ``remote_steps()`` lists the remote tier's."""
+        return await self._site.steps()
 
     async def latest_step(self) -> int | None:
-        steps = await self.steps()
+        """The newest committed step of either tier (None if neither holds one): the step
+        ``restore()`` tries first. With a remote tier it waits for the remote directory
+        to open (a process on its own, for the first attempt: if that failed, the local
+        newest is returned with a warning; with no local step, RemoteStorageError)."""
+        steps = await self._site.steps()
+        if self._tier is not None:
+            steps = sorted(set(steps) | set(await self._remote_or_local(steps)))
         return steps[-1] if steps else None
+
+    async def _remote_or_local(self, local: list[int]) -> list[int]:
+        """The remote tier's steps; if it is unavailable, [] with a warning when ``local``
+        has some to go on with, else RemoteStorageError (starting from scratch while the
+        remote tier may hold checkpoints would lose them)."""
+        assert self._tier is not None
+        try:
+            return await self._tier.read(lambda site: site.steps())
+        except RemoteStorageError:
+            if not local:
+                raise
+            notice(
+                logger,
+                f"the remote tier {self._tier.directory} is unavailable ({self._tier.error!r}): going on "
+                f"with the local steps (newest {local[-1]}); the remote tier may hold newer ones",
+            )
+            return []
 
     async def history(self) -> list[CheckpointRecord]:
         """Every commit this directory has seen (up to HISTORY_LIMIT), oldest first."""
-        assert self._member is not None
-        await self._refresh()
-        raw = await self._member.ask("history", lambda: [r.to_json() for r in self._rank0().history])
-        return [CheckpointRecord.from_json(r) for r in raw]
+        return await self._site.history()
 
     async def records(self) -> list[CheckpointRecord]:
         """The record of every committed checkpoint, oldest first: its epoch, time, size
         and metrics, and for one that failed verification (which ``steps()`` leaves out)
         the reason, in ``corrupt``."""
-        assert self._member is not None
-        await self._refresh()
-        raw = await self._member.ask(
-            "records", lambda: [r.to_json() for _, r in sorted(self._rank0().records.items())]
-        )
-        return [CheckpointRecord.from_json(r) for r in raw]
+        return await self._site.records()
 
     async def prune(self, *, dry_run: bool = False) -> list[CheckpointRecord]:
         """Apply the retention policy (``keep``) now, as a commit does, and return the
@@ -679,11 +587,7 @@ class CheckpointManager(anyio.abc.AsyncResource):
         and those with an upload pending stay. Only a process on its own prunes."""
         if self._state != "open":
             raise WriterClosedError("the manager is not open: use `async with manager:`")
-        if self.read_only and not dry_run:
-            raise CheckpointError(f"{self.directory}: this manager is read-only (read_only=True)")
-        if self.world_size is not None:
-            raise CheckpointError(f"{self.directory}: prune() runs in a process on its own, not in a group")
-        return await self._rank0().apply_retention(dry_run=dry_run)
+        return await self._site.prune(dry_run=dry_run)
 
     async def restore(
         self,
@@ -697,77 +601,88 @@ class CheckpointManager(anyio.abc.AsyncResource):
 
         If the latest checkpoint fails verification it is logged, marked (by a manager
         that writes), and the newest valid older one is tried; CheckpointNotFoundError
-        only when none is valid. With ``target``, the state is loaded into it in place;
-        ``keys`` restricts what is loaded (with or without a target); with
-        ``strict=False`` the target's entries are loaded and the checkpoint's others
-        ignored. In a group, every rank gets the same step, and its own part of it: the
-        DTensors of its target filled from the shards of any world size; state that
-        differed between the ranks that saved it only at the same world size
-        (StateMismatchError, on every rank, names it otherwise).
+        only when none is valid. With a remote tier, the newest valid step of either tier
+        is taken, the local copy first (see ``latest_step`` for a remote tier that is
+        unavailable). With ``target``, the state is loaded into it in place; ``keys``
+        restricts what is loaded (with or without a target); with ``strict=False`` the
+        target's entries are loaded and the checkpoint's others ignored. In a group,
+        every rank gets the same step, and its own part of it: the DTensors of its target
+        filled from the shards of any world size; state that differed between the ranks
+        that saved it only at the same world size (StateMismatchError, on every rank,
+        names it otherwise).
         """
-        assert self._member is not None
         step = None if step is None else check_step(step)
-        if self._remote is not None:
-            return await self._restore_from_tiers(step, target, keys, strict)
-        await self._refresh()
-        found, path, state = await self._member.restore(step, target, keys, strict)
-        return Restored(found.step, found.epoch, path, state)
+        if self._tier is None:
+            found = await self._site.restore(step, target, keys, strict)
+            return Restored(found.record.step, found.record.epoch, found.path, found.state)
+        return await self._restore_from_tiers(step, target, keys, strict)
+
+    async def resume(
+        self, *, target: Any = None, keys: Sequence[str] | None = None, strict: bool = True
+    ) -> Restored | None:
+        """``restore()`` of the newest valid step of either tier, or None where there is
+        none (a fresh start): the one call a training script needs to pick up where it
+        stopped. A remote tier that may hold checkpoints but cannot be read raises
+        RemoteStorageError rather than start afresh."""
+        if await self.latest_step() is None:
+            return None
+        # Committed steps exist: if none is valid, that is no fresh start, and it raises.
+        return await self.restore(target=target, keys=keys, strict=strict)
 
     async def _restore_from_tiers(
         self, step: int | None, target: Any, keys: Sequence[str] | None, strict: bool
     ) -> Restored:
         """The newest valid step of either tier, the local copy first: a step corrupt
         in one tier is tried in the other, then older steps are."""
-        assert self._member is not None
-        assert self._remote is not None
-        assert self._remote._member is not None
-        local, remote = set(await self.steps()), set(await self._remote.steps())
-        wanted = [step] if step is not None else sorted(local | remote, reverse=True)
-        failures: list[str] = []
+        assert self._tier is not None
+        local = {r.step: r for r in await self._site.candidates(step)}
+        remote_steps = await self._remote_or_local(sorted(local))
+        remote: dict[int, CheckpointRecord] = {}
+        if remote_steps:
+            remote = {r.step: r for r in await self._tier.read(lambda site: site.candidates(step))}
+        wanted = [step] if step is not None else sorted(local.keys() | remote.keys(), reverse=True)
+        tries = []
         for candidate in wanted:
-            for member, holds in ((self._member, local), (self._remote._member, remote)):
-                if candidate not in holds:
-                    continue
-                try:
-                    found, path, state = await member.restore(candidate, target, keys, strict)
-                except CorruptCheckpointError as exc:  # logged and marked by the tier's member
-                    failures.append(str(exc))
-                    continue
-                return Restored(found.step, found.epoch, path, state)
-        where = f"{self.directory!r} or {self._remote.directory!r}"
-        if step is not None and step not in local | remote:
+            if candidate in local:
+                tries.append((self._site.member, local[candidate]))
+            if candidate in remote:
+                tries.append((self._tier.site.member, remote[candidate]))
+        found = await restore_first(tries, target, keys, strict)
+        if isinstance(found, Attempt):
+            return Restored(found.record.step, found.record.epoch, found.path, found.state)
+        where = f"{self.directory!r} or {self._tier.directory!r}"
+        if step is not None and step not in local.keys() | remote.keys():
             missing = f"{self.directory}/<step {step}>"
             raise CheckpointNotFoundError(missing, f"step {step} is in neither {where}")
-        reason = f"no valid checkpoint in {where}" + (f" ({'; '.join(failures)})" if failures else "")
+        reasons = "; ".join(f"{a.where}: {a.reason}" for a in found)
+        reason = f"no valid checkpoint in {where}" + (f" ({reasons})" if reasons else "")
         raise CheckpointNotFoundError(self.directory, reason)
 
     async def remote_steps(self) -> list[int]:
-        """The steps of the remote tier, as ``steps()`` gives the local ones ([] without one)."""
-        return [] if self._remote is None else await self._remote.steps()
+        """The steps of the remote tier, as ``steps()`` gives the local ones ([] without
+        one); RemoteStorageError while it is unavailable (a process on its own)."""
+        if self._tier is None:
+            return []
+        return await self._tier.read(lambda site: site.steps())
 
     async def upload(self, step: int | None = None) -> SaveHandle:
         """Upload a committed local step (the latest by default) to the remote tier, as
         ``upload="every"`` does after each save; returns the upload's handle, which
-        resolves skipped, with nothing copied, if the remote tier holds that step already. Every member of a
-        group calls it, as it calls ``save``."""
-        if self._remote is None:
+        resolves skipped, with nothing copied, if the remote tier holds that step already.
+        Every member of a group calls it, as it calls ``save``."""
+        if self._tier is None:
             raise CheckpointError(f"{self.directory}: no remote tier (CheckpointManager(remote=...))")
         if self.read_only:
             raise CheckpointError(f"{self.directory}: this manager is read-only (read_only=True)")
-        assert self._member is not None
-        steps = await self.steps()
+        steps = await self._site.steps()
         chosen = step if step is not None else (steps[-1] if steps else None)
-        if chosen is None or chosen not in steps:
+        record = None if chosen is None or chosen not in steps else await self._site.record(chosen)
+        if record is None:
             raise CheckpointNotFoundError(self.directory, f"no committed local step {chosen} to upload")
-        raw = await self._member.ask("record", lambda: self._rank0().records[chosen].to_json())
-        record = CheckpointRecord.from_json(raw)
-        out_dir, file = self._member.layout.place(record, self.rank)
-        local = Resolver(self._storage.join(out_dir, file))
-        if chosen in await self._remote.steps():
-            local.skip()  # handed over all the same: every member takes the same turns
-        else:
-            local.finish(SaveStats(local.handle.path, record.bytes or 0, 0.0, 0.0, 0.0, 0.0, 0.0))
-        return await self._upload_after(record, local.handle)
+        if chosen in await self.remote_steps():
+            # Handed over all the same, as skipped: every member takes the same turns.
+            return await self._upload(record, skipped(self._committed(record).path))
+        return await self._upload(record, self._committed(record))
 
     # -- saving when things go wrong -----------------------------------------------------
     def save_on_signal(

@@ -1,7 +1,7 @@
 """One process's part in a group's checkpoints; a process on its own is a group of one.
 
-Every decision is rank 0's (``_decisions``) and every member learns it through the
-channel (``_channel``): which step is latest, whether a save commits, which
+Every decision is rank 0's (``_dist.decisions``) and every member learns it through the
+channel (``_dist.channel``): which step is latest, whether a save commits, which
 checkpoint a restore takes. A save is a two-phase commit: each member writes its part
 of the step, reports it once durable, and rank 0 commits the step (writes its
 manifest, for a directory per step) only if every member succeeded; any failure,
@@ -12,8 +12,10 @@ that decides at once, and a failure is raised as itself.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, final
 
 from .._base.errors import (
@@ -28,7 +30,7 @@ from .._base.errors import (
 from .._base.typed import decode, encode
 from .._dist.channel import Channel, Turn
 from .._dist.decisions import Refused, agree_on_config, commit, judge_restore
-from .._dist.messages import FileReport, LoadReport, OpenReport
+from .._dist.messages import CommitVerdict, FileReport, LoadReport, OpenReport
 from .._format.manifest import replicated_matcher
 from .._save.handle import Resolver, SaveFailure, SaveHandle, SaveStats
 from .catalog import Catalog
@@ -43,41 +45,49 @@ _MISMATCH = (StateMismatchError, CheckpointKeyError, PickleNotAllowedError)
 
 
 @final
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """How loading one step went, the same on every member: ``outcome`` is the group's
+    verdict; ``path`` and ``state`` this member's part, when it is "ok"."""
+
+    record: CheckpointRecord
+    outcome: str
+    reason: str
+    where: str
+    path: str = ""
+    state: Any = None
+    #: This member's own error of a "mismatch", raised as itself.
+    error: Exception | None = None
+
+
+@final
 class Member:
     """This process's part in a group's checkpoints (see the module docstring)."""
 
     def __init__(
         self,
-        channels: Callable[[], Awaitable[tuple[Channel, Channel]]],
+        votes: Channel,
+        control: Channel,
         *,
-        rank: int,
-        size: int,
         layout: Layout,
         catalog: Catalog | None,
         replicated: Sequence[str],
-        where: str,
     ) -> None:
-        self._make_channels = channels
-        self.rank, self.size = rank, size
+        self.votes, self._control = votes, control
+        self.rank, self.size = votes.rank, votes.size
         self.layout, self.catalog = layout, catalog  # the catalog is rank 0's
         self.replicated = list(replicated)
         self.matches = replicated_matcher(self.replicated)
-        self.where = where
         #: Steps that saves in progress write to: never swept.
         self.busy: set[str] = set()
-        self._votes: Channel | None = None
-        self._control: Channel | None = None
 
-    @property
-    def votes(self) -> Channel:
-        assert self._votes is not None
-        return self._votes
-
-    # -- lifecycle -----------------------------------------------------------------------
-    async def open(self, config: OpenReport, prepare: Callable[[], Awaitable[None]]) -> None:
-        """Set up the channels, run ``prepare`` on rank 0 (lock, sweep, index) and check
-        that every member is configured alike."""
-        self._votes, self._control = await self._make_channels()
+    async def open(
+        self, config: OpenReport, prepare: Callable[[], Awaitable[None]], *, on_control: bool = False
+    ) -> None:
+        """Run ``prepare`` on rank 0 (lock, sweep, index) and check that every member is
+        configured alike. A failure of ``prepare`` raises on every member (orderly: the
+        channel stays usable, so opening can be tried again). ``on_control``: over the
+        control channel, whose turns never mix with the saves' (a background open)."""
 
         async def work() -> Any:
             if self.rank == 0:
@@ -87,28 +97,27 @@ class Member:
         async def decide(bodies: list[Any]) -> None:
             agree_on_config(_decoded(OpenReport, bodies))
 
-        async with self.votes.turn("open") as turn:
+        async with self.channel(on_control).turn("open") as turn:
             await turn.agree(work, decide)
 
-    def close(self) -> None:
-        """Release the channels. Blocking."""
-        for channel in (self._votes, self._control):
-            if channel is not None:
-                channel.close()
-
     # -- asking rank 0 -------------------------------------------------------------------
-    async def ask(self, op: str, answer: Callable[[], Any]) -> Any:
-        """Rank 0's ``answer()``, on every member."""
+    async def ask(self, op: str, answer: Callable[[], Any], *, on_control: bool = False) -> Any:
+        """Rank 0's ``answer()`` (a value, or an awaitable of one), on every member
+        (``on_control``: over the control channel, for work in the background)."""
 
         async def decide(_: list[Any]) -> Any:
-            return answer()
+            result = answer()
+            return await result if inspect.isawaitable(result) else result
 
-        async with self.votes.turn(op) as turn:
+        async with self.channel(on_control).turn(op) as turn:
             return await turn.exchange(None, decide)
+
+    def channel(self, control: bool) -> Channel:
+        """The votes channel (turns in program order), or the control channel."""
+        return self._control if control else self.votes
 
     async def agree_on_trigger(self, due: bool) -> bool:
         """Rank 0's verdict: clocks differ between ranks, the decision must not."""
-        assert self._control is not None
 
         async def decide(verdicts: list[Any]) -> Any:
             return verdicts[0]
@@ -144,20 +153,20 @@ class Member:
         async def decide(bodies: list[Any]) -> Any:
             manifest = commit(record.step, record.epoch, _decoded(FileReport, bodies), self.replicated)
             if manifest is None:
-                return {"committed": False}
+                return encode(CommitVerdict(committed=False))
             if self.layout.manifests:
                 await self.layout.commit(record, manifest)
-            return {"committed": True, "bytes": sum(manifest.sizes)}
+            return encode(CommitVerdict(committed=True, bytes=sum(manifest.sizes)))
 
         self.busy.add(record.file)
         try:
             async with turn:
-                verdict = await turn.agree(work, decide)
-            if not verdict["committed"]:
+                verdict = decode(CommitVerdict, await turn.agree(work, decide))
+            if not verdict.committed:
                 outer.skip()
                 return
             if self.catalog is not None:
-                await self.catalog.add(record, stats[0], verdict["bytes"])
+                await self.catalog.add(record, stats[0], verdict.bytes)
                 await self.layout.sweep(record.step, self.busy)
         except RankFailedError as exc:
             if own:
@@ -183,69 +192,75 @@ class Member:
         outer.finish(stats[0])
 
     # -- restoring -----------------------------------------------------------------------
-    async def restore(
-        self, step: int | None, target: Any, keys: Sequence[str] | None, strict: bool
-    ) -> tuple[CheckpointRecord, str, Any]:
-        """Rank 0 picks the candidates; every member loads its part of one; if any finds
-        its part corrupt, rank 0 marks the step and all go on to an older one; if any
-        finds the step does not fit what was asked, all raise."""
+    async def candidates(self, step: int | None) -> list[CheckpointRecord]:
+        """Rank 0's records to restore, newest first (only ``step``'s, if given)."""
 
-        async def candidates(_: list[Any]) -> list[Any]:
+        def answer() -> list[Any]:
             assert self.catalog is not None
             steps = [step] if step is not None else sorted(self.catalog.steps(), reverse=True)
             return [self.catalog.records[s].to_json() for s in steps if s in self.catalog.records]
 
-        async with self.votes.turn("restore") as turn:
-            for raw in await turn.exchange(None, candidates):
-                record = CheckpointRecord.from_json(raw)
-                loaded: list[tuple[str, Any]] = []
-                mine: list[Exception] = []
+        return [CheckpointRecord.from_json(raw) for raw in await self.ask("restore", answer)]
 
-                async def work(
-                    record: CheckpointRecord = record, loaded: Any = loaded, mine: Any = mine
-                ) -> Any:
-                    try:
-                        loaded.append(
-                            await self.layout.load(record, self.rank, self.size, target, keys, strict)
-                        )
-                    except _MISMATCH as exc:
-                        mine.append(exc)
-                        return encode(LoadReport("mismatch", str(exc)))
-                    except (NotACheckpointError, CheckpointNotFoundError) as exc:
-                        return encode(LoadReport("unreadable", str(exc)))
-                    except CorruptCheckpointError as exc:
-                        return encode(LoadReport("corrupt", str(exc)))
-                    return encode(LoadReport("ok"))
+    async def attempt(
+        self, record: CheckpointRecord, target: Any, keys: Sequence[str] | None, strict: bool
+    ) -> Attempt:
+        """Every member loads its part of ``record``'s step; rank 0 judges the whole (and
+        marks a corrupt or unreadable step in its catalog); every member gets the verdict."""
+        loaded: list[tuple[str, Any]] = []
+        mine: list[Exception] = []
 
-                async def decide(bodies: list[Any], step: int = record.step) -> Any:
-                    verdict = judge_restore(_decoded(LoadReport, bodies))
-                    if verdict.outcome == "corrupt" and self.catalog is not None:
-                        await self.catalog.mark_corrupt(step, verdict.reason)
-                    elif verdict.outcome == "unreadable" and self.catalog is not None:
-                        await self.catalog.mark_unreadable(step, verdict.reason)
-                    return encode(verdict)
+        async def work() -> Any:
+            try:
+                loaded.append(await self.layout.load(record, self.rank, self.size, target, keys, strict))
+            except _MISMATCH as exc:
+                mine.append(exc)
+                return encode(LoadReport("mismatch", str(exc)))
+            except (NotACheckpointError, CheckpointNotFoundError) as exc:
+                return encode(LoadReport("unreadable", str(exc)))
+            except CorruptCheckpointError as exc:
+                return encode(LoadReport("corrupt", str(exc)))
+            return encode(LoadReport("ok"))
 
-                verdict = decode(LoadReport, await turn.agree(work, decide))
-                if verdict.outcome == "ok":
-                    path, state = loaded[0]
-                    return record, path, state
-                if verdict.outcome == "mismatch":
-                    if mine:
-                        raise mine[0]
-                    raise StateMismatchError(verdict.reason)
-                where = self.layout.path(record)
-                logger.warning(
-                    "checkpoint %s %s (%s); falling back to an older one",
-                    where,
-                    "failed verification" if verdict.outcome == "corrupt" else "cannot be read",
-                    verdict.reason,
-                )
-                if step is not None:
-                    raise CorruptCheckpointError(where, verdict.reason)
-        where = self.where if step is None else f"{self.where}/<step {step}>"
-        raise CheckpointNotFoundError(
-            where, f"no valid checkpoint in {self.where!r}" if step is None else None
+        async def decide(bodies: list[Any]) -> Any:
+            verdict = judge_restore(_decoded(LoadReport, bodies))
+            if verdict.outcome == "corrupt" and self.catalog is not None:
+                await self.catalog.mark_corrupt(record.step, verdict.reason)
+            elif verdict.outcome == "unreadable" and self.catalog is not None:
+                await self.catalog.mark_unreadable(record.step, verdict.reason)
+            return encode(verdict)
+
+        async with self.votes.turn("load") as turn:
+            verdict = decode(LoadReport, await turn.agree(work, decide))
+        where = self.layout.path(record)
+        if verdict.outcome == "ok":
+            path, state = loaded[0]
+            return Attempt(record, "ok", "", where, path, state)
+        return Attempt(record, verdict.outcome, verdict.reason, where, error=mine[0] if mine else None)
+
+
+async def restore_first(
+    tries: Sequence[tuple[Member, CheckpointRecord]], target: Any, keys: Sequence[str] | None, strict: bool
+) -> Attempt | list[Attempt]:
+    """Load the first of ``tries`` (a member and a step, newest first) that loads whole:
+    its Attempt; one that is corrupt or unreadable is logged and the next is tried; one
+    that does not fit what was asked raises (no older step would fit better). Every
+    failed Attempt, if none loaded. Every member passes the same tries."""
+    failures: list[Attempt] = []
+    for member, record in tries:
+        tried = await member.attempt(record, target, keys, strict)
+        if tried.outcome == "ok":
+            return tried
+        if tried.outcome == "mismatch":
+            raise tried.error if tried.error is not None else StateMismatchError(tried.reason)
+        logger.warning(
+            "checkpoint %s %s (%s); falling back to an older one",
+            tried.where,
+            "failed verification" if tried.outcome == "corrupt" else "cannot be read",
+            tried.reason,
         )
+        failures.append(tried)
+    return failures
 
 
 def _decoded(cls: type[Any], bodies: list[Any]) -> list[Any]:

@@ -125,7 +125,7 @@ class JobRunner:
     ) -> None:
         if on_save_error not in ("warn", "raise"):
             raise ValueError("on_save_error must be 'warn' or 'raise'")
-        if upload is True and manager._remote is None:
+        if upload is True and manager.remote is None:
             raise ValueError("upload=True needs a manager with a remote tier (CheckpointManager(remote=...))")
         self.job, self.manager, self.state = job, manager, state
         self.resume_from_epoch = resume_from_epoch
