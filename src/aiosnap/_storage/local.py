@@ -29,13 +29,11 @@ from .._base.errors import (
     ForeignFileError,
 )
 from .posix import FileStat, Posix
-from .protocol import LEASE_NAME, TEMP_PREFIX, CommitTimes, Entry, Version
+from .protocol import ALIGN, LEASE_NAME, TEMP_PREFIX, CommitTimes, Entry, Version
 
 #: Bytes handed to one write(2) or read(2): large enough to keep the disk streaming.
 WRITE_PIECE = 16 << 20
 _READ_PIECE = 64 << 20
-#: O_DIRECT wants buffers, offsets and lengths aligned to the logical block; 4096 covers all.
-ALIGN = 4096
 
 
 def _is_aligned(view: memoryview) -> bool:

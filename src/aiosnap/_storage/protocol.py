@@ -28,6 +28,10 @@ TEMP_PREFIX = ".aiosnap-tmp-"
 """Temp files and uploads of unfinished commits start with this; nothing else does."""
 LEASE_NAME = ".aiosnap.lock"
 """The lease of a checkpoint directory (a lock file, or a lock object)."""
+ALIGN = 4096
+"""The alignment O_DIRECT asks of buffers, offsets and lengths (4096 covers every logical
+block size): staged images, their data sections and their arenas are laid out on it, so a
+backend can write an image whole, past its size (see ``write_image``)."""
 
 Version = str
 """An opaque version of a stored object: an ETag, a generation, inode and mtime."""
