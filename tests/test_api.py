@@ -6,6 +6,8 @@ import importlib
 import inspect
 import re
 
+import pytest
+
 import aiosnap
 import aiosnap._base.errors as errors
 
@@ -76,3 +78,18 @@ def test_every_aiosnap_name_a_docstring_mentions_exists() -> None:
                     break
                 obj = getattr(obj, part)
     assert broken == []
+
+
+def test_a_former_name_still_works_and_warns() -> None:
+    # AnyOf became AnyPolicy, named as AnyTrigger is: code written with the old name runs,
+    # and is told where it uses it.
+    for module in (aiosnap, aiosnap.retention):
+        with pytest.warns(DeprecationWarning, match=rf"{module.__name__}\.AnyOf is deprecated") as seen:
+            former = module.AnyOf
+        assert former is aiosnap.AnyPolicy and seen[0].filename == __file__
+    with pytest.warns(DeprecationWarning, match="it is aiosnap.retention.AnyPolicy"):
+        from aiosnap.retention import AnyOf
+    assert AnyOf(aiosnap.KeepLast(1), aiosnap.KeepEvery(10)).keep([], 0.0) == set()
+    with pytest.raises(AttributeError, match="no attribute 'AnyOff'"):
+        aiosnap.AnyOff  # noqa: B018
+    assert "AnyOf" not in dir(aiosnap) and "AnyOf" not in dir(aiosnap.retention)

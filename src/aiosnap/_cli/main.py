@@ -34,7 +34,7 @@ from .._base.errors import (
     NotACheckpointError,
 )
 from .._load.verify import verify_blocking
-from .._manager.retention import AnyOf, KeepBest, KeepEvery, KeepLast, KeepWithin, RetentionPolicy
+from .._manager.retention import AnyPolicy, KeepBest, KeepEvery, KeepLast, KeepWithin, RetentionPolicy
 from . import tables, views
 from .bench import Bench, parse_size
 from .convert import convert, read_state
@@ -323,7 +323,7 @@ def _policy(
         policies.append(KeepWithin(parse_duration(within)))
     if not policies:
         raise ValueError("say what to keep: --keep-last, --keep-every, --keep-best or --keep-within")
-    return policies[0] if len(policies) == 1 else AnyOf(*policies)
+    return policies[0] if len(policies) == 1 else AnyPolicy(*policies)
 
 
 def parse_duration(text: str) -> float:

@@ -1,13 +1,15 @@
 """Which checkpoints to keep: a small Protocol and composable policies.
 
 A policy sees the committed, valid checkpoints (oldest first) and names the steps it
-wants kept. The manager keeps the union of that and the newest checkpoint, and only
-ever deletes checkpoints older than the newest one, after the newest has committed.
+wants kept (``AnyPolicy``: what any of several keeps). The manager keeps the union of
+that and the newest checkpoint, and only ever deletes checkpoints older than the newest
+one, after the newest has committed.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, final
@@ -93,22 +95,42 @@ class KeepWithin:
 
 
 @final
-class AnyOf:
-    """Keeps what any of its policies keeps."""
+class AnyPolicy:
+    """Keeps what any of its policies keeps (as ``AnyTrigger`` is due when any of its
+    triggers is). Formerly ``AnyOf``: that name still works, with a DeprecationWarning.
+
+    Args:
+        *policies: The policies combined; at least one.
+    """
 
     def __init__(self, *policies: RetentionPolicy) -> None:
         if not policies:
-            raise ValueError("AnyOf needs at least one policy")
+            raise ValueError("AnyPolicy needs at least one policy")
         self.policies = policies
 
     def __repr__(self) -> str:
-        return f"AnyOf{self.policies!r}"
+        return f"AnyPolicy{self.policies!r}"
 
     def keep(self, checkpoints: Sequence[CheckpointRecord], now: float) -> set[int]:
         kept: set[int] = set()
         for policy in self.policies:
             kept |= policy.keep(checkpoints, now)
         return kept
+
+
+#: Former names of public policies, kept working: the public modules' ``__getattr__``.
+FORMER_NAMES: dict[str, type] = {"AnyOf": AnyPolicy}
+
+
+def former_name(module: str, name: str) -> type:
+    """``module.name`` for a former name: its class, with a DeprecationWarning pointing at
+    the caller; AttributeError for any other name (a module's ``__getattr__``)."""
+    cls = FORMER_NAMES.get(name)
+    if cls is None:
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    message = f"{module}.{name} is deprecated: it is {module}.{cls.__name__} (the same class)"
+    warnings.warn(message, DeprecationWarning, stacklevel=3)
+    return cls
 
 
 def victims(policy: RetentionPolicy | None, checkpoints: Sequence[CheckpointRecord], now: float) -> list[int]:
