@@ -7,13 +7,11 @@ explicit capacity limiter per kind of work, so that the loop keeps serving other
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import gc
 import os
 import threading
 import traceback
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -21,6 +19,7 @@ from typing import Any, TypeVar
 import anyio
 import anyio.from_thread
 import anyio.to_thread
+from anyio.lowlevel import RunVar
 
 T = TypeVar("T")
 K = TypeVar("K")
@@ -37,15 +36,13 @@ COMMIT_THREADS = 4
 #: must not queue behind bulk I/O (a rank that waits too long is reported as failed).
 COORD_THREADS = 4
 
-_limiters: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, anyio.CapacityLimiter]] = (
-    weakref.WeakKeyDictionary()
-)
+#: Limiters belong to one event loop: one set per running loop (anyio forgets a loop's
+#: set when the loop is gone).
+_limiters: RunVar[dict[str, anyio.CapacityLimiter]] = RunVar("aiosnap_limiters")
 
 
 def _limiter(kind: str) -> anyio.CapacityLimiter:
-    # Limiters belong to one event loop: keep one set per running loop.
-    loop = asyncio.get_running_loop()
-    per_loop = _limiters.get(loop)
+    per_loop = _limiters.get(None)
     if per_loop is None:
         per_loop = {
             "io": anyio.CapacityLimiter(IO_THREADS),
@@ -53,7 +50,7 @@ def _limiter(kind: str) -> anyio.CapacityLimiter:
             "coord": anyio.CapacityLimiter(COORD_THREADS),
             "commit": anyio.CapacityLimiter(COMMIT_THREADS),
         }
-        _limiters[loop] = per_loop
+        _limiters.set(per_loop)
     return per_loop[kind]
 
 
