@@ -10,13 +10,14 @@ import pytest
 
 import aiosnap
 import aiosnap._base.errors as errors
+import aiosnap.cli
 
 
 def test_all_is_sorted_and_complete() -> None:
     assert aiosnap.__all__ == sorted(aiosnap.__all__)
     importlib.import_module("aiosnap.demo")  # an imported submodule is an attribute, not a public name
     assert {n for n in dir(aiosnap) if not n.startswith("_")} == set(aiosnap.__all__)
-    for module in (aiosnap.storage, aiosnap.triggers, aiosnap.retention):
+    for module in (aiosnap.storage, aiosnap.triggers, aiosnap.retention, aiosnap.cli):
         assert module.__all__ == sorted(module.__all__)
         assert {n for n in dir(module) if not n.startswith("_") and n != "annotations"} == set(module.__all__)
 
@@ -56,7 +57,7 @@ def test_corrupt_error_names_path_and_reason() -> None:
 def _documented() -> list[tuple[str, str]]:
     """(where, docstring) of every public module, name, method and property."""
     found = []
-    for module in (aiosnap, aiosnap.storage, aiosnap.triggers, aiosnap.retention):
+    for module in (aiosnap, aiosnap.storage, aiosnap.triggers, aiosnap.retention, aiosnap.cli):
         found.append((module.__name__, module.__doc__ or ""))
         for name in module.__all__:
             obj = getattr(module, name)

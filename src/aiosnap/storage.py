@@ -11,11 +11,14 @@ worker threads. See the module docstring of ``aiosnap._storage.protocol`` for th
 
 from __future__ import annotations
 
+from ._format.manifest import MANIFEST_NAME as MANIFEST_NAME
+from ._manager import catalog as _catalog
 from ._storage.backends import from_url as from_url
 from ._storage.backends import resolve as resolve
 from ._storage.fsspec import FsspecStorage as FsspecStorage
 from ._storage.local import LocalStorage as LocalStorage
 from ._storage.objstore import ObjectStorage as ObjectStorage
+from ._storage.posix import FileStat as FileStat
 from ._storage.posix import Posix as Posix
 from ._storage.protocol import LEASE_NAME as LEASE_NAME
 from ._storage.protocol import TEMP_PREFIX as TEMP_PREFIX
@@ -27,13 +30,21 @@ from ._storage.protocol import Storage as Storage
 from ._storage.protocol import Upload as Upload
 from ._storage.protocol import Version as Version
 
+INDEX_NAME: str = _catalog.INDEX_NAME
+"""The index a CheckpointManager keeps in its directory (``aiosnap-index.json``): the
+committed checkpoints, their metrics and the history of commits. Written by replacing it
+whole (``Storage.replace_if``); rebuilt from the files when it is lost."""
+
 __all__ = [
     "CommitTimes",
     "Entry",
+    "FileStat",
     "FsspecStorage",
+    "INDEX_NAME",
     "LEASE_NAME",
     "Lease",
     "LocalStorage",
+    "MANIFEST_NAME",
     "ObjectStorage",
     "Posix",
     "Reader",

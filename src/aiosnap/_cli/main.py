@@ -412,7 +412,18 @@ def bench_command(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit code (the console script exits with it)."""
+    """Run one command of the command line and return its exit code (the console script
+    exits with it). An error is said in one line on stderr, not raised; the process's
+    logging and warning settings are as they were afterwards.
+
+    Args:
+        argv: The arguments after ``aiosnap``, e.g. ``["ls", "ckpts", "--json"]``; None reads
+            ``sys.argv[1:]``, as the console script does.
+
+    Returns:
+        0 done (for ``diff``: no difference); 1 ``verify`` found a checkpoint that fails, or
+        ``diff`` a difference; 2 an error or a usage error; 130 interrupted.
+    """
     try:
         with _diagnostics():
             rv = app(args=argv, prog_name="aiosnap", standalone_mode=False)
