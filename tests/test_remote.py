@@ -5,6 +5,7 @@ obstore), and checkpoints by URL."""
 from __future__ import annotations
 
 import os
+import pickle
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,10 +15,9 @@ import pytest
 import torch
 
 import aiosnap
-from aiosnap._storage.protocol import get
 from aiosnap.storage import from_url
 
-from .conftest import assert_tree_equal, training_state
+from .conftest import assert_tree_equal, training_state, wait_until
 from .servers import gcsfs_options
 
 BACKENDS = ["local", "s3", "azure", "memory", "gcs-fsspec"]
@@ -51,6 +51,16 @@ def _put(storage: aiosnap.Storage, path: str, data: bytes) -> None:
     for at in range(0, len(data), 7000):  # front to back, in pieces
         upload.write_at(at, memoryview(data)[at : at + 7000])
     upload.commit()
+
+
+def _read(storage: aiosnap.Storage, path: str) -> bytes:
+    reader = storage.open_read(path)
+    try:
+        buf = bytearray(reader.size)
+        reader.readinto(0, memoryview(buf))
+        return bytes(buf)
+    finally:
+        reader.close()
 
 
 def test_an_upload_is_invisible_until_its_commit_and_gone_after_an_abort(
@@ -216,6 +226,22 @@ async def test_urls_configure_themselves_from_the_environment(
     assert (await aiosnap.verify(url)).tensors == 1
 
 
+async def test_an_object_larger_than_part_size_goes_up_in_parts_as_it_is_written(s3: Any) -> None:
+    # A smaller object waits for its commit, one request; parts go up as they are written.
+    bucket = s3.bucket()
+    storage = from_url(f"s3://{bucket}", part_size=5 << 20, **s3.options)
+    data = os.urandom(11 << 20)
+    upload = storage.create(f"s3://{bucket}/parts", len(data))
+    upload.write_at(0, memoryview(data))
+    await wait_until(lambda: s3.incomplete_uploads(bucket) == ["parts"], what="a multipart upload")
+    assert storage.stat(f"s3://{bucket}/parts") is None  # invisible until the commit
+    upload.commit()
+    assert _read(storage, f"s3://{bucket}/parts") == data and s3.incomplete_uploads(bucket) == []
+    assert pickle.loads(pickle.dumps(storage)).part_size == 5 << 20  # as a worker process gets it
+    with pytest.raises(ValueError, match="at least"):
+        from_url(f"s3://{bucket}", part_size=1 << 20)
+
+
 async def test_gcs_checkpoints_read_through_obstore(gcs: Any, tmp_path: Path) -> None:
     """fake-gcs-server does not serve the XML API obstore writes with: the objects are
     put through the JSON API, and read (whole, by keys, verified) through obstore."""
@@ -230,4 +256,4 @@ async def test_gcs_checkpoints_read_through_obstore(gcs: Any, tmp_path: Path) ->
     await aiosnap.load_into(url, fresh, storage=storage)
     assert_tree_equal(state["model"].state_dict(), fresh["model"].state_dict())
     assert (await aiosnap.verify(url, storage=storage)).checksummed
-    assert get(storage, url) == local.read_bytes()
+    assert _read(storage, url) == local.read_bytes()

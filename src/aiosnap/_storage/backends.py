@@ -32,7 +32,8 @@ def from_url(url: str, **options: Any) -> Storage:
 
     ``s3://``, ``gs://`` and ``az://`` (and their aliases) go to obstore: ``options``
     are obstore's (``endpoint``, ``region``, ``access_key_id``, ``client_options``...),
-    plus ``deadline``, the seconds transient errors are retried. Any other scheme fsspec
+    plus ``deadline``, the seconds transient errors are retried, and ``part_size``, the
+    bytes of one part of a multipart upload (see ``ObjectStorage``). Any other scheme fsspec
     knows goes to fsspec, with ``options`` for its filesystem; ``backend="fsspec"``
     sends an object store there too (GCS through gcsfs, say)."""
     scheme = scheme_of(url)
