@@ -9,7 +9,6 @@ import re
 import pytest
 
 import aiosnap
-import aiosnap._base.errors as errors
 import aiosnap.cli
 
 
@@ -45,8 +44,14 @@ def test_every_error_is_a_checkpoint_error_and_its_nearest_builtin() -> None:
     }
     for cls, builtin in pairs.items():
         assert issubclass(cls, aiosnap.CheckpointError) and issubclass(cls, builtin)
-    defined = {v for v in vars(errors).values() if isinstance(v, type) and issubclass(v, Exception)}
-    assert defined == {*pairs, aiosnap.CheckpointError}
+    exported = [getattr(aiosnap, n) for n in aiosnap.__all__]
+    errors = {v for v in exported if isinstance(v, type) and issubclass(v, Exception)}
+    assert errors == {*pairs, aiosnap.CheckpointError}
+    assert _subclasses(aiosnap.CheckpointError) == set(pairs)  # none of aiosnap's errors is hidden
+
+
+def _subclasses(cls: type) -> set[type]:
+    return {s for sub in cls.__subclasses__() for s in (sub, *_subclasses(sub))}
 
 
 def test_corrupt_error_names_path_and_reason() -> None:
