@@ -28,7 +28,11 @@ class RetentionPolicy(Protocol):
 @final
 @dataclass(frozen=True, slots=True)
 class KeepLast:
-    """The newest ``n`` checkpoints."""
+    """The newest ``n`` checkpoints.
+
+    Args:
+        n: How many to keep; at least 1.
+    """
 
     n: int
 
@@ -43,7 +47,11 @@ class KeepLast:
 @final
 @dataclass(frozen=True, slots=True)
 class KeepEvery:
-    """Checkpoints whose step is a multiple of ``steps`` (permanent milestones)."""
+    """Checkpoints whose step is a multiple of ``steps`` (permanent milestones).
+
+    Args:
+        steps: The interval between kept steps; at least 1.
+    """
 
     steps: int
 
@@ -59,7 +67,14 @@ class KeepEvery:
 @dataclass(frozen=True, slots=True)
 class KeepBest:
     """The ``n`` checkpoints with the best value of ``metric``; those without it (or with
-    NaN, a diverged run's loss, or a bool) are not kept."""
+    NaN, a diverged run's loss, or a bool) are not kept.
+
+    Args:
+        metric: The name of a metric saved with each checkpoint
+            (``manager.save(step, state, metrics={"loss": ...})``).
+        mode: ``"min"`` (a loss) or ``"max"`` (an accuracy): which values are best.
+        n: How many to keep; at least 1. Ties go to the newer checkpoint.
+    """
 
     metric: str
     mode: Literal["min", "max"] = "min"
@@ -86,7 +101,11 @@ def _number(value: object) -> bool:
 @final
 @dataclass(frozen=True, slots=True)
 class KeepWithin:
-    """Checkpoints committed in the last ``seconds``."""
+    """Checkpoints committed in the last ``seconds``.
+
+    Args:
+        seconds: How far back, by the wall clock, from the time the policy is applied.
+    """
 
     seconds: float
 

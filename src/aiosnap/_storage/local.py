@@ -55,8 +55,11 @@ def _size_text(n: int) -> str:
 class LocalStorage:
     """The local filesystem (see the module docstring).
 
-    ``direct``: write staged images with O_DIRECT where the filesystem allows it.
-    ``posix``: the system calls to make (tests pass fault-injecting ones).
+    Args:
+        direct: Write staged images with O_DIRECT where the filesystem allows it (it
+            skips the page cache); False writes everything buffered.
+        posix: The system calls to make: a subclass of ``Posix`` that fails, counts or
+            stops them is how tests inject faults, crashes and power loss.
     """
 
     def __init__(self, *, direct: bool = True, posix: Posix | None = None) -> None:
