@@ -1,9 +1,14 @@
 """Object storage: the Storage contract on every backend (local disk; S3 on moto; Azure on
 azurite; fsspec's memory://; GCS through gcsfs on fake-gcs-server, and read through
-obstore), and checkpoints by URL."""
+obstore; the in-memory example backend of docs/storage-backend.md), and checkpoints by URL.
+
+A backend of your own runs these contract tests once it is a kind of the ``backend``
+fixture, as ``dict`` is: ``pytest tests/test_remote.py -k dict``.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pickle
 import uuid
@@ -20,7 +25,17 @@ from aiosnap.storage import from_url
 from .conftest import assert_tree_equal, training_state, wait_until
 from .servers import gcsfs_options
 
-BACKENDS = ["local", "s3", "azure", "memory", "gcs-fsspec"]
+BACKENDS = ["local", "s3", "azure", "memory", "gcs-fsspec", "dict"]
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _example_backend() -> Any:
+    """examples/dict_storage.py, the backend docs/storage-backend.md builds."""
+    spec = importlib.util.spec_from_file_location("dict_storage", ROOT / "examples" / "dict_storage.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.DictStorage()
 
 
 @pytest.fixture(params=BACKENDS)
@@ -39,6 +54,8 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[ai
         yield from_url(f"az://{container}", **azure.options()), f"az://{container}/run"
     elif kind == "memory":
         yield from_url("memory://"), f"memory://aiosnap-{uuid.uuid4().hex}/run"
+    elif kind == "dict":
+        yield _example_backend(), "dict://run"
     else:
         gcs = request.getfixturevalue("gcs")
         bucket = gcs.bucket()
@@ -168,7 +185,7 @@ def test_a_lease_excludes_a_second_holder_until_released_or_stale(
     held.release()
     again = storage.lease(root, 600.0)
     again.release()
-    if root.startswith(("s3", "az", "gs", "memory")):
+    if root.startswith(("s3", "az", "gs", "memory", "dict")):
         # A holder that stopped renewing (here: a ttl already past) is taken over, and
         # learns it at its next renewal: it must stop writing.
         stale = storage.lease(root, 0.0)
@@ -178,7 +195,7 @@ def test_a_lease_excludes_a_second_holder_until_released_or_stale(
         taker.release()
 
 
-@pytest.mark.parametrize("backend", ["s3", "azure", "memory", "gcs-fsspec"], indirect=True)
+@pytest.mark.parametrize("backend", ["s3", "azure", "memory", "gcs-fsspec", "dict"], indirect=True)
 async def test_checkpoints_by_url_round_trip(backend: tuple[aiosnap.Storage, str]) -> None:
     storage, root = backend
     state = training_state()

@@ -2,11 +2,19 @@
 
 Every path aiosnap takes may be a local path or a URL; ``from_url`` builds the storage
 for a URL explicitly, with options (``storage=aiosnap.storage.from_url(url, ...)``).
+
 A backend implements ``Storage``: ``create`` an ``Upload`` that is invisible until its
-``commit``, ``open_read`` a ``Reader`` by byte ranges, ``list``/``stat``/``delete``,
-``read_versioned``/``replace_if`` for objects several writers race on, and a
-``lease`` per checkpoint directory. Every method is blocking: aiosnap calls them from
-worker threads. See the module docstring of ``aiosnap._storage.protocol`` for the contract.
+``commit`` makes it visible whole, ``open_read`` a ``Reader`` by byte ranges,
+``list``/``stat``/``delete``/``delete_tree``, ``read_versioned``/``replace_if`` for the
+small objects several writers race on (a replace happens only if the object is still at
+the version read), a ``lease`` per checkpoint directory, and ``sweep_incomplete`` for
+what killed commits left. Every method is blocking: aiosnap calls them from worker
+threads. The documentation's "Write your own storage backend" (docs/storage-backend.md)
+states the whole contract, with a complete in-memory backend that aiosnap's own contract
+tests run against.
+
+``Posix`` is the seam of ``LocalStorage``: every system call it makes goes through one,
+so a subclass can fail, count or stop them (``LocalStorage(posix=...)``).
 """
 
 from __future__ import annotations
