@@ -12,8 +12,6 @@ import pytest
 import torch
 
 import aiosnap
-from aiosnap._format import codec as _format
-from aiosnap._storage.local import LocalStorage
 
 # gcsfs reads this once, when imported: unset, every call of its first client probes gRPC
 # for 60 s (fake-gcs-server serves none). Set before any test can import it.
@@ -96,29 +94,6 @@ def raw_bytes(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     t = t.view(_SAME_WIDTH.get(t.dtype.itemsize, t.dtype))
     return t.contiguous().reshape(-1).view(torch.uint8)
-
-
-def headers_both_ways(path: Path) -> tuple[Any, Any, bool]:
-    """The header of a file as read (and whether the shortcut for files as aiosnap
-    writes them took it), and as the general parse reads it."""
-    took: list[bool] = []
-    shortcut = _format._Parser.as_written
-
-    def spy(self: Any, *args: Any) -> Any:
-        found = shortcut(self, *args)
-        took.append(found is not None)
-        return found
-
-    f = LocalStorage().open_read(str(path))
-    try:
-        _format._Parser.as_written = spy  # type: ignore[method-assign]
-        fast = _format.read_header(f)
-        _format._Parser.as_written = lambda self, *args: None  # type: ignore[method-assign]
-        general = _format.read_header(f)
-    finally:
-        _format._Parser.as_written = shortcut  # type: ignore[method-assign]
-        f.close()
-    return fast, general, took == [True]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,10 +1,13 @@
 """System calls with a hook in front: the seam tests use to fail, count or kill.
 
-``HookedPosix(hook)`` makes the real calls of ``aiosnap._storage.posix.Posix``, calling
+``HookedPosix(hook)`` makes the real calls of ``aiosnap.storage.Posix``, calling
 ``hook(op, path)`` before each one. ``op`` is one of OPS; ``path`` is the file the
 call is about, with the temp file of an unfinished commit named by the file it will
 become (``dir/.aiosnap-tmp-ckpt.1a2b3c`` -> ``dir/ckpt``), so a hook can pick "the
 write of rank 1's file" without knowing temp names.
+
+``StuckCommits(storage)`` is any storage whose uploads, once told, never complete: a
+process killed between sending an object's bytes and making it visible.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import aiosnap
-from aiosnap._storage.posix import FileStat, Posix
+from aiosnap.storage import FileStat, Posix, Storage, Upload
 
 #: The kinds of calls a hook sees.
 OPS = (
@@ -148,3 +151,31 @@ class Injector:
                 self.failed.append((self.calls, op, path))
         if hit:
             raise OSError(self.code, f"{os.strerror(self.code)} (injected: {op} #{self.calls})", path)
+
+
+class StuckCommits:
+    """``inner``, through the public Storage interface, except that the uploads created
+    while ``stuck`` is set never commit: their bytes go up (an object store's parts), and
+    ``commit()`` blocks for good, where a test kills the process."""
+
+    def __init__(self, inner: Storage) -> None:
+        self.inner = inner
+        self.stuck = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)  # every other operation is inner's own
+
+    def create(self, path: str, size: int | None) -> Upload:
+        upload = self.inner.create(path, size)
+        return _NeverCommits(upload) if self.stuck else upload
+
+
+class _NeverCommits:
+    def __init__(self, upload: Upload) -> None:
+        self.upload = upload
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.upload, name)
+
+    def commit(self) -> Any:
+        threading.Event().wait()  # the bytes are up; completing them is what never happens

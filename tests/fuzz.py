@@ -21,6 +21,10 @@ The runner is meant for a child process (tests/test_fuzz.py starts it): it limit
 own address space with RLIMIT_AS, times each case against the unmutated seeds, and
 watches for any unpickling (an audit hook) and for the planted pickle's marker file.
 It prints one JSON report on stdout.
+
+White-box: the fuzzer builds its mutations from the format's own pieces (the header's keys
+and seal, the codec's limits, dtypes, tree tags, the manifest and the index), so it imports
+aiosnap's private modules.
 """
 
 from __future__ import annotations
@@ -62,15 +66,11 @@ from aiosnap._base.json import WINDOW
 from aiosnap._format.codec import MAX_HEADER, read_header, st_entry
 from aiosnap._format.dtypes import ST_ITEMSIZE, TORCH_DTYPES
 from aiosnap._format.header import CRC_KEY, CRC_ZERO, META_KEY
-from aiosnap._format.manifest import (
-    MANIFEST_NAME,
-    Manifest,
-    read_manifest,
-    replicated_matcher,
-)
+from aiosnap._format.manifest import Manifest, read_manifest, replicated_matcher
 from aiosnap._format.tree import LEAF_TAGS, MAX_DEPTH, ExternalLeaves
 from aiosnap._load.load import Step, load_step
-from aiosnap._manager.catalog import HISTORY_LIMIT, INDEX_NAME
+from aiosnap._manager.catalog import HISTORY_LIMIT
+from aiosnap.storage import INDEX_NAME, MANIFEST_NAME
 
 from . import hostile
 from .hostile import Pairs, Raw

@@ -22,6 +22,10 @@ gives the same bytes for each DTensor (a DTensor target's local shard is the box
 the whole), a whole read returns each DTensor at its whole shape, a step ``verify``
 accepts is not refused as corrupt by any read, and a bit flipped inside a block
 behind its block checksums is refused naming the file.
+
+White-box: seeds are made and mutated with the format's own pieces (the manifest, the
+header, rank 0's commit decision, the reports ranks send), so it imports aiosnap's private
+modules.
 """
 
 from __future__ import annotations
@@ -44,16 +48,11 @@ from aiosnap._base.checksums import crc32c
 from aiosnap._dist.decisions import commit
 from aiosnap._format.codec import read_header
 from aiosnap._format.header import BLOCK, CRC_KEY
-from aiosnap._format.manifest import (
-    MANIFEST_NAME,
-    Manifest,
-    rank_file,
-    read_manifest,
-    replicated_matcher,
-)
+from aiosnap._format.manifest import Manifest, rank_file, read_manifest, replicated_matcher
 from aiosnap._format.tree import ExternalLeaves, format_path, walk_leaves
 from aiosnap._load.load import Step, load_step
 from aiosnap._manager.step_dirs import file_report
+from aiosnap.storage import MANIFEST_NAME
 
 from . import hostile
 from .fuzz import (

@@ -4,7 +4,10 @@ produce, so that only the reader's own checks stand between the file and the cal
 A file is parsed into its safetensors header, its aiosnap metadata and its data
 section; after edits it is rendered again, its header checksum sealed and, if asked,
 every tensor checksum recomputed from the data. The fuzzer (tests/fuzz.py) builds on
-these pieces.
+these pieces, and ``headers_both_ways`` reads a header by both of the reader's ways.
+
+White-box: this is the header codec's own business (its keys, its seal, its two ways of
+reading), so it imports aiosnap's private modules.
 """
 
 from __future__ import annotations
@@ -12,10 +15,13 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from aiosnap._base.checksums import crc32c
+from aiosnap._format import codec
 from aiosnap._format.header import CRC_KEY, CRC_ZERO, META_KEY
+from aiosnap.storage import LocalStorage
 
 
 class Raw(str):
@@ -107,3 +113,17 @@ def render(parts: Parts, *, recompute_tensor_crcs: bool = False) -> bytes:
     metadata = {META_KEY: dumps(parts.meta), CRC_KEY: CRC_ZERO}
     text = json.dumps({"__metadata__": metadata, **parts.header}, separators=(",", ":")).encode()
     return seal(struct.pack("<Q", len(text)) + text) + parts.data
+
+
+def headers_both_ways(path: Path) -> tuple[Any, Any, bool]:
+    """The header of a file as read (and whether the shortcut for files as aiosnap
+    writes them took it), and as the general parse reads it."""
+    f = LocalStorage().open_read(str(path))
+    try:
+        return (
+            codec.read_header(f),
+            codec.read_header(f, shortcut=False),
+            codec.read_written_header(f) is not None,
+        )
+    finally:
+        f.close()

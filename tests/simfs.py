@@ -1,6 +1,6 @@
 """An in-memory filesystem that knows what is durable: power-loss simulation.
 
-``SimFS`` stands in for the system calls of LocalStorage (``aiosnap._storage.posix.Posix``).
+``SimFS`` stands in for the system calls of LocalStorage (``aiosnap.storage.Posix``).
 Every file keeps its current bytes, its durable bytes, and the writes made since its
 last fsync; every directory keeps its current entries, its durable entries, and the
 entry changes (create, rename, unlink) made since its last fsync. That is what POSIX
@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiosnap._storage.posix import FileStat, Posix
+from aiosnap.storage import FileStat, Posix
 
 
 @dataclass

@@ -6,15 +6,17 @@ import importlib
 import inspect
 import re
 
+import pytest
+
 import aiosnap
-import aiosnap._base.errors as errors
+import aiosnap.cli
 
 
 def test_all_is_sorted_and_complete() -> None:
     assert aiosnap.__all__ == sorted(aiosnap.__all__)
     importlib.import_module("aiosnap.demo")  # an imported submodule is an attribute, not a public name
     assert {n for n in dir(aiosnap) if not n.startswith("_")} == set(aiosnap.__all__)
-    for module in (aiosnap.storage, aiosnap.triggers, aiosnap.retention):
+    for module in (aiosnap.storage, aiosnap.triggers, aiosnap.retention, aiosnap.cli):
         assert module.__all__ == sorted(module.__all__)
         assert {n for n in dir(module) if not n.startswith("_") and n != "annotations"} == set(module.__all__)
 
@@ -42,8 +44,14 @@ def test_every_error_is_a_checkpoint_error_and_its_nearest_builtin() -> None:
     }
     for cls, builtin in pairs.items():
         assert issubclass(cls, aiosnap.CheckpointError) and issubclass(cls, builtin)
-    defined = {v for v in vars(errors).values() if isinstance(v, type) and issubclass(v, Exception)}
-    assert defined == {*pairs, aiosnap.CheckpointError}
+    exported = [getattr(aiosnap, n) for n in aiosnap.__all__]
+    errors = {v for v in exported if isinstance(v, type) and issubclass(v, Exception)}
+    assert errors == {*pairs, aiosnap.CheckpointError}
+    assert _subclasses(aiosnap.CheckpointError) == set(pairs)  # none of aiosnap's errors is hidden
+
+
+def _subclasses(cls: type) -> set[type]:
+    return {s for sub in cls.__subclasses__() for s in (sub, *_subclasses(sub))}
 
 
 def test_corrupt_error_names_path_and_reason() -> None:
@@ -54,7 +62,7 @@ def test_corrupt_error_names_path_and_reason() -> None:
 def _documented() -> list[tuple[str, str]]:
     """(where, docstring) of every public module, name, method and property."""
     found = []
-    for module in (aiosnap, aiosnap.storage, aiosnap.triggers, aiosnap.retention):
+    for module in (aiosnap, aiosnap.storage, aiosnap.triggers, aiosnap.retention, aiosnap.cli):
         found.append((module.__name__, module.__doc__ or ""))
         for name in module.__all__:
             obj = getattr(module, name)
@@ -76,3 +84,18 @@ def test_every_aiosnap_name_a_docstring_mentions_exists() -> None:
                     break
                 obj = getattr(obj, part)
     assert broken == []
+
+
+def test_a_former_name_still_works_and_warns() -> None:
+    # AnyOf became AnyPolicy, named as AnyTrigger is: code written with the old name runs,
+    # and is told where it uses it.
+    for module in (aiosnap, aiosnap.retention):
+        with pytest.warns(DeprecationWarning, match=rf"{module.__name__}\.AnyOf is deprecated") as seen:
+            former = module.AnyOf
+        assert former is aiosnap.AnyPolicy and seen[0].filename == __file__
+    with pytest.warns(DeprecationWarning, match="it is aiosnap.retention.AnyPolicy"):
+        from aiosnap.retention import AnyOf
+    assert AnyOf(aiosnap.KeepLast(1), aiosnap.KeepEvery(10)).keep([], 0.0) == set()
+    with pytest.raises(AttributeError, match="no attribute 'AnyOff'"):
+        aiosnap.AnyOff  # noqa: B018
+    assert "AnyOf" not in dir(aiosnap) and "AnyOf" not in dir(aiosnap.retention)

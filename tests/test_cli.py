@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import aiosnap
-from aiosnap._cli.main import main
+from aiosnap.cli import main
 
 from .test_distributed import run_ranks
 
@@ -521,4 +521,4 @@ def test_help_usage_errors_and_the_console_script(
     code, _, err = cli(capsys, "diff", "a", "b", "--bogus")
     assert code == 2 and "No such option: --bogus" in err
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts == {"aiosnap": "aiosnap._cli.main:main"}  # what `python -m aiosnap` runs too
+    assert scripts == {"aiosnap": "aiosnap.cli:main"}  # what `python -m aiosnap` runs too

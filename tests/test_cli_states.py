@@ -303,7 +303,7 @@ def test_the_demo_ends_with_where_its_code_is_and_three_commands_that_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from aiosnap import demo
-    from aiosnap._cli.main import main
+    from aiosnap.cli import main
 
     async def two_runs() -> None:
         for run in ("reference", "run"):

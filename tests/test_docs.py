@@ -67,7 +67,7 @@ def _source_doc(module: str, name: str) -> str | None:
 
 def _public_names() -> list[tuple[str, str]]:
     names = []
-    for module in ("aiosnap", "aiosnap.storage"):
+    for module in ("aiosnap", "aiosnap.storage", "aiosnap.cli"):
         names += [(module, name) for name in importlib.import_module(module).__all__]
     return names
 
@@ -230,7 +230,7 @@ def test_every_nav_page_exists_and_every_page_is_in_the_nav() -> None:
 
 def test_api_reference_names_importable_modules() -> None:
     identifiers = re.findall(r"^:::\s*(\S+)", (DOCS / "api.md").read_text(), re.M)
-    assert "aiosnap" in identifiers and "aiosnap.storage" in identifiers
+    assert {"aiosnap", "aiosnap.storage", "aiosnap.cli"} <= set(identifiers)
     for identifier in identifiers:
         importlib.import_module(identifier)
 

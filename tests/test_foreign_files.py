@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import aiosnap
-from aiosnap._cli.main import main as cli_main
+from aiosnap.cli import main as cli_main
 
 from .conftest import WRITERS, assert_tree_equal, temp_files
 from .faults import HookedPosix, failing_writes

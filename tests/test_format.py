@@ -1,4 +1,8 @@
-"""The file format: every dtype round-trips, safetensors reads it, bad files are refused."""
+"""The file format: every dtype round-trips, safetensors reads it, bad files are refused.
+
+White-box: the header codec is tested on its own too (its two ways of reading a header,
+its limits, files edited behind their checksums), through aiosnap's private modules.
+"""
 
 from __future__ import annotations
 
@@ -23,7 +27,8 @@ from aiosnap._base.checksums import crc32c
 from aiosnap._format.dtypes import TORCH_DTYPES
 
 from . import hostile
-from .conftest import assert_tree_equal, headers_both_ways, raw_bytes
+from .conftest import assert_tree_equal, raw_bytes
+from .hostile import headers_both_ways
 
 
 def _creatable(dtype: torch.dtype) -> bool:

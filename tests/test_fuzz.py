@@ -3,6 +3,10 @@
 The fuzzer runs in child processes: each limits its own address space (RLIMIT_AS), so
 a size the reader failed to check fails a case instead of the machine, and a hang or a
 crash of the interpreter is the test's failure, not the test run's.
+
+White-box: the regression tests edit files behind their checksums with the format's own
+pieces (the header's keys, the codec's limits, the manifest), so they import aiosnap's
+private modules.
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ import torch
 import aiosnap
 from aiosnap._base.checksums import crc32c
 from aiosnap._format.header import CRC_KEY, META_KEY
-from aiosnap._format.manifest import MANIFEST_NAME, Manifest
-from aiosnap._manager.catalog import HISTORY_LIMIT, INDEX_NAME
+from aiosnap._format.manifest import Manifest
+from aiosnap._manager.catalog import HISTORY_LIMIT
+from aiosnap.storage import INDEX_NAME, MANIFEST_NAME
 
 from .hostile import Raw, parse, render
 
@@ -565,17 +570,17 @@ def test_an_empty_dtensor_whose_whole_torch_cannot_hold_is_refused(step: Path) -
 def test_a_manifest_of_many_boxes_resolves_its_types_once(monkeypatch: pytest.MonkeyPatch) -> None:
     # Was: the field types of a dataclass resolved for every box: a manifest of 12,800
     # boxes took 19 s to parse (1.3 s now; one run, a loaded machine).
-    from aiosnap._base import typed as _messages
+    import typing
 
     calls = 0
-    hints = _messages.typing.get_type_hints
+    hints = typing.get_type_hints
 
     def counted(kind: Any) -> Any:
         nonlocal calls
         calls += 1
         return hints(kind)
 
-    monkeypatch.setattr(_messages.typing, "get_type_hints", counted)
+    monkeypatch.setattr(typing, "get_type_hints", counted)  # the standard library's, which the parse calls
     n = 2000
     box = {"file": 0, "name": "w", "offsets": [0], "lengths": [1]}
     boxes = [{**box, "offsets": [i]} for i in range(n)]

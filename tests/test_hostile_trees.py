@@ -1,4 +1,8 @@
-"""Hostile trees behind valid checksums: every rejection is a CorruptCheckpointError."""
+"""Hostile trees behind valid checksums: every rejection is a CorruptCheckpointError.
+
+White-box: the trees are built against the reader's own limit (``MAX_DEPTH`` of
+``aiosnap._format.tree``) and written behind valid checksums (tests/hostile.py).
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,10 @@
-"""What the integrations share: ``import aiosnap`` imports no framework, and their benchmark
-runs end to end at a small size (its numbers are not checked)."""
+"""What the integrations share: ``import aiosnap`` imports no framework, their benchmark
+runs end to end at a small size (its numbers are not checked), and a checkpoint directory's
+removal, cut short, leaves no checkpoint's name behind.
+
+White-box, that last test: it calls the integrations' shared removal
+(``aiosnap.integrations._files.remove_dir``) through a disk that dies midway.
+"""
 
 from __future__ import annotations
 
@@ -36,24 +41,28 @@ def test_integrations_benchmark_runs_small(tmp_path: Path) -> None:
     assert "| Accelerate (" in (out / "integrations.md").read_text()
 
 
-def test_a_removal_cut_short_leaves_a_temp_directory_never_a_checkpoints_name(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_removal_cut_short_leaves_a_temp_directory_never_a_checkpoints_name(tmp_path: Path) -> None:
+    # The process dies once the first file went.
     import aiosnap
     from aiosnap.integrations import _files
+
+    from .faults import HookedPosix
 
     folder = tmp_path / "checkpoint_0"
     folder.mkdir()
     aiosnap.save_sync(str(folder / "state.aiosnap"), {"w": 1})
     (folder / "extra.json").write_text("{}")
+    unlinked: list[str] = []
 
-    def killed(path: str) -> None:  # the process dies once the first file went
-        (Path(path) / "state.aiosnap").unlink()
-        raise SystemExit("killed")
+    def killed(op: str, path: str) -> None:
+        if op == "unlink":
+            if unlinked:
+                raise SystemExit("killed")
+            unlinked.append(path)
 
-    monkeypatch.setattr(_files._local, "delete_tree", killed)
+    dying = aiosnap.LocalStorage(posix=HookedPosix(killed))
     with pytest.raises(SystemExit):
-        _files.remove_dir(str(folder), "state.aiosnap")
+        _files.remove_dir(str(folder), "state.aiosnap", storage=dying)
+    assert len(unlinked) == 1
     assert not folder.exists()  # no checkpoint_0 without its marker, which nothing would take
-    monkeypatch.undo()
     assert len(_files.sweep_temps(str(tmp_path))) == 1 and list(tmp_path.iterdir()) == []

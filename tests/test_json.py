@@ -1,9 +1,16 @@
 """The windowed JSON parser: the same values and the same refusals as json.loads, in C
-calls that never see more than a window of text."""
+calls that never see more than a window of text.
+
+White-box: the parser is an internal pure function (``aiosnap._base.json``), tested with
+small windows (its ``window=`` argument) so that every path runs on small documents.
+"""
 
 from __future__ import annotations
 
+import functools
 import json
+import json.decoder
+import json.scanner
 import random
 from typing import Any
 
@@ -38,7 +45,7 @@ def _outcome(parse: Any, text: str) -> tuple[str, str]:
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_random_documents_parse_as_json_loads_parses_them(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_random_documents_parse_as_json_loads_parses_them(seed: int) -> None:
     rnd = random.Random(seed)
     for _ in range(150):
         text = json.dumps(
@@ -51,13 +58,13 @@ def test_random_documents_parse_as_json_loads_parses_them(seed: int, monkeypatch
             at = rnd.randrange(len(text))
             damage = rnd.choice(['"', "\\", "]", "}", ",", "x", "", "\\u12", "\x00"])
             text = text[:at] + damage + text[at + 2 :]
-        monkeypatch.setattr(_json, "WINDOW", rnd.choice([8, 16, 33, 64]))
-        assert _outcome(_json.loads, text) == _outcome(json.loads, text), (_json.WINDOW, text)
+        window = rnd.choice([8, 16, 33, 64])
+        windowed = functools.partial(_json.loads, window=window)
+        assert _outcome(windowed, text) == _outcome(json.loads, text), (window, text)
 
 
 @pytest.mark.parametrize("window", [8, 9, 10, 11, 12, 13, 16])
-def test_no_cut_splits_an_escape(window: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_json, "WINDOW", window)
+def test_no_cut_splits_an_escape(window: int) -> None:
     documents = [
         json.dumps("\\" * 101),  # runs of escaped backslashes, cut after an even count
         json.dumps("\\" * 100 + '"' + "\\"),
@@ -67,26 +74,25 @@ def test_no_cut_splits_an_escape(window: int, monkeypatch: pytest.MonkeyPatch) -
         "[" + " \n\t" * 30 + "1" + " " * 30 + "]",
         json.dumps([float("1e" + "1" * 2)] * 5) + "  ",
     ]
+    windowed = functools.partial(_json.loads, window=window)
     for text in documents:
-        assert _outcome(_json.loads, text) == _outcome(json.loads, text), text
+        assert _outcome(windowed, text) == _outcome(json.loads, text), text
 
 
-def test_long_numbers_and_duplicate_keys_behave_as_in_json_loads(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_json, "WINDOW", 8)
-    assert _json.loads("[" + "1" * 40 + ", 2.5e-7]") == [int("1" * 40), 2.5e-7]
-    assert _json.loads('{"a": 1, "a": ' + '"' + "x" * 20 + '"}') == {"a": "x" * 20}
+def test_long_numbers_and_duplicate_keys_behave_as_in_json_loads() -> None:
+    assert _json.loads("[" + "1" * 40 + ", 2.5e-7]", window=8) == [int("1" * 40), 2.5e-7]
+    assert _json.loads('{"a": 1, "a": ' + '"' + "x" * 20 + '"}', window=8) == {"a": "x" * 20}
 
 
-def test_large_containers_nested_too_deeply_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_json, "WINDOW", 8)
+def test_large_containers_nested_too_deeply_are_refused() -> None:
     with pytest.raises(ValueError, match="nested too deeply"):
-        _json.loads("[" * 5000 + "]" * 5000)
+        _json.loads("[" * 5000 + "]" * 5000, window=8)
 
 
 def test_no_c_call_sees_more_than_a_window(monkeypatch: pytest.MonkeyPatch) -> None:
     # What keeps the event loop running while a large header is parsed in a thread.
     seen: list[int] = []
-    real_scanner, real_scanstring = _json.json.scanner.make_scanner, _json._scanstring
+    real_scanner, real_scanstring = json.scanner.make_scanner, json.decoder.scanstring  # type: ignore[attr-defined]
 
     def scanner(context: Any) -> Any:
         scan = real_scanner(context)
@@ -101,8 +107,9 @@ def test_no_c_call_sees_more_than_a_window(monkeypatch: pytest.MonkeyPatch) -> N
         seen.append(len(text))
         return real_scanstring(text, at)
 
-    monkeypatch.setattr(_json.json.scanner, "make_scanner", scanner)
-    monkeypatch.setattr(_json, "_scanstring", scanstring)
+    # The C functions of the standard library's json, which a parse takes as it starts.
+    monkeypatch.setattr(json.scanner, "make_scanner", scanner)
+    monkeypatch.setattr(json.decoder, "scanstring", scanstring)
     header = {
         "tensors": {f"w{i}": {"dtype": "F32", "shape": [i, 4], "crc32c": "0" * 8} for i in range(5000)},
         "tree": {"$": "dict", "items": [[i, {"$": "tensor", "n": f"t{i}"}] for i in range(5000)]},
@@ -119,7 +126,7 @@ def test_runs_of_members_are_parsed_a_window_at_a_time(monkeypatch: pytest.Monke
     # numbers, 15x json.loads. A run of members up to a comma is parsed in one call; a
     # comma inside a string or a member must never be taken for a cut.
     calls = 0
-    real_scanner = _json.json.scanner.make_scanner
+    real_scanner = json.scanner.make_scanner
 
     def scanner(context: Any) -> Any:
         scan = real_scanner(context)
@@ -131,7 +138,7 @@ def test_runs_of_members_are_parsed_a_window_at_a_time(monkeypatch: pytest.Monke
 
         return counted
 
-    monkeypatch.setattr(_json.json.scanner, "make_scanner", scanner)
+    monkeypatch.setattr(json.scanner, "make_scanner", scanner)
     numbers = "[" + ",".join(["0"] * 500_000) + "]"
     assert _json.loads(numbers) == [0] * 500_000
     assert calls < 4 * len(numbers) // _json.WINDOW  # not one a member
@@ -143,7 +150,6 @@ def test_runs_of_members_are_parsed_a_window_at_a_time(monkeypatch: pytest.Monke
     nested = json.dumps(state, separators=(",", ":"))
     assert _json.loads(nested) == state
     assert calls < 4 * len(nested) // _json.WINDOW, calls
-    monkeypatch.setattr(_json, "WINDOW", 16)
     for value in [
         ["a,b", "c],[d", "e},{f", '\\",', '",', 1, 2],
         [[1, 2, [3, 4]], {"a,": [5, 6]}, "x", [7], {"b": {"c": 8}}] * 5,
@@ -154,4 +160,5 @@ def test_runs_of_members_are_parsed_a_window_at_a_time(monkeypatch: pytest.Monke
             text = json.dumps(value, separators=separators)
             for damage in ["", "]", ",", '"']:
                 damaged = text[: len(text) // 2] + damage + text[len(text) // 2 :]
-                assert _outcome(_json.loads, damaged) == _outcome(json.loads, damaged), damaged
+                windowed = functools.partial(_json.loads, window=16)
+                assert _outcome(windowed, damaged) == _outcome(json.loads, damaged), damaged

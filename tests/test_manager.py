@@ -115,14 +115,18 @@ def test_retention_policies() -> None:
     assert aiosnap.KeepBest("loss", "min", 2).keep(cps, 50) == {10, 40}
     assert aiosnap.KeepBest("loss", "max", 1).keep(cps, 50) == {0}
     assert aiosnap.KeepWithin(15).keep(cps, 50) == {40}
-    assert aiosnap.AnyOf(aiosnap.KeepLast(1), aiosnap.KeepBest("loss")).keep(cps, 50) == {10, 40}
+    assert aiosnap.AnyPolicy(aiosnap.KeepLast(1), aiosnap.KeepBest("loss")).keep(cps, 50) == {10, 40}
     # A NaN loss (a diverged run) or a bool is no score: NaN sorted first and was kept as best.
     odd = [rec(0, float("nan"), 0), rec(10, 1.0, 10), rec(20, True, 20), rec(30, 2.0, 30)]
     assert aiosnap.KeepBest("loss", "min", 2).keep(odd, 50) == {10, 30}
     assert aiosnap.KeepBest("loss", "max", 1).keep(odd, 50) == {30}
     # The newest is never a victim, whatever the policy says.
     assert victims(aiosnap.KeepBest("loss"), cps, 50) == [0, 20, 30]
-    for bad in (lambda: aiosnap.KeepLast(0), lambda: aiosnap.KeepBest("x", "avg"), lambda: aiosnap.AnyOf()):
+    for bad in (
+        lambda: aiosnap.KeepLast(0),
+        lambda: aiosnap.KeepBest("x", "avg"),
+        lambda: aiosnap.AnyPolicy(),
+    ):
         with pytest.raises(ValueError):
             bad()
 
@@ -132,7 +136,7 @@ POLICIES = st.one_of(
     st.integers(2, 4).map(aiosnap.KeepEvery),
     st.tuples(st.sampled_from(["min", "max"]), st.integers(1, 2)).map(lambda a: aiosnap.KeepBest("loss", *a)),
     st.tuples(st.integers(1, 2), st.integers(2, 3)).map(
-        lambda a: aiosnap.AnyOf(aiosnap.KeepLast(a[0]), aiosnap.KeepEvery(a[1]))
+        lambda a: aiosnap.AnyPolicy(aiosnap.KeepLast(a[0]), aiosnap.KeepEvery(a[1]))
     ),
 )
 OPS = st.lists(st.tuples(st.floats(0, 10, allow_nan=False), st.booleans()), min_size=1, max_size=12)

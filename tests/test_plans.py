@@ -3,6 +3,9 @@
 The layout is the file's header with the checksums left out: whatever a writer kept from
 an earlier save, each file must be what a fresh writer writes for the same state, byte
 for byte, through every kind of change a state can go through between two saves.
+
+White-box, in part: ``plan`` and ``PlanCache`` (``aiosnap._format.plans``) are internal
+pure functions of a captured state, tested directly beside the writers that use them.
 """
 
 from __future__ import annotations
@@ -104,8 +107,10 @@ async def test_a_kept_layout_is_not_left_to_the_young_collections(tmp_path: Path
     assert gc.isenabled() and gc.get_freeze_count() == 0
     state = {f"t{i}": torch.zeros(2) for i in range(2000)}
     async with aiosnap.QueueWriter() as writer:
+        await (await writer("warm", str(tmp_path), {"x": torch.zeros(1)})).wait()
+        gc.collect()  # all that is young from here on, the save made
         await (await writer("a", str(tmp_path), state)).wait()
-        kept = writer._plans._last
-        assert kept is not None and len(kept.tensors) == len(state)
-        young = {id(o) for generation in (0, 1) for o in gc.get_objects(generation=generation)}
-        assert not [info for info in kept.tensors if id(info) in young]
+        young = sum(len(gc.get_objects(generation=generation)) for generation in (0, 1))
+        # Kept young, the layout is ~3 objects a tensor (measured: 6,057 young objects, 2,000
+        # of them entries); promoted, a few dozen objects of the save's own stay (25-29).
+        assert young < len(state) // 4, young

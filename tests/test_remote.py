@@ -1,10 +1,16 @@
 """Object storage: the Storage contract on every backend (local disk; S3 on moto; Azure on
 azurite; fsspec's memory://; GCS through gcsfs on fake-gcs-server, and read through
-obstore), and checkpoints by URL."""
+obstore; the in-memory example backend of docs/storage-backend.md), and checkpoints by URL.
+
+A backend of your own runs these contract tests once it is a kind of the ``backend``
+fixture, as ``dict`` is: ``pytest tests/test_remote.py -k dict``.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import pickle
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,13 +20,22 @@ import pytest
 import torch
 
 import aiosnap
-from aiosnap._storage.protocol import get
 from aiosnap.storage import from_url
 
-from .conftest import assert_tree_equal, training_state
+from .conftest import assert_tree_equal, training_state, wait_until
 from .servers import gcsfs_options
 
-BACKENDS = ["local", "s3", "azure", "memory", "gcs-fsspec"]
+BACKENDS = ["local", "s3", "azure", "memory", "gcs-fsspec", "dict"]
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _example_backend() -> Any:
+    """examples/dict_storage.py, the backend docs/storage-backend.md builds."""
+    spec = importlib.util.spec_from_file_location("dict_storage", ROOT / "examples" / "dict_storage.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.DictStorage()
 
 
 @pytest.fixture(params=BACKENDS)
@@ -39,6 +54,8 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[ai
         yield from_url(f"az://{container}", **azure.options()), f"az://{container}/run"
     elif kind == "memory":
         yield from_url("memory://"), f"memory://aiosnap-{uuid.uuid4().hex}/run"
+    elif kind == "dict":
+        yield _example_backend(), "dict://run"
     else:
         gcs = request.getfixturevalue("gcs")
         bucket = gcs.bucket()
@@ -51,6 +68,16 @@ def _put(storage: aiosnap.Storage, path: str, data: bytes) -> None:
     for at in range(0, len(data), 7000):  # front to back, in pieces
         upload.write_at(at, memoryview(data)[at : at + 7000])
     upload.commit()
+
+
+def _read(storage: aiosnap.Storage, path: str) -> bytes:
+    reader = storage.open_read(path)
+    try:
+        buf = bytearray(reader.size)
+        reader.readinto(0, memoryview(buf))
+        return bytes(buf)
+    finally:
+        reader.close()
 
 
 def test_an_upload_is_invisible_until_its_commit_and_gone_after_an_abort(
@@ -158,7 +185,7 @@ def test_a_lease_excludes_a_second_holder_until_released_or_stale(
     held.release()
     again = storage.lease(root, 600.0)
     again.release()
-    if root.startswith(("s3", "az", "gs", "memory")):
+    if root.startswith(("s3", "az", "gs", "memory", "dict")):
         # A holder that stopped renewing (here: a ttl already past) is taken over, and
         # learns it at its next renewal: it must stop writing.
         stale = storage.lease(root, 0.0)
@@ -168,7 +195,7 @@ def test_a_lease_excludes_a_second_holder_until_released_or_stale(
         taker.release()
 
 
-@pytest.mark.parametrize("backend", ["s3", "azure", "memory", "gcs-fsspec"], indirect=True)
+@pytest.mark.parametrize("backend", ["s3", "azure", "memory", "gcs-fsspec", "dict"], indirect=True)
 async def test_checkpoints_by_url_round_trip(backend: tuple[aiosnap.Storage, str]) -> None:
     storage, root = backend
     state = training_state()
@@ -216,6 +243,22 @@ async def test_urls_configure_themselves_from_the_environment(
     assert (await aiosnap.verify(url)).tensors == 1
 
 
+async def test_an_object_larger_than_part_size_goes_up_in_parts_as_it_is_written(s3: Any) -> None:
+    # A smaller object waits for its commit, one request; parts go up as they are written.
+    bucket = s3.bucket()
+    storage = from_url(f"s3://{bucket}", part_size=5 << 20, **s3.options)
+    data = os.urandom(11 << 20)
+    upload = storage.create(f"s3://{bucket}/parts", len(data))
+    upload.write_at(0, memoryview(data))
+    await wait_until(lambda: s3.incomplete_uploads(bucket) == ["parts"], what="a multipart upload")
+    assert storage.stat(f"s3://{bucket}/parts") is None  # invisible until the commit
+    upload.commit()
+    assert _read(storage, f"s3://{bucket}/parts") == data and s3.incomplete_uploads(bucket) == []
+    assert pickle.loads(pickle.dumps(storage)).part_size == 5 << 20  # as a worker process gets it
+    with pytest.raises(ValueError, match="at least"):
+        from_url(f"s3://{bucket}", part_size=1 << 20)
+
+
 async def test_gcs_checkpoints_read_through_obstore(gcs: Any, tmp_path: Path) -> None:
     """fake-gcs-server does not serve the XML API obstore writes with: the objects are
     put through the JSON API, and read (whole, by keys, verified) through obstore."""
@@ -230,4 +273,4 @@ async def test_gcs_checkpoints_read_through_obstore(gcs: Any, tmp_path: Path) ->
     await aiosnap.load_into(url, fresh, storage=storage)
     assert_tree_equal(state["model"].state_dict(), fresh["model"].state_dict())
     assert (await aiosnap.verify(url, storage=storage)).checksummed
-    assert get(storage, url) == local.read_bytes()
+    assert _read(storage, url) == local.read_bytes()

@@ -11,7 +11,6 @@ import multiprocessing
 import os
 import random
 import signal
-import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,6 +21,7 @@ import aiosnap
 from aiosnap.storage import from_url
 
 from .conftest import wait_until
+from .faults import StuckCommits
 
 
 # -- killed mid-upload ------------------------------------------------------------------------
@@ -29,15 +29,12 @@ def _save_then_die_uploading(url: str, env: dict[str, str]) -> None:
     """Commit step 1, then start the multipart upload of step 2 and never complete it:
     the parent kills this process once the object store holds some of its parts."""
     os.environ.update(env)
-    never = threading.Event()
-
-    def stuck(upload: Any) -> Any:
-        never.wait()  # the parts are up; completing them is what never happens
+    storage = StuckCommits(from_url(url))
 
     async def main() -> None:
-        async with aiosnap.CheckpointManager(url, keep=aiosnap.KeepLast(1)) as mgr:
+        async with aiosnap.CheckpointManager(url, storage=storage, keep=aiosnap.KeepLast(1)) as mgr:
             await (await mgr.save(1, {"w": torch.full((1000,), 1.0)})).wait()
-            aiosnap._storage.objstore._ObjectUpload.commit = stuck  # type: ignore[method-assign]
+            storage.stuck = True
             await (await mgr.save(2, {"w": torch.full((12 << 20,), 2.0)})).wait()  # 48 MiB: 3 parts
 
     asyncio.run(main())
@@ -161,15 +158,12 @@ async def faulty(s3: Any, seed: int, rate: float) -> AsyncIterator[tuple[FaultyP
         server.close()
 
 
-async def test_a_save_through_a_faulty_network_commits_after_retries_or_fails_cleanly(
-    s3: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(aiosnap._storage.objstore, "PART", 5 << 20)  # multipart from 5 MiB, S3's least part
+async def test_a_save_through_a_faulty_network_commits_after_retries_or_fails_cleanly(s3: Any) -> None:
     bucket = s3.bucket()
     url = f"s3://{bucket}/run"
     outcomes: list[str] = []
     async with faulty(s3, seed=7, rate=0.15) as (proxy, options):
-        storage = from_url(url, deadline=30.0, **options)
+        storage = from_url(url, deadline=30.0, part_size=5 << 20, **options)  # S3's least part
         for _ in range(3):  # opening may fail too: the lease and the index are requests
             try:
                 async with aiosnap.CheckpointManager(url, storage=storage, keep=aiosnap.KeepLast(2)) as mgr:

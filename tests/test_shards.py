@@ -1,4 +1,9 @@
-"""Shards and group decisions as pure functions: no process group, no gloo."""
+"""Shards and group decisions as pure functions: no process group, no gloo.
+
+White-box: the shard arithmetic (``aiosnap._format.shards``), rank 0's decisions
+(``aiosnap._dist.decisions``) and the typed messages between ranks are internal pure
+functions, tested directly.
+"""
 
 from __future__ import annotations
 
@@ -105,36 +110,38 @@ def test_tiles_finds_an_overlap_of_boxes_far_apart_in_order() -> None:
     assert tiles((2, 70), [Box((0, 0), (2, 1)), *(Box((i, j), (1, 1)) for i in (0, 1) for j in range(1, 70))])
 
 
+class CountedBox(Box):
+    """A Box that counts the comparisons it takes part in (``calls``)."""
+
+    calls = 0
+
+    def intersect(self, other: Box) -> Box | None:
+        CountedBox.calls += 1
+        return super().intersect(other)
+
+
 def _wall(rows: int, bricks: int) -> tuple[tuple[int, int, int], list[Box]]:
     """A brick wall: ``rows`` rows of ``bricks`` boxes each, every row's joints shifted
     (no grid of a few cells holds them), each box spanning dimension 0."""
-    boxes = []
+    boxes: list[Box] = []
     for r in range(rows):
         edges = [0, *(r + j * rows for j in range(1, bricks)), bricks * rows]
-        boxes += [Box((0, r, a), (2, 1, b - a)) for a, b in itertools.pairwise(edges)]
+        boxes += [CountedBox((0, r, a), (2, 1, b - a)) for a, b in itertools.pairwise(edges)]
     return (2, rows, bricks * rows), boxes
 
 
-def test_tiles_of_irregular_boxes_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tiles_of_irregular_boxes_is_bounded() -> None:
     # Was (in the unfinished fix of the above): every pair of 4,096 bricks that all
     # meet along dimension 0 compared, 49 s. Now a grid of up to GRID_CELLS cells is
     # checked cell by cell, at most MAX_IRREGULAR boxes off it pair by pair, more refused.
-    calls = 0
-    intersect = Box.intersect
-
-    def counted(self: Box, other: Box) -> Box | None:
-        nonlocal calls
-        calls += 1
-        return intersect(self, other)
-
-    monkeypatch.setattr(Box, "intersect", counted)
+    CountedBox.calls = 0
     shape, boxes = _wall(64, 64)  # 4,096 bricks on a grid of 262,080 cells
     assert tiles(shape, boxes)
-    assert not tiles(shape, [Box((0, 0, 1), boxes[0].lengths), *boxes[1:]])
+    assert not tiles(shape, [CountedBox((0, 0, 1), boxes[0].lengths), *boxes[1:]])
     assert not tiles(*_wall(512, 8))  # 4,096 bricks off any grid of 2^18 cells: refused
-    assert calls == 0
+    assert CountedBox.calls == 0
     shape, boxes = _guillotine(256)  # off any grid of 2^18 cells: compared along the sweep
-    assert tiles(shape, boxes) and 0 < calls <= 256 * 255 // 2
+    assert tiles(shape, boxes) and 0 < CountedBox.calls <= 256 * 255 // 2
     assert not tiles(shape, [*boxes[:-1], Box(boxes[0].offsets, boxes[-1].lengths)])
 
 
@@ -142,7 +149,7 @@ def _guillotine(n: int) -> tuple[tuple[int, ...], list[Box]]:
     """``n`` boxes made by cutting a cube in two again and again at random places (each
     spanning dimension 0): a tiling whose cuts lie on no small grid."""
     rng, side = random.Random(0), 10**6
-    boxes = [Box((0, 0, 0, 0), (2, side, side, side))]
+    boxes: list[Box] = [CountedBox((0, 0, 0, 0), (2, side, side, side))]
     while len(boxes) < n:
         b = boxes.pop(rng.randrange(len(boxes)))
         d = rng.choice([d for d in (1, 2, 3) if b.lengths[d] > 1])
@@ -153,7 +160,7 @@ def _guillotine(n: int) -> tuple[tuple[int, ...], list[Box]]:
         offsets[d] += cut
         rest = list(b.lengths)
         rest[d] -= cut
-        boxes += [Box(b.offsets, tuple(lengths)), Box(tuple(offsets), tuple(rest))]
+        boxes += [CountedBox(b.offsets, tuple(lengths)), CountedBox(tuple(offsets), tuple(rest))]
     return (2, side, side, side), boxes
 
 

@@ -25,8 +25,8 @@ import pytest
 import torch
 
 import aiosnap
-from aiosnap._cli.main import main as cli_main
 from aiosnap._manager.catalog import INDEX_NAME
+from aiosnap.cli import main as cli_main
 
 from .faults import HookedPosix, target_of
 from .test_distributed import run_ranks

@@ -22,7 +22,7 @@ import aiosnap
 from aiosnap.storage import from_url
 
 from .conftest import wait_until
-from .faults import HookedPosix, Injector
+from .faults import HookedPosix, Injector, StuckCommits
 from .test_distributed import ok, run_ranks
 
 
@@ -291,16 +291,13 @@ async def test_the_caller_waits_for_the_local_capture_only(tmp_path: Path) -> No
 # -- a crash mid-upload ------------------------------------------------------------------------
 def _save_then_die_uploading(local: str, url: str, env: dict[str, str]) -> None:
     os.environ.update(env)
-    never = threading.Event()
-
-    def stuck(upload: Any) -> Any:
-        never.wait()
+    remote = StuckCommits(from_url(url))
 
     async def main() -> None:
-        async with aiosnap.CheckpointManager(local, remote=url) as mgr:
+        async with aiosnap.CheckpointManager(local, remote=url, remote_storage=remote) as mgr:
             await (await mgr.save(1, _state(1))).wait()
             await mgr.flush()
-            aiosnap._storage.objstore._ObjectUpload.commit = stuck  # type: ignore[method-assign]
+            remote.stuck = True  # the next upload's parts go up, and it never completes
             big = {"w": torch.full((12 << 20,), 2.0)}  # 48 MiB: a multipart upload
             await (await mgr.save(2, big)).wait()
             await mgr.flush()

@@ -25,6 +25,7 @@ the Job, AsyncLoader and RNGState; ``integrations`` the trainers' plug-ins.
 from __future__ import annotations
 
 import logging as _logging
+import typing as _typing
 
 from . import retention as retention
 from . import storage as storage
@@ -61,12 +62,13 @@ from ._load.load import verify as verify
 from ._manager.manager import CheckpointManager as CheckpointManager
 from ._manager.manager import Restored as Restored
 from ._manager.records import CheckpointRecord as CheckpointRecord
-from ._manager.retention import AnyOf as AnyOf
+from ._manager.retention import AnyPolicy as AnyPolicy
 from ._manager.retention import KeepBest as KeepBest
 from ._manager.retention import KeepEvery as KeepEvery
 from ._manager.retention import KeepLast as KeepLast
 from ._manager.retention import KeepWithin as KeepWithin
 from ._manager.retention import RetentionPolicy as RetentionPolicy
+from ._manager.retention import former_name as _former_name
 from ._manager.triggers import AnyTrigger as AnyTrigger
 from ._manager.triggers import AtSteps as AtSteps
 from ._manager.triggers import EveryNEpochs as EveryNEpochs
@@ -103,7 +105,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AiosnapWarning",
-    "AnyOf",
+    "AnyPolicy",
     "AnyTrigger",
     "AsyncLoader",
     "AtSteps",
@@ -177,6 +179,15 @@ __all__ = [
 ]
 
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())
+
+
+if _typing.TYPE_CHECKING:
+    AnyOf = AnyPolicy  # deprecated: the name AnyPolicy had before
+else:
+
+    def __getattr__(name: str) -> type:
+        """``aiosnap.AnyOf``, the former name of ``AnyPolicy``, with a DeprecationWarning."""
+        return _former_name(__name__, name)
 
 
 def __dir__() -> list[str]:

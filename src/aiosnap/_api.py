@@ -28,7 +28,27 @@ async def save(
     allow_pickle: bool = False,
     storage: Storage | None = None,
 ) -> SaveStats:
-    """Durably save ``target`` to ``path`` and return when it is committed."""
+    """Durably save ``target`` to ``path`` and return when it is committed.
+
+    A one-shot ``SimpleWriter`` save: the file is written to a temp name beside ``path``,
+    made durable and renamed over it, so ``path`` holds the old checkpoint or the new one,
+    never a part of either. For saves in a training loop, keep a writer open instead (its
+    staging buffers are reused and its commits run in the background).
+
+    Args:
+        path: The checkpoint file to write: a local path or a URL (``s3://bucket/run/x``).
+        target: The state: a tree of dicts, lists and tuples whose leaves are tensors,
+            arrays, numbers, strings, bytes, and objects with ``state_dict()`` and
+            ``load_state_dict()`` (a model, an optimizer: saved as their state dicts).
+        savefun: A function ``savefun(obj, path)`` (``torch.save``) that writes the file
+            itself instead of aiosnap's format; the commit stays durable and atomic.
+        allow_pickle: Store values that are not state types by pickling them (loading
+            them then needs ``allow_pickle=True`` too); without it they are refused.
+        storage: The storage to write through; None picks it from ``path``.
+
+    Returns:
+        How the save went: bytes committed and seconds per phase.
+    """
     storage, path = resolve(path, storage)
     directory, name = storage.split(path)
     async with SimpleWriter(storage=storage, allow_pickle=allow_pickle) as writer:

@@ -33,7 +33,12 @@ class CheckpointError(Exception):
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
-    """The checkpoint file does not exist."""
+    """The checkpoint file does not exist (a storage backend raises it for a missing object).
+
+    Args:
+        path: What was not found.
+        message: The message; by default it names ``path``.
+    """
 
     def __init__(self, path: str, message: str | None = None) -> None:
         super().__init__(message or f"no checkpoint at {path!r}")
@@ -44,7 +49,13 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 
 
 class ConflictError(CheckpointError, RuntimeError):
-    """An object changed on storage since it was read: another writer replaced it."""
+    """An object changed on storage since it was read: another writer replaced it (a
+    storage backend's ``replace_if`` raises it).
+
+    Args:
+        path: The object.
+        message: The message; by default it names ``path``.
+    """
 
     def __init__(self, path: str, message: str | None = None) -> None:
         super().__init__(message or f"{path} was replaced by another writer since it was read")
@@ -52,7 +63,12 @@ class ConflictError(CheckpointError, RuntimeError):
 
 
 class CorruptCheckpointError(CheckpointError, ValueError):
-    """The file is truncated, altered or not a checkpoint at all."""
+    """The file is truncated, altered or not a checkpoint at all.
+
+    Args:
+        path: The file (or object) read.
+        reason: What is wrong with it; the message is ``"{path}: {reason}"``.
+    """
 
     def __init__(self, path: str, reason: str) -> None:
         super().__init__(f"{path}: {reason}")
@@ -73,9 +89,14 @@ class CheckpointKeyError(CheckpointError, KeyError):
 
 
 class DirectoryLockedError(CheckpointError, RuntimeError):
-    """Another CheckpointManager holds the directory. ``retry_after``: the seconds until
-    its lease goes stale if its holder stops renewing it (None: a lock the kernel drops
-    when its holder dies)."""
+    """Another CheckpointManager holds the directory (a storage backend's ``lease``
+    raises it).
+
+    Args:
+        message: Who holds it, as far as is known.
+        retry_after: The seconds until the holder's lease goes stale if it stops renewing
+            it; None for a lock the kernel drops when its holder dies.
+    """
 
     def __init__(self, message: str, retry_after: float | None = None) -> None:
         super().__init__(message)
@@ -84,7 +105,12 @@ class DirectoryLockedError(CheckpointError, RuntimeError):
 
 class ForeignFileError(CheckpointError, FileExistsError):
     """Something aiosnap did not write (a user's file, a symbolic link, a directory)
-    stands where aiosnap would write or lock: aiosnap leaves it alone and refuses."""
+    stands where aiosnap would write or lock: aiosnap leaves it alone and refuses.
+
+    Args:
+        path: Where it stands.
+        what: What it is, in words (``"a directory"``).
+    """
 
     def __init__(self, path: str, what: str) -> None:
         super().__init__(
@@ -97,7 +123,12 @@ class ForeignFileError(CheckpointError, FileExistsError):
 class IndexWriteError(CheckpointError, OSError):
     """The checkpoint was committed, and is restorable and rotated as any other; only
     the index beside it (a cache of the directory, rebuilt from it at the next open)
-    could not be written. The cause (a full disk ...) is chained, its errno kept."""
+    could not be written. The cause (a full disk ...) is chained, its errno kept.
+
+    Args:
+        path: The index.
+        cause: Why it could not be written.
+    """
 
     def __init__(self, path: str, cause: OSError) -> None:
         super().__init__(
@@ -124,8 +155,13 @@ class PickleNotAllowedError(CheckpointError, ValueError):
 
 
 class RankFailedError(CheckpointError, RuntimeError):
-    """Another rank of the group failed, died or stopped answering; ``failed`` maps each
-    such rank to what is known of it. The checkpoint in progress was not committed."""
+    """Another rank of the group failed, died or stopped answering. The checkpoint in
+    progress was not committed.
+
+    Args:
+        message: What failed, naming the ranks.
+        failed: Each rank that failed, mapped to what is known of it.
+    """
 
     def __init__(self, message: str, failed: dict[int, str]) -> None:
         super().__init__(message)
@@ -146,7 +182,12 @@ class StateMismatchError(CheckpointError, ValueError):
 
 class StepExistsError(CheckpointError, FileExistsError):
     """The step is committed already: a save does not replace it unless asked to
-    (``overwrite=True``)."""
+    (``overwrite=True``).
+
+    Args:
+        path: The committed checkpoint of the step.
+        step: The step.
+    """
 
     def __init__(self, path: str, step: int) -> None:
         super().__init__(

@@ -27,28 +27,30 @@ MAX_DEPTH = 200
 
 _WS_CHARS = frozenset(" \t\n\r")
 _WS = re.compile(r"[ \t\n\r]*").match  # JSON's whitespace, as json.decoder has it
-_scanstring: Callable[[str, int], tuple[str, int]] = json.decoder.scanstring  # type: ignore[attr-defined]
 
 
-def loads(text: str) -> Any:
-    if len(text) <= WINDOW:
+def loads(text: str, *, window: int = WINDOW) -> Any:
+    """``json.loads(text)``, in C calls over at most ``window`` characters each."""
+    if len(text) <= window:
         return json.loads(text)
-    return _Parser(text).parse()
+    return _Parser(text, window).parse()
 
 
-def loads_at(text: str, i: int) -> tuple[Any, int]:
+def loads_at(text: str, i: int, *, window: int = WINDOW) -> tuple[Any, int]:
     """The JSON value that starts at ``text[i]`` (after any whitespace) and the index
     just after it, as ``json.JSONDecoder().raw_decode(text, i)`` gives them."""
-    parser = _Parser(text)
+    parser = _Parser(text, window)
     return parser.value(parser.ws(i), 0)
 
 
 class _Parser:
-    def __init__(self, text: str) -> None:
-        self.s = text
+    def __init__(self, text: str, window: int) -> None:
+        self.s, self.size = text, window
+        # The C functions, as the json module has them when the parse starts.
         self.scan = json.scanner.make_scanner(json.JSONDecoder())  # type: ignore[arg-type]
-        self.start = 0  # the window is s[start : start + len(window)]
-        self.window = ""
+        self.scanstring: Callable[[str, int], tuple[str, int]] = json.decoder.scanstring  # type: ignore[attr-defined]
+        self.start = 0  # the window is s[start : start + len(view)]
+        self.view = ""
 
     def parse(self) -> Any:
         value, end = self.value(self.ws(0), 0)
@@ -89,13 +91,13 @@ class _Parser:
         container nested in others, every level costs a failed scan."""
         for fresh in (False, True):
             at = i - self.start
-            if fresh or not (at >= 0 and at + 3 < len(self.window)):
+            if fresh or not (at >= 0 and at + 3 < len(self.view)):
                 if fresh and self.start == i:
                     return None  # a fresh window at i already failed
-                self.start, self.window = i, self.s[i : i + WINDOW]
-            truncated = self.start + len(self.window) < len(self.s)
+                self.start, self.view = i, self.s[i : i + self.size]
+            truncated = self.start + len(self.view) < len(self.s)
             try:
-                value, end = self.scan(self.window, i - self.start)
+                value, end = self.scan(self.view, i - self.start)
             except (StopIteration, ValueError, RecursionError):
                 if truncated:
                     continue  # perhaps cut off by the window: retry, then descend
@@ -103,7 +105,7 @@ class _Parser:
             # A number cut off by the window can still parse ("2.5e-7" cut to "2.5e" reads
             # as 2.5): its end is trusted only with the 2 characters the grammar looks
             # ahead (".d", "e-d") and one more inside the window.
-            if end + 3 <= len(self.window) or not truncated:
+            if end + 3 <= len(self.view) or not truncated:
                 return value, self.start + end
         return None
 
@@ -150,7 +152,7 @@ class _Parser:
                     continue
                 # A failed run costs a few scans of a window: try again half a window
                 # on, with the gap of the members there.
-                retry, gap = i + WINDOW // 2, ""
+                retry, gap = i + self.size // 2, ""
             last, end = end, member(i)
             i = self.ws(end)
             if s[i : i + 1] == close:
@@ -169,7 +171,7 @@ class _Parser:
         The commas tried are those in the last two places that look like the ``gap``
         between the last two members (see ``_gap``), then the last comma of all."""
         s = self.s
-        end, comma = min(i + WINDOW, len(s)), gap.rindex(",")
+        end, comma = min(i + self.size, len(s)), gap.rindex(",")
         found = s.rfind(gap, i, end)
         cuts = [found, s.rfind(gap, i, found + len(gap) - 1) if found > i else -1]
         cuts = [c + comma for c in cuts if c > i]
@@ -194,11 +196,11 @@ class _Parser:
         copy of itself, not two."""
         s, start, parts = self.s, p, list[str]()
         while True:
-            q = min(p + WINDOW, len(s))
+            q = min(p + self.size, len(s))
             if q < len(s):
                 q = _safe_cut(s, p, q)
             piece = '"' + s[p:q] + '"'
-            text, end = _scanstring(piece, 1)  # raises on a control character or bad escape
+            text, end = self.scanstring(piece, 1)  # raises on a control character or bad escape
             stop = p + end - 2 if end < len(piece) else q  # where this slice's text ends in s
             if parts or len(text) != stop - p:  # escapes decode shorter: keep the decoded text
                 if not parts:

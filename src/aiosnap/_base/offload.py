@@ -16,7 +16,6 @@ import os
 import queue
 import threading
 import traceback
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -24,6 +23,7 @@ from typing import Any, TypeVar
 import anyio
 import anyio.from_thread
 import anyio.to_thread
+from anyio.lowlevel import RunVar
 
 from .notice import notice
 
@@ -50,15 +50,13 @@ REMOTE_THREADS = 8
 #: Set while the remote tier's work runs (``remote_io``).
 _remote: contextvars.ContextVar[bool] = contextvars.ContextVar("aiosnap_remote_io", default=False)
 
-_limiters: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, anyio.CapacityLimiter]] = (
-    weakref.WeakKeyDictionary()
-)
+#: Limiters belong to one event loop: one set per running loop (anyio forgets a loop's
+#: set when the loop is gone).
+_limiters: RunVar[dict[str, anyio.CapacityLimiter]] = RunVar("aiosnap_limiters")
 
 
 def _limiter(kind: str) -> anyio.CapacityLimiter:
-    # Limiters belong to one event loop: keep one set per running loop.
-    loop = asyncio.get_running_loop()
-    per_loop = _limiters.get(loop)
+    per_loop = _limiters.get(None)
     if per_loop is None:
         per_loop = {
             "io": anyio.CapacityLimiter(IO_THREADS),
@@ -67,7 +65,7 @@ def _limiter(kind: str) -> anyio.CapacityLimiter:
             "commit": anyio.CapacityLimiter(COMMIT_THREADS),
             "remote": anyio.CapacityLimiter(REMOTE_THREADS),
         }
-        _limiters[loop] = per_loop
+        _limiters.set(per_loop)
     return per_loop[kind]
 
 

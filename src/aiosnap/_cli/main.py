@@ -33,7 +33,7 @@ from .._base.errors import (
     NotACheckpointError,
 )
 from .._load.verify import verify_blocking
-from .._manager.retention import AnyOf, KeepBest, KeepEvery, KeepLast, KeepWithin, RetentionPolicy
+from .._manager.retention import AnyPolicy, KeepBest, KeepEvery, KeepLast, KeepWithin, RetentionPolicy
 from . import tables, views
 from .bench import Bench, parse_size
 from .convert import convert, read_state
@@ -322,7 +322,7 @@ def _policy(
         policies.append(KeepWithin(parse_duration(within)))
     if not policies:
         raise ValueError("say what to keep: --keep-last, --keep-every, --keep-best or --keep-within")
-    return policies[0] if len(policies) == 1 else AnyOf(*policies)
+    return policies[0] if len(policies) == 1 else AnyPolicy(*policies)
 
 
 def parse_duration(text: str) -> float:
@@ -411,7 +411,18 @@ def bench_command(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit code (the console script exits with it)."""
+    """Run one command of the command line and return its exit code (the console script
+    exits with it). An error is said in one line on stderr, not raised; the process's
+    logging and warning settings are as they were afterwards.
+
+    Args:
+        argv: The arguments after ``aiosnap``, e.g. ``["ls", "ckpts", "--json"]``; None reads
+            ``sys.argv[1:]``, as the console script does.
+
+    Returns:
+        0 done (for ``diff``: no difference); 1 ``verify`` found a checkpoint that fails, or
+        ``diff`` a difference; 2 an error or a usage error; 130 interrupted.
+    """
     try:
         with _diagnostics():
             rv = app(args=argv, prog_name="aiosnap", standalone_mode=False)

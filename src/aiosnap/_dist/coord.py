@@ -321,16 +321,30 @@ async def _round(bodies: list[Any], decide: Decide) -> dict[str, Any]:
     return {"wait": False, "value": await decide([b["result"] for b in bodies])}
 
 
+class DeadlineMissed(RuntimeError):
+    """A peer did not answer before the exchange's deadline."""
+
+
 def _wait_or_raise(work: Any, deadline: float) -> None:
     left = deadline - time.monotonic()
-    if left <= 0 or not work.wait(datetime.timedelta(seconds=left)):
-        raise RuntimeError("Timed out")
+    if left <= 0:
+        raise DeadlineMissed
+    try:
+        done = work.wait(datetime.timedelta(seconds=left))
+    except RuntimeError as exc:
+        # gloo enforces the time given itself, and says so only in words ("Timed out
+        # waiting 5000ms for recv operation to complete"): translated here, once.
+        if "Timed out" in str(exc):
+            raise DeadlineMissed(str(exc)) from exc
+        raise
+    if not done:
+        raise DeadlineMissed
 
 
 def _reason(exc: BaseException, timeout: float) -> str:
-    text = str(exc)
-    if "Timed out" in text:
+    if isinstance(exc, DeadlineMissed):
         return f"did not answer within {timeout:g} s"
+    text = str(exc)
     if "closed" in text.lower() or "reset" in text.lower() or "broken pipe" in text.lower():
         return "is gone: its connection closed (the process died or exited)"
     return f"could not be reached: {text.splitlines()[0][:300] if text else type(exc).__name__}"

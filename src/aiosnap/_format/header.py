@@ -14,8 +14,8 @@ import struct
 from collections.abc import Iterator, Sequence
 
 from .._base.checksums import crc32c, crc32c_combine
+from .._storage.protocol import ALIGN as ALIGN  # re-exported: the staging aligns by it
 
-ALIGN = 4096
 META_KEY = "aiosnap"
 CRC_KEY = "aiosnap_crc32c"
 CRC_ZERO = "00000000"

@@ -32,6 +32,8 @@ from .shards import Box, tiles
 logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = "aiosnap-manifest.json"
+"""The manifest of a group's step directory: rank 0 writes it once every rank's file has
+committed, so a step directory without it is no checkpoint (and is never loaded)."""
 MANIFEST_FORMAT = "aiosnap-manifest/2"
 _OLD_FORMATS = ("aiosnap-manifest/1",)
 

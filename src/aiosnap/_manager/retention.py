@@ -1,13 +1,15 @@
 """Which checkpoints to keep: a small Protocol and composable policies.
 
 A policy sees the committed, valid checkpoints (oldest first) and names the steps it
-wants kept. The manager keeps the union of that and the newest checkpoint, and only
-ever deletes checkpoints older than the newest one, after the newest has committed.
+wants kept (``AnyPolicy``: what any of several keeps). The manager keeps the union of
+that and the newest checkpoint, and only ever deletes checkpoints older than the newest
+one, after the newest has committed.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, final
@@ -26,7 +28,11 @@ class RetentionPolicy(Protocol):
 @final
 @dataclass(frozen=True, slots=True)
 class KeepLast:
-    """The newest ``n`` checkpoints."""
+    """The newest ``n`` checkpoints.
+
+    Args:
+        n: How many to keep; at least 1.
+    """
 
     n: int
 
@@ -41,7 +47,11 @@ class KeepLast:
 @final
 @dataclass(frozen=True, slots=True)
 class KeepEvery:
-    """Checkpoints whose step is a multiple of ``steps`` (permanent milestones)."""
+    """Checkpoints whose step is a multiple of ``steps`` (permanent milestones).
+
+    Args:
+        steps: The interval between kept steps; at least 1.
+    """
 
     steps: int
 
@@ -57,7 +67,14 @@ class KeepEvery:
 @dataclass(frozen=True, slots=True)
 class KeepBest:
     """The ``n`` checkpoints with the best value of ``metric``; those without it (or with
-    NaN, a diverged run's loss, or a bool) are not kept."""
+    NaN, a diverged run's loss, or a bool) are not kept.
+
+    Args:
+        metric: The name of a metric saved with each checkpoint
+            (``manager.save(step, state, metrics={"loss": ...})``).
+        mode: ``"min"`` (a loss) or ``"max"`` (an accuracy): which values are best.
+        n: How many to keep; at least 1. Ties go to the newer checkpoint.
+    """
 
     metric: str
     mode: Literal["min", "max"] = "min"
@@ -84,7 +101,11 @@ def _number(value: object) -> bool:
 @final
 @dataclass(frozen=True, slots=True)
 class KeepWithin:
-    """Checkpoints committed in the last ``seconds``."""
+    """Checkpoints committed in the last ``seconds``.
+
+    Args:
+        seconds: How far back, by the wall clock, from the time the policy is applied.
+    """
 
     seconds: float
 
@@ -93,22 +114,42 @@ class KeepWithin:
 
 
 @final
-class AnyOf:
-    """Keeps what any of its policies keeps."""
+class AnyPolicy:
+    """Keeps what any of its policies keeps (as ``AnyTrigger`` is due when any of its
+    triggers is). Formerly ``AnyOf``: that name still works, with a DeprecationWarning.
+
+    Args:
+        *policies: The policies combined; at least one.
+    """
 
     def __init__(self, *policies: RetentionPolicy) -> None:
         if not policies:
-            raise ValueError("AnyOf needs at least one policy")
+            raise ValueError("AnyPolicy needs at least one policy")
         self.policies = policies
 
     def __repr__(self) -> str:
-        return f"AnyOf{self.policies!r}"
+        return f"AnyPolicy{self.policies!r}"
 
     def keep(self, checkpoints: Sequence[CheckpointRecord], now: float) -> set[int]:
         kept: set[int] = set()
         for policy in self.policies:
             kept |= policy.keep(checkpoints, now)
         return kept
+
+
+#: Former names of public policies, kept working: the public modules' ``__getattr__``.
+FORMER_NAMES: dict[str, type] = {"AnyOf": AnyPolicy}
+
+
+def former_name(module: str, name: str) -> type:
+    """``module.name`` for a former name: its class, with a DeprecationWarning pointing at
+    the caller; AttributeError for any other name (a module's ``__getattr__``)."""
+    cls = FORMER_NAMES.get(name)
+    if cls is None:
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    message = f"{module}.{name} is deprecated: it is {module}.{cls.__name__} (the same class)"
+    warnings.warn(message, DeprecationWarning, stacklevel=3)
+    return cls
 
 
 def victims(policy: RetentionPolicy | None, checkpoints: Sequence[CheckpointRecord], now: float) -> list[int]:

@@ -10,7 +10,13 @@ from typing import ClassVar, Protocol, final
 @final
 @dataclass(frozen=True, slots=True)
 class Moment:
-    """A point in training: the step, the epoch if known, and monotonic time."""
+    """A point in training, as a trigger sees it.
+
+    Attributes:
+        step: The training step.
+        epoch: The epoch, if the caller gave one; else None.
+        time: ``time.monotonic()`` when the manager was asked.
+    """
 
     step: int
     epoch: int | None
@@ -37,7 +43,11 @@ def deterministic(trigger: Trigger) -> bool:
 @final
 @dataclass(frozen=True, slots=True)
 class EveryNSteps:
-    """Due when ``step % n == 0`` (step 0 included), at most once per step."""
+    """Due when ``step % n == 0`` (step 0 included), at most once per step.
+
+    Args:
+        n: The interval in steps.
+    """
 
     deterministic: ClassVar[bool] = True
     n: int
@@ -49,7 +59,11 @@ class EveryNSteps:
 @final
 @dataclass(frozen=True, slots=True)
 class EveryNEpochs:
-    """Due when the epoch is given and ``epoch % n == 0``, at most once per epoch."""
+    """Due when the epoch is given and ``epoch % n == 0``, at most once per epoch.
+
+    Args:
+        n: The interval in epochs.
+    """
 
     deterministic: ClassVar[bool] = True
     n: int
@@ -64,7 +78,11 @@ class EveryNEpochs:
 @dataclass(frozen=True, slots=True)
 class EveryNSeconds:
     """Due at the first call, then once ``seconds`` (monotonic) have passed since the last
-    save. Clocks differ between ranks: in a group, every rank follows rank 0's answer."""
+    save. Clocks differ between ranks: in a group, every rank follows rank 0's answer.
+
+    Args:
+        seconds: The least time between two saves.
+    """
 
     seconds: float
 
@@ -74,7 +92,11 @@ class EveryNSeconds:
 
 @final
 class AtSteps:
-    """Due at each of the given steps, at most once per step."""
+    """Due at each of the given steps, at most once per step.
+
+    Args:
+        steps: The steps to save at.
+    """
 
     deterministic: ClassVar[bool] = True
 
@@ -90,7 +112,12 @@ class AtSteps:
 
 @final
 class AnyTrigger:
-    """Due when any of its triggers is; deterministic when all of them are."""
+    """Due when any of its triggers is; deterministic when all of them are (as
+    ``AnyPolicy`` keeps what any of its retention policies keeps).
+
+    Args:
+        *triggers: The triggers combined.
+    """
 
     def __init__(self, *triggers: Trigger) -> None:
         self.triggers = triggers

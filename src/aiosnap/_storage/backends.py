@@ -30,11 +30,19 @@ def from_url(url: str, **options: Any) -> Storage:
     """The storage for ``url``, configured from ``options`` and the environment
     (``AWS_*``, ``GOOGLE_*``, ``AZURE_*``), as obstore and fsspec read them.
 
-    ``s3://``, ``gs://`` and ``az://`` (and their aliases) go to obstore: ``options``
-    are obstore's (``endpoint``, ``region``, ``access_key_id``, ``client_options``...),
-    plus ``deadline``, the seconds transient errors are retried. Any other scheme fsspec
-    knows goes to fsspec, with ``options`` for its filesystem; ``backend="fsspec"``
-    sends an object store there too (GCS through gcsfs, say)."""
+    Args:
+        url: A URL of the storage (``s3://bucket/run``: the path part is not used), or a
+            local path or ``file://`` URL, which give LocalStorage.
+        **options: For ``s3://``, ``gs://`` and ``az://`` (and their aliases), obstore's
+            options (``endpoint``, ``region``, ``access_key_id``, ``client_options`` ...)
+            plus ``deadline`` and ``part_size`` (see ``ObjectStorage``); for any other
+            scheme fsspec knows, its filesystem's options (see ``FsspecStorage``).
+            ``backend="fsspec"`` sends an object store to fsspec too (GCS through
+            gcsfs, say). A local path takes none.
+
+    Raises:
+        ValueError: An unknown scheme, or options for a local path.
+    """
     scheme = scheme_of(url)
     if scheme is None or scheme == "file":
         if options:
@@ -57,7 +65,17 @@ def from_url(url: str, **options: Any) -> Storage:
 
 
 def resolve(path: str, storage: Storage | None = None) -> tuple[Storage, str]:
-    """The storage ``path`` lives on, and the path in that storage's own form."""
+    """The storage ``path`` lives on, and the path in that storage's own form: what
+    every function of aiosnap that takes ``path`` and ``storage=`` does first.
+
+    Args:
+        path: A local path or a URL.
+        storage: The storage to use; None picks it by the URL's scheme (one storage per
+            scheme and bucket, made once, configured from the environment).
+
+    Returns:
+        ``(storage, path)``: a ``file://`` URL becomes a local path.
+    """
     if storage is not None:
         return storage, path
     scheme = scheme_of(path)

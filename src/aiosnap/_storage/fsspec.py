@@ -42,7 +42,14 @@ def known_protocol(scheme: str) -> bool:
 
 
 class FsspecStorage(UrlPaths):
-    """An fsspec filesystem (see the module docstring). Build it with ``from_url``."""
+    """An fsspec filesystem (see the module docstring). Build it with ``from_url``, which
+    passes its keyword arguments on to this constructor.
+
+    Args:
+        protocol: fsspec's name of the filesystem (``memory``, ``gs``, ``sftp`` ...).
+        **options: The filesystem's own options (``fsspec.filesystem(protocol, **options)``),
+            such as gcsfs's ``project`` or ``token``.
+    """
 
     random_access = False
 

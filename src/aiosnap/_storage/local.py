@@ -29,13 +29,11 @@ from .._base.errors import (
     ForeignFileError,
 )
 from .posix import FileStat, Posix
-from .protocol import LEASE_NAME, TEMP_PREFIX, CommitTimes, Entry, Version
+from .protocol import ALIGN, LEASE_NAME, TEMP_PREFIX, CommitTimes, Entry, Version
 
 #: Bytes handed to one write(2) or read(2): large enough to keep the disk streaming.
 WRITE_PIECE = 16 << 20
 _READ_PIECE = 64 << 20
-#: O_DIRECT wants buffers, offsets and lengths aligned to the logical block; 4096 covers all.
-ALIGN = 4096
 
 
 def _is_aligned(view: memoryview) -> bool:
@@ -57,8 +55,11 @@ def _size_text(n: int) -> str:
 class LocalStorage:
     """The local filesystem (see the module docstring).
 
-    ``direct``: write staged images with O_DIRECT where the filesystem allows it.
-    ``posix``: the system calls to make (tests pass fault-injecting ones).
+    Args:
+        direct: Write staged images with O_DIRECT where the filesystem allows it (it
+            skips the page cache); False writes everything buffered.
+        posix: The system calls to make: a subclass of ``Posix`` that fails, counts or
+            stops them is how tests inject faults, crashes and power loss.
     """
 
     def __init__(self, *, direct: bool = True, posix: Posix | None = None) -> None:

@@ -42,8 +42,11 @@ from .._base.errors import (
 from .lease import VersionedLease
 from .protocol import LEASE_NAME, CommitTimes, Entry, UrlPaths, Version
 
-#: Objects up to this size are one PUT; larger ones a multipart upload of parts this big.
+#: Objects up to this size are one PUT; larger ones a multipart upload of parts this big
+#: (the default of ``ObjectStorage(part_size=...)``); reads ask for at least this much a GET.
 PART = 16 << 20
+#: The least part S3 accepts (but the last); the other stores accept it too.
+MIN_PART = 5 << 20
 #: Parts (and ranged GETs) in flight at once.
 CONCURRENCY = 8
 #: The least a streamed GET hands over at a time.
@@ -64,13 +67,30 @@ def _obstore() -> Any:
 
 
 class ObjectStorage(UrlPaths):
-    """An object store (see the module docstring). Build it with ``from_url``."""
+    """An object store (see the module docstring). Build it with ``from_url``, which
+    passes its keyword arguments on to this constructor.
+
+    Args:
+        scheme: The URL's scheme: ``s3``, ``gs``, ``az`` or one of their aliases.
+        bucket: The bucket (a container, on Azure).
+        deadline: Seconds a failing operation is retried (transient errors only: 5xx,
+            resets, timeouts) before it raises RemoteStorageError.
+        part_size: Bytes of one part of a multipart upload; an object up to this size is
+            one PUT. At least 5 MiB, the least part S3 accepts.
+        **options: obstore's own options for the store (``endpoint``, ``region``,
+            ``access_key_id``, ``client_options`` ...); unset ones come from the
+            environment, as obstore reads it.
+    """
 
     random_access = False
 
-    def __init__(self, scheme: str, bucket: str, *, deadline: float = DEADLINE, **options: Any) -> None:
+    def __init__(
+        self, scheme: str, bucket: str, *, deadline: float = DEADLINE, part_size: int = PART, **options: Any
+    ) -> None:
+        if part_size < MIN_PART:
+            raise ValueError(f"part_size={part_size}: parts are at least {MIN_PART} bytes (5 MiB)")
         self.scheme, self.bucket = scheme, bucket
-        self.deadline, self.options = deadline, options
+        self.deadline, self.part_size, self.options = deadline, part_size, options
         self._store: Any = None
 
     @classmethod
@@ -89,11 +109,18 @@ class ObjectStorage(UrlPaths):
             "scheme": self.scheme,
             "bucket": self.bucket,
             "deadline": self.deadline,
+            "part_size": self.part_size,
             "options": self.options,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["scheme"], state["bucket"], deadline=state["deadline"], **state["options"])  # type: ignore[misc]
+        self.__init__(  # type: ignore[misc]
+            state["scheme"],
+            state["bucket"],
+            deadline=state["deadline"],
+            part_size=state["part_size"],
+            **state["options"],
+        )
 
     @property
     def store(self) -> Any:
@@ -306,7 +333,8 @@ class _ObjectUpload:
         self.path, self.size = path, size
         self._storage, self._key = storage, storage.key(path)
         self._pos, self._write_s = 0, 0.0
-        self._small: bytearray | None = bytearray() if size is not None and size <= PART else None
+        self._part = storage.part_size
+        self._small: bytearray | None = bytearray() if size is not None and size <= self._part else None
         self._writer: Any = None
         self._done = False
 
@@ -334,14 +362,14 @@ class _ObjectUpload:
                 self.path,
                 self._storage.store,
                 self._key,
-                buffer_size=PART,
+                buffer_size=self._part,
                 max_concurrency=CONCURRENCY,
             )
         # obstore's writer keeps the buffers it is given (no copy) until their part is
         # sent, and callers reuse theirs (the pieces of a large save, a copy): it gets
         # copies, a part at a time, so at most its concurrency's worth is held.
-        for start in range(0, len(data), PART):
-            self._storage._call(self._writer.write, self.path, bytes(data[start : start + PART]))
+        for start in range(0, len(data), self._part):
+            self._storage._call(self._writer.write, self.path, bytes(data[start : start + self._part]))
 
     def commit(self) -> CommitTimes:
         t0 = time.perf_counter()

@@ -28,13 +28,23 @@ TEMP_PREFIX = ".aiosnap-tmp-"
 """Temp files and uploads of unfinished commits start with this; nothing else does."""
 LEASE_NAME = ".aiosnap.lock"
 """The lease of a checkpoint directory (a lock file, or a lock object)."""
+ALIGN = 4096
+"""The alignment O_DIRECT asks of buffers, offsets and lengths (4096 covers every logical
+block size): staged images, their data sections and their arenas are laid out on it, so a
+backend can write an image whole, past its size (see ``write_image``)."""
 
 Version = str
 """An opaque version of a stored object: an ETag, a generation, inode and mtime."""
 
 
 class CommitTimes(NamedTuple):
-    """How one commit went: seconds writing and making durable, and the bytes committed."""
+    """How one commit went (what ``Upload.commit`` returns).
+
+    Attributes:
+        write_s: Seconds spent writing the bytes.
+        fsync_s: Seconds spent making them durable and visible.
+        bytes: The bytes committed.
+    """
 
     write_s: float
     fsync_s: float
@@ -43,13 +53,21 @@ class CommitTimes(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class Entry:
-    """A committed object, or a directory (a common prefix on an object store)."""
+    """A committed object, or a directory (a common prefix on an object store), as
+    ``Storage.list`` and ``Storage.stat`` describe it.
 
-    name: str  # the last component of its path
+    Attributes:
+        name: The last component of its path.
+        is_dir: Whether it is a directory.
+        size: Its bytes (0 for a directory).
+        special: Neither an object (a regular file) nor a directory: a symbolic link, a
+            FIFO, a device. aiosnap never makes one, so it never reads, follows or
+            deletes one.
+    """
+
+    name: str
     is_dir: bool
     size: int = 0
-    #: Neither an object (a regular file) nor a directory: a symbolic link, a FIFO, a
-    #: device. aiosnap never makes one, so it never reads, follows or deletes one.
     special: bool = False
 
     @property

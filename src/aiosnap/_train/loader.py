@@ -58,7 +58,19 @@ def _skip(it: Iterator[Any], n: int) -> None:
 
 @final
 class AsyncLoader(anyio.abc.AsyncResource):
-    """Async, prefetching, resumable iteration over ``source`` (see the module docstring)."""
+    """Async, prefetching, resumable iteration over ``source``: ``async with`` it, then
+    ``async for batch in loader:`` once per epoch. Put it in the checkpointed state: a
+    restored loader continues at the batch after the last one the training loop took.
+
+    Args:
+        source: What to iterate: a torch DataLoader (a shuffling one must draw from its
+            own ``generator=``, whose state is saved), any iterable (pulled in a worker
+            thread), or an async iterable. On resume, an iterable that is not a
+            DataLoader but has ``state_dict``/``load_state_dict`` gets back its state
+            after the last batch taken; any other source is replayed from the start of
+            the epoch, the batches already taken skipped.
+        prefetch: Batches kept ready ahead of the training loop; at least 1.
+    """
 
     def __init__(self, source: Any, *, prefetch: int = 2) -> None:
         if prefetch < 1:

@@ -68,9 +68,10 @@ def remove_file(path: str) -> bool:
     return True
 
 
-def remove_dir(path: str, marker: str) -> bool:
+def remove_dir(path: str, marker: str, *, storage: LocalStorage = _local) -> bool:
     """Delete the checkpoint directory ``path`` if an integration wrote it (it holds the
-    aiosnap file ``marker``); else leave it, with a warning."""
+    aiosnap file ``marker``); else leave it, with a warning. ``storage``: the local disk
+    to do it through (tests give one whose system calls fail or stop midway)."""
     if not os.path.lexists(path):
         return False
     if os.path.islink(path) or not is_aiosnap_dir(path, marker):
@@ -81,9 +82,9 @@ def remove_dir(path: str, marker: str) -> bool:
     # without its marker (which nothing would recognise as aiosnap's any more).
     parent, name = os.path.split(path)
     doomed = os.path.join(parent, f"{TEMP_PREFIX}removed-{name}.{secrets.token_hex(6)}")
-    _posix.rename(path, doomed)
-    _posix.fsync_dir(parent or ".")
-    _local.delete_tree(doomed)
+    storage.posix.rename(path, doomed)
+    storage.posix.fsync_dir(parent or ".")
+    storage.delete_tree(doomed)
     return True
 
 
