@@ -46,7 +46,8 @@ def test_every_error_is_a_checkpoint_error_and_its_nearest_builtin() -> None:
         assert issubclass(cls, aiosnap.CheckpointError) and issubclass(cls, builtin)
     exported = [getattr(aiosnap, n) for n in aiosnap.__all__]
     errors = {v for v in exported if isinstance(v, type) and issubclass(v, Exception)}
-    assert errors == {*pairs, aiosnap.CheckpointError}
+    assert errors == {*pairs, aiosnap.CheckpointError, aiosnap.AiosnapWarning}
+    assert issubclass(aiosnap.AiosnapWarning, UserWarning)  # a warning, not an error
     assert _subclasses(aiosnap.CheckpointError) == set(pairs)  # none of aiosnap's errors is hidden
 
 
