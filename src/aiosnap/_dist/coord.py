@@ -27,7 +27,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, final
+from typing import Any, TypeVar, final
 
 import anyio
 import torch
@@ -35,14 +35,17 @@ import torch.distributed as dist
 
 from .._base import offload as _offload
 from .._base.errors import RankFailedError
+from .._base.typed import decode
 from .channel import Decide, Ordered
 from .decisions import Refused
+from .messages import Envelope, Outcome, Round, WorkState
 
 logger = logging.getLogger(__name__)
 
 #: A message longer than this is refused before anything is allocated for it.
 MAX_MESSAGE = 64 << 20
 _TAG = 7
+M = TypeVar("M")
 
 
 def rank_and_size(parent: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -123,39 +126,39 @@ class GlooChannel:
         if self._broken is not None:
             raise RankFailedError(str(self._broken), self._broken.failed) from self._broken
         self._seq += 1
-        envelope = {"seq": self._seq, "op": op, "body": body}
+        envelope = Envelope(self._seq, op, body)
         cause: BaseException | None = None
         if self.rank == 0:
             bodies, failed = await _offload.run_coord(self._gather, envelope)
             if failed:
-                verdict: dict[str, Any] = {"failed": failed, "broken": True}
+                verdict = Outcome(failed=_named(failed), broken=True)
             else:
                 try:
-                    verdict = {"ok": await decide(bodies)}
+                    verdict = Outcome(ok=await decide(bodies))
                 except Refused as exc:
-                    verdict = {"failed": exc.failed, "broken": False}
+                    verdict = Outcome(failed=_named(exc.failed))
                 except Exception as exc:
-                    verdict, cause = {"failed": {0: describe(exc)}, "broken": False}, exc
+                    verdict, cause = Outcome(failed={"0": describe(exc)}), exc
             await _offload.run_coord(self._scatter, verdict, set(failed))
         else:
             try:
                 verdict = await _offload.run_coord(self._send_and_receive, envelope)
             except RuntimeError as exc:
-                verdict = {"failed": {0: _reason(exc, 2 * self.timeout)}, "broken": True}
-        if "failed" not in verdict:
-            return verdict["ok"]
-        failed = {int(r): str(why) for r, why in verdict["failed"].items()}
+                verdict = Outcome(failed={"0": _reason(exc, 2 * self.timeout)}, broken=True)
+        if verdict.failed is None:
+            return verdict.ok
+        failed = {int(r): why for r, why in verdict.failed.items()}
         error = RankFailedError(
             f"{op}: " + "; ".join(f"rank {r} {why}" for r, why in sorted(failed.items())), failed
         )
-        if verdict["broken"]:
+        if verdict.broken:
             self._broken = error
         raise error from cause
 
-    def _gather(self, envelope: dict[str, Any]) -> tuple[list[Any], dict[int, str]]:
+    def _gather(self, envelope: Envelope) -> tuple[list[Any], dict[int, str]]:
         deadline = time.monotonic() + self.timeout
         peers = range(1, self.size)
-        bodies: list[Any] = [envelope["body"]] + [None] * (self.size - 1)
+        bodies: list[Any] = [envelope.body] + [None] * (self.size - 1)
         failed: dict[int, str] = {}
         lengths = {r: torch.zeros(1, dtype=torch.int64) for r in peers}
         waits = {r: self._post_recv(lengths[r], r, failed) for r in peers}
@@ -170,22 +173,19 @@ class GlooChannel:
         waits = {r: self._post_recv(buf, r, failed) for r, buf in buffers.items()}
         for r, buf in buffers.items():
             if self._wait(waits[r], deadline, failed, r, buf):
-                message = _decode(buf)
-                if not isinstance(message, dict) or (message.get("seq"), message.get("op")) != (
-                    envelope["seq"],
-                    envelope["op"],
-                ):
+                message = _message(Envelope, _decode(buf))
+                if message is None or (message.seq, message.op) != (envelope.seq, envelope.op):
+                    sent = "a malformed message" if message is None else f"{message.op!r} #{message.seq}"
                     failed[r] = (
-                        f"is out of step: it sent {_op_of(message)} while rank 0 is at "
-                        f"{envelope['op']!r} #{envelope['seq']}"
+                        f"is out of step: it sent {sent} while rank 0 is at {envelope.op!r} #{envelope.seq}"
                     )
                 else:
-                    bodies[r] = message["body"]
+                    bodies[r] = message.body
         return bodies, failed
 
-    def _scatter(self, verdict: dict[str, Any], skip: set[int]) -> None:
+    def _scatter(self, verdict: Outcome, skip: set[int]) -> None:
         deadline = time.monotonic() + self.timeout
-        data = _encode(verdict)
+        data = _encode(verdict.to_json())
         sends = []
         ignored: dict[int, str] = {}
         for r in range(1, self.size):
@@ -200,11 +200,11 @@ class GlooChannel:
         for r, why in ignored.items():
             logger.warning("rank %d did not receive the outcome: it %s", r, why)
 
-    def _send_and_receive(self, envelope: dict[str, Any]) -> Any:
+    def _send_and_receive(self, envelope: Envelope) -> Outcome:
         # Rank 0 may enter the exchange up to one deadline after this rank does, and
         # then waits up to one deadline for the others: two deadlines in all.
         deadline = time.monotonic() + 2 * self.timeout
-        data = _encode(envelope)
+        data = _encode(envelope.to_json())
         for work in (self.group.send([_length(data)], 0, _TAG), self.group.send([data], 0, _TAG)):
             _wait_or_raise(work, deadline)
         length = torch.zeros(1, dtype=torch.int64)
@@ -217,8 +217,8 @@ class GlooChannel:
         self._stale.append(buf)
         _wait_or_raise(self.group.recv([buf], 0, _TAG), deadline)
         del self._stale[-2:]
-        verdict = _decode(buf)
-        if not isinstance(verdict, dict) or not ("ok" in verdict or isinstance(verdict.get("failed"), dict)):
+        verdict = _message(Outcome, _decode(buf))
+        if verdict is None:
             raise RuntimeError("rank 0 sent a malformed outcome")
         return verdict
 
@@ -289,9 +289,10 @@ class GlooTurn(Ordered):
                 while True:
                     with anyio.move_on_after(self.channel.poll):
                         await finished.wait()
-                    verdict = await self.exchange(_status(outcome), lambda bodies: _round(bodies, decide))
-                    if not verdict["wait"]:
-                        return verdict["value"]
+                    raw = await self.exchange(_status(outcome), lambda bodies: _round(bodies, decide))
+                    verdict = decode(Round, raw)
+                    if not verdict.wait:
+                        return verdict.value
             except Exception as exc:  # raised outside the task group, which would wrap it
                 error = exc
             finally:
@@ -303,22 +304,40 @@ class GlooTurn(Ordered):
         raise error
 
 
-def _status(outcome: list[Any]) -> dict[str, Any]:
+def _status(outcome: list[Any]) -> Any:
     if not outcome:
-        return {"state": "busy"}
+        return WorkState("busy").to_json()
     state, value = outcome[0]
-    return (
-        {"state": "done", "result": value} if state == "done" else {"state": "failed", "why": describe(value)}
-    )
+    done = state == "done"
+    return (WorkState("done", result=value) if done else WorkState("failed", why=describe(value))).to_json()
 
 
-async def _round(bodies: list[Any], decide: Decide) -> dict[str, Any]:
-    failed = {r: b["why"] for r, b in enumerate(bodies) if b.get("state") == "failed"}
+async def _round(bodies: list[Any], decide: Decide) -> Any:
+    states: dict[int, WorkState] = {}
+    for r, body in enumerate(bodies):
+        try:
+            states[r] = decode(WorkState, body)
+        except ValueError as exc:
+            states[r] = WorkState("failed", why=f"sent a malformed work state: {exc}")
+    failed = {r: s.why for r, s in states.items() if s.state == "failed"}
     if failed:
         raise Refused(failed)
-    if any(b.get("state") != "done" for b in bodies):
-        return {"wait": True}
-    return {"wait": False, "value": await decide([b["result"] for b in bodies])}
+    if any(s.state != "done" for s in states.values()):
+        return Round(wait=True).to_json()
+    return Round(wait=False, value=await decide([s.result for s in states.values()])).to_json()
+
+
+def _named(failed: dict[int, str]) -> dict[str, str]:
+    """Failed ranks keyed as JSON keys them: strings."""
+    return {str(r): why for r, why in failed.items()}
+
+
+def _message(cls: type[M], data: Any) -> M | None:
+    """``data`` decoded as a ``cls``, or None if it does not fit."""
+    try:
+        return decode(cls, data)
+    except ValueError:
+        return None
 
 
 class DeadlineMissed(RuntimeError):
@@ -364,9 +383,3 @@ def _decode(buf: torch.Tensor) -> Any:
 
 def _length(data: torch.Tensor) -> torch.Tensor:
     return torch.tensor([data.numel()], dtype=torch.int64)
-
-
-def _op_of(message: Any) -> str:
-    if isinstance(message, dict):
-        return f"{message.get('op')!r} #{message.get('seq')}"
-    return "a malformed message"

@@ -7,7 +7,7 @@ against its annotation (``_base.typed``); nothing here is pickled.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,3 +64,54 @@ class CommitVerdict:
 
     committed: bool
     bytes: int = 0
+
+
+# -- the channel's own envelopes (``_dist.coord``) --------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Envelope:
+    """One rank's message of one exchange: its place in the order of exchanges (``seq``,
+    ``op``, which rank 0 checks) and the body."""
+
+    seq: int
+    op: str
+    body: Any
+
+    def to_json(self) -> dict[str, Any]:
+        return {"seq": self.seq, "op": self.op, "body": self.body}  # the body as it is: no copy
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """Rank 0's answer to an exchange: its decision (``ok``), or the ranks that failed it
+    and why; ``broken``: the exchange is torn, and the channel cannot be used again."""
+
+    ok: Any = None
+    failed: dict[str, str] | None = None
+    broken: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ok": self.ok, "failed": self.failed, "broken": self.broken}
+
+
+@dataclass(frozen=True, slots=True)
+class WorkState:
+    """How a rank's work in an ``agree`` goes: still busy, done (its result), or failed
+    (why)."""
+
+    state: Literal["busy", "done", "failed"]
+    result: Any = None
+    why: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"state": self.state, "result": self.result, "why": self.why}
+
+
+@dataclass(frozen=True, slots=True)
+class Round:
+    """Rank 0's decision after a round of ``WorkState``: wait for another, or the value."""
+
+    wait: bool
+    value: Any = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"wait": self.wait, "value": self.value}
