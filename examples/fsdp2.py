@@ -45,12 +45,10 @@ async def main(directory: str, steps: int) -> None:
     model, optimizer = build(world)
     state = {"model": model, "optim": optimizer}
     async with aiosnap.CheckpointManager(directory, keep=aiosnap.KeepLast(2)) as manager:
-        start = 0
-        if await manager.latest_step() is not None:
-            restored = await manager.restore(target=state)  # DTensors on this run's mesh
-            start = restored.step
-            if rank == 0:
-                print(f"resumed at step {start} on {world} ranks")
+        restored = await manager.resume(target=state)  # DTensors on this run's mesh; None: fresh
+        start = 0 if restored is None else restored.step
+        if restored is not None and rank == 0:
+            print(f"resumed at step {start} on {world} ranks")
         for step in range(start + 1, steps + 1):
             x, y = batch(step, rank, world)
             loss = torch.nn.functional.mse_loss(model(x), y)

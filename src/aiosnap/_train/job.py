@@ -162,11 +162,11 @@ class JobRunner:
             restored = await self.manager.restore(self.resume_from_epoch, target=self.state)
             logger.info("resumed from epoch %d", restored.step)
             return restored.step
-        if await self.manager.latest_step() is None:
+        resumed = await self.manager.resume(target=self.state)
+        if resumed is None:
             return 0
-        restored = await self.manager.restore(target=self.state)
-        logger.info("resumed from epoch %d (%s)", restored.step, restored.path)
-        return restored.step
+        logger.info("resumed from epoch %d (%s)", resumed.step, resumed.path)
+        return resumed.step
 
     async def _checkpoint(self, ctx: RunContext) -> None:
         # A save call that raises the failure of an earlier background save has accepted
