@@ -37,6 +37,7 @@ from .._base.errors import (
 )
 from .._base.names import check_step, render, template
 from .._base.notice import notice
+from .._base.tasks import TaskGroupOwner
 from .._save.handle import Failures, Resolver, SaveFailure, SaveHandle, SaveStats, raise_first, skipped
 from .._save.writers import QueueWriter, Writer
 from .._storage.protocol import Storage
@@ -93,7 +94,7 @@ def _group_of(name: str, group: Any, rank: int, replicated: Sequence[str], timeo
 
 
 @final
-class CheckpointManager(anyio.abc.AsyncResource):
+class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
     """Owns a checkpoint directory: saves through a writer, keeps an index, rotates, restores.
 
     ``directory`` is a local path or a URL (``s3://bucket/run``). ``name`` is a format
@@ -227,7 +228,6 @@ class CheckpointManager(anyio.abc.AsyncResource):
         #: Set once local retention has let go of an uploaded step (see _release_after).
         self._releases: set[anyio.Event] = set()
         self._failures = Failures()
-        self._tg: anyio.abc.TaskGroup | None = None
         self._signals: list[int] = []
         self._state: Literal["new", "opening", "open", "closing", "closed"] = "new"
         #: Set once a signal given to ``save_on_signal`` has arrived and its save is done.
@@ -243,9 +243,7 @@ class CheckpointManager(anyio.abc.AsyncResource):
         if self._state != "new":
             raise WriterClosedError("a CheckpointManager can be opened only once")
         self._state = "opening"
-        tg = anyio.create_task_group()
-        await tg.__aenter__()
-        self._tg = tg
+        tg = await self._open_tasks()
         writer_open = False
         try:
             await self._site.connect()
@@ -265,7 +263,7 @@ class CheckpointManager(anyio.abc.AsyncResource):
                     await self._writer.__aexit__(None, None, None)
             finally:
                 try:
-                    await self._exit_task_group()
+                    await self._close_tasks(cancel=True)
                 finally:
                     await self._leave(remote=True)
             raise
@@ -294,15 +292,6 @@ class CheckpointManager(anyio.abc.AsyncResource):
         done = Resolver(self._site.storage.join(out_dir, file))
         done.finish(SaveStats(done.handle.path, record.bytes, 0.0, 0.0, 0.0, 0.0, 0.0))
         return done.handle
-
-    async def _exit_task_group(self) -> None:
-        """Exit the task group, cancelling what is left in it: what runs for ever (lease
-        renewals, the remote tier's attempts to open), or after a failed open, anything.
-        Not inside a shielding scope: a task group is exited in the scope it was entered in."""
-        if self._tg is not None:
-            tg, self._tg = self._tg, None
-            tg.cancel_scope.cancel()
-            await tg.__aexit__(None, None, None)
 
     async def _leave(self, *, remote: bool) -> None:
         """Leave the directories (``remote``: the remote tier's too, which closing it did
@@ -357,7 +346,8 @@ class CheckpointManager(anyio.abc.AsyncResource):
                         await self._writer.__aexit__(None, None, None)  # closed already: exits its group
                 finally:
                     try:
-                        await self._exit_task_group()
+                        # What is left runs for ever (renewals, the remote tier's attempts).
+                        await self._close_tasks(cancel=True)
                     finally:
                         await self._leave(remote=False)
         if errors:
@@ -463,10 +453,9 @@ class CheckpointManager(anyio.abc.AsyncResource):
         if not force and not await self._due(step, epoch):
             self._raise_pending()
             return skipped(self._site.storage.join(self.directory, filename))
-        assert self._tg is not None
         try:
             outer = await self._site.submit(
-                self._tg, record, state, self._accept, overwrite=overwrite, report=self._report
+                self._tasks, record, state, self._accept, overwrite=overwrite, report=self._report
             )
         except BaseException:
             if self._uploads_every_save():
@@ -504,11 +493,10 @@ class CheckpointManager(anyio.abc.AsyncResource):
     def _hold(self, step: int, upload: SaveHandle) -> None:
         catalog = self._site.catalog
         if catalog is not None:
-            assert self._tg is not None
             catalog.hold(step)
             released = anyio.Event()
             self._releases.add(released)
-            self._tg.start_soon(self._release_after, step, upload, released)
+            self._tasks.start_soon(self._release_after, step, upload, released)
 
     async def _release_after(self, step: int, upload: SaveHandle, released: anyio.Event) -> None:
         try:
@@ -697,8 +685,8 @@ class CheckpointManager(anyio.abc.AsyncResource):
             self._signals.append(sig)
 
     def _on_signal(self, sig: int, state_fn: StateFn, deadline: float) -> None:
-        if self._tg is not None and self._state == "open":
-            self._tg.start_soon(self._save_for_signal, sig, state_fn, deadline)
+        if self._state == "open":
+            self._tasks.start_soon(self._save_for_signal, sig, state_fn, deadline)
 
     async def _save_for_signal(self, sig: int, state_fn: StateFn, deadline: float) -> None:
         name = signal.Signals(sig).name

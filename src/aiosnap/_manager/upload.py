@@ -40,6 +40,7 @@ from .._base.errors import (
     WriterClosedError,
 )
 from .._base.notice import notice
+from .._base.tasks import TaskGroupOwner
 from .._format.tree import ExternalLeaves
 from .._save.engine import SaveFun
 from .._save.handle import Failures, Resolver, SaveFailure, SaveHandle, SaveStats, raise_first
@@ -110,7 +111,7 @@ class _Job:
 
 
 @final
-class UploadWriter:
+class UploadWriter(TaskGroupOwner):
     """A Writer whose saves copy ``LocalCopy`` files (see the module docstring)."""
 
     def __init__(
@@ -143,7 +144,6 @@ class UploadWriter:
         self._running: _Job | None = None
         self._wake = anyio.Event()
         self._failures = Failures()
-        self._tg: anyio.abc.TaskGroup | None = None
         self._state: Literal["new", "open", "closing", "closed"] = "new"
         #: The last failure of a copy, while the remote tier is unavailable.
         self.unavailable: BaseException | None = None
@@ -173,10 +173,9 @@ class UploadWriter:
         if self._state != "new":
             raise WriterClosedError("a writer can be opened only once")
         self._loop = asyncio.get_running_loop()
-        self._tg = anyio.create_task_group()
-        await self._tg.__aenter__()
+        tg = await self._open_tasks()
         self._state = "open"
-        self._tg.start_soon(self._consume)
+        tg.start_soon(self._consume)
         return self
 
     async def __aexit__(
@@ -185,13 +184,7 @@ class UploadWriter:
         try:
             await self.aclose()
         finally:
-            await self._stop()
-
-    async def _stop(self) -> None:
-        if self._tg is not None:
-            tg, self._tg = self._tg, None
-            tg.cancel_scope.cancel()
-            await tg.__aexit__(None, None, None)
+            await self._close_tasks(cancel=True)  # the consumer waits for work for ever
 
     async def __call__(
         self, filename: str, out_dir: str, target: object, *, savefun: SaveFun | None = None

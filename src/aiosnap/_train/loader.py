@@ -37,6 +37,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from .._base import offload as _offload
 from .._base.errors import LoaderClosedError
+from .._base.tasks import TaskGroupOwner
 
 _END = object()
 _FAILED = object()
@@ -57,7 +58,7 @@ def _skip(it: Iterator[Any], n: int) -> None:
 
 
 @final
-class AsyncLoader(anyio.abc.AsyncResource):
+class AsyncLoader(TaskGroupOwner, anyio.abc.AsyncResource):
     """Async, prefetching, resumable iteration over ``source``: ``async with`` it, then
     ``async for batch in loader:`` once per epoch. Put it in the checkpointed state: a
     restored loader continues at the batch after the last one the training loop took.
@@ -82,7 +83,6 @@ class AsyncLoader(anyio.abc.AsyncResource):
         self._source_state: Any = None
         self._epoch_generator: torch.Tensor | None = None
         self._seek = False
-        self._tg: anyio.abc.TaskGroup | None = None
         self._producer: anyio.CancelScope | None = None
         self._receive: MemoryObjectReceiveStream[tuple[Any, Any]] | None = None
 
@@ -111,17 +111,15 @@ class AsyncLoader(anyio.abc.AsyncResource):
 
     # -- lifecycle ---------------------------------------------------------------------
     async def __aenter__(self) -> Self:
-        self._tg = anyio.create_task_group()
-        await self._tg.__aenter__()
+        await self._open_tasks()
         await _offload.warm()
         return self
 
     async def aclose(self) -> None:
         """Stop prefetching and release the worker that was running."""
-        tg, self._tg = self._tg, None
-        if tg is not None:
+        if self._tasks_open:
             self._stop_producer()
-            await tg.__aexit__(None, None, None)
+            await self._close_tasks(cancel=False)
 
     def _stop_producer(self) -> None:
         if self._producer is not None:
@@ -158,13 +156,13 @@ class AsyncLoader(anyio.abc.AsyncResource):
 
     # -- iteration -----------------------------------------------------------------------
     def __aiter__(self) -> AsyncIterator[Any]:
-        if self._tg is None:
+        if not self._tasks_open:
             raise LoaderClosedError("the loader is not open: use `async with AsyncLoader(...) as loader:`")
         self._stop_producer()
         skip = self._position_source()
         send, self._receive = anyio.create_memory_object_stream[tuple[Any, Any]](self.prefetch)
         self._producer = anyio.CancelScope()
-        self._tg.start_soon(self._produce, send, skip, self._producer)
+        self._tasks.start_soon(self._produce, send, skip, self._producer)
         return self
 
     def _position_source(self) -> int:
