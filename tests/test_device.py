@@ -11,64 +11,7 @@ import torch
 
 import aiosnap
 
-
-class FakeDevice:
-    """A CPU stand-in for a GPU: 'device' tensors are registered CPU tensors, and a copy
-    lands in host memory only at its event (``wait``) or at ``finish``, as an
-    asynchronous copy would."""
-
-    def __init__(self, device_tensors: list[torch.Tensor]) -> None:
-        self.ids = {id(t) for t in device_tensors}
-        self.calls: list[tuple[Any, ...]] = []
-        self.pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
-        self.started = 0
-        self.pinned: set[int] = set()
-        self.unpinned: list[tuple[int, bool]] = []
-
-    def is_device(self, t: torch.Tensor) -> bool:
-        return id(t) in self.ids
-
-    def producer_streams(self) -> Any:
-        self.calls.append(("producer_streams", threading.current_thread() is threading.main_thread()))
-        return {"producer": "the training stream"}
-
-    def pin(self, array: Any) -> None:
-        self.calls.append(("pin", int(array.ctypes.data)))
-        self.pinned.add(int(array.ctypes.data))
-
-    def unpin(self, array: Any) -> None:
-        address = int(array.ctypes.data)
-        if address in self.pinned:
-            self.pinned.discard(address)
-            self.unpinned.append((address, threading.current_thread() is threading.main_thread()))
-
-    def start(self, src: torch.Tensor, dst: torch.Tensor, producers: Any) -> int:
-        # The side stream waits for the producer, then the copy is enqueued: the value
-        # copied is the one at enqueue time, but it reaches dst only at its event.
-        self.calls += [
-            ("wait_stream", producers["producer"]),
-            ("copy",),
-            ("record_stream",),
-            ("record_event",),
-        ]
-        self.started += 1
-        self.pending.append((self.started, src.clone(), dst))
-        # Until the event, host memory holds garbage: a checksum taken early would not match.
-        dst.reshape(-1).view(torch.uint8).fill_(0x5A)
-        return self.started
-
-    def wait(self, token: object) -> None:
-        self.calls.append(("event_synchronize",))
-        self._land(lambda t: t <= token)  # type: ignore[operator]  # one stream: in order
-
-    def finish(self) -> None:
-        self.calls.append(("synchronize", len(self.pending)))
-        self._land(lambda t: True)
-
-    def _land(self, landed: Any) -> None:
-        for _, src, dst in [p for p in self.pending if landed(p[0])]:
-            dst.copy_(src)
-        self.pending = [p for p in self.pending if not landed(p[0])]
+from .fake_device import FakeDevice
 
 
 @pytest.mark.parametrize("offload", ["thread", "process"])
@@ -78,8 +21,7 @@ async def test_device_copies_follow_stream_order_and_are_read_after_the_event(
     gpu = [torch.randn(1000), torch.randn(64, 64).t(), torch.arange(10, dtype=torch.int16)]
     state = {"gpu": gpu, "cpu": torch.ones(100), "step": 3}
     fake = FakeDevice(gpu)
-    async with aiosnap.QueueWriter(offload=offload) as writer:  # type: ignore[arg-type]
-        writer._copier = fake
+    async with aiosnap.QueueWriter(offload=offload, device_copier=fake) as writer:  # type: ignore[arg-type]
         for i in range(2):
             handle = await writer(f"c{i}", str(tmp_path), state)
             expected = [t.clone() for t in gpu]
@@ -94,7 +36,7 @@ async def test_device_copies_follow_stream_order_and_are_read_after_the_event(
     per_save = fake.calls[: len(fake.calls) // 2]
     assert per_save[1][0] == "pin"
     assert per_save[2:] == [
-        ("wait_stream", "the training stream"),
+        ("wait_event", "the training stream's mark at the call"),
         ("copy",),
         ("record_stream",),
         ("record_event",),
@@ -121,8 +63,7 @@ async def test_arenas_are_unpinned_then_unmapped_off_the_event_loop(
     monkeypatch.setattr(aiosnap._save.arena.Arena, "close", recording_close)
     gpu = [torch.randn(1 << 16)]
     fake = FakeDevice(gpu)
-    async with aiosnap.QueueWriter(max_pending=1, offload=offload) as writer:  # type: ignore[arg-type]
-        writer._copier = fake
+    async with aiosnap.QueueWriter(max_pending=1, offload=offload, device_copier=fake) as writer:  # type: ignore[arg-type]
         # Growing states: each save outgrows the arenas kept, which are dropped.
         for i, extra in enumerate((1, 4, 16)):
             state = {"gpu": gpu, "cpu": torch.ones(extra << 18)}

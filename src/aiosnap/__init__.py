@@ -48,6 +48,7 @@ from ._base.errors import NotACheckpointError as NotACheckpointError
 from ._base.errors import PickleNotAllowedError as PickleNotAllowedError
 from ._base.errors import RankFailedError as RankFailedError
 from ._base.errors import RemoteStorageError as RemoteStorageError
+from ._base.errors import SaveCancelledError as SaveCancelledError
 from ._base.errors import StateMismatchError as StateMismatchError
 from ._base.errors import StepExistsError as StepExistsError
 from ._base.errors import UnsupportedTypeError as UnsupportedTypeError
@@ -141,6 +142,7 @@ __all__ = [
     "Restored",
     "RetentionPolicy",
     "RunContext",
+    "SaveCancelledError",
     "SaveFailure",
     "SaveHandle",
     "SaveStats",
