@@ -26,6 +26,7 @@ from aiosnap._save.guard import Guard
 
 from .conftest import WAIT_CAP, assert_tree_equal, temp_files
 from .fake_device import FakeDevice
+from .test_distributed import ok, run_ranks
 
 SEVEN = [
     aiosnap.SimpleWriter,
@@ -348,3 +349,45 @@ async def test_capture_is_checked_and_a_call_overrides_the_default(tmp_path: Pat
         await handle.wait_captured()
         assert hooks(state) == 0
         await handle.wait()
+
+
+# -- the manager ---------------------------------------------------------------------------
+async def test_a_lazy_manager_save_commits_and_uploads_as_an_eager_one(tmp_path: Path) -> None:
+    state, x = make_state()
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    wants = {}
+    async with aiosnap.CheckpointManager(
+        str(local), remote=str(remote), capture="lazy", keep=aiosnap.KeepLast(2)
+    ) as mgr:
+        for step in (1, 2, 3):
+            wants[step] = expected(state)
+            handle = await mgr.save(step, state, capture="eager" if step == 2 else None)
+            train(state, x)
+        await mgr.flush()
+        assert handle.upload is not None and (await handle.upload.wait()).bytes > 0
+        assert await mgr.steps() == [2, 3]
+    assert hooks(state) == 0
+    for directory in (local, remote):
+        async with aiosnap.CheckpointManager(str(directory), read_only=True) as reader:
+            for step in (2, 3):
+                assert_tree_equal((await reader.restore(step)).state, wants[step])
+
+
+async def _lazy_group(rank: int, world: int, directory: str) -> bool:
+    state, x = make_state(seed=rank, width=256)
+    wants = {}
+    async with aiosnap.CheckpointManager(directory, capture="lazy", timeout=60) as mgr:
+        for step in (1, 2):
+            wants[step] = expected(state)
+            handle = await mgr.save(step, state)
+            train(state, x)
+        await handle.wait()
+        for step in (1, 2):
+            assert_tree_equal((await mgr.restore(step)).state, wants[step])
+    assert hooks(state) == 0
+    return True
+
+
+def test_a_lazy_save_of_a_group_holds_every_rank_s_state_of_the_call(tmp_path: Path) -> None:
+    results = run_ranks(2, _lazy_group, str(tmp_path))
+    ok(results, 2)

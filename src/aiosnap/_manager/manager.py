@@ -67,6 +67,12 @@ class Restored:
     state: Any
 
 
+def _check_capture(capture: str) -> Literal["eager", "lazy"]:
+    if capture not in ("eager", "lazy"):
+        raise ValueError(f"capture must be 'eager' or 'lazy', not {capture!r}")
+    return capture  # type: ignore[return-value]
+
+
 def _in_a_group(group: object) -> bool:
     """Whether this process checkpoints with a group (torch.distributed is only looked at
     if its user imported it)."""
@@ -119,6 +125,11 @@ class CheckpointManager(anyio.abc.AsyncResource):
     one is dropped when more come; the newest never is). ``upload="manual"`` uploads
     only what ``upload()`` is asked to. ``restore()`` takes the newest valid
     checkpoint of either tier, the local one when both hold that step.
+
+    ``capture="lazy"`` makes ``save`` return once the state's tree is walked, its
+    tensors copied in the background while the optimizers' steps wait for them (see
+    the writers' ``capture``); ``save(capture=...)`` overrides it per call. A writer
+    without a ``capture`` option saves eagerly.
     """
 
     def __init__(
@@ -142,8 +153,10 @@ class CheckpointManager(anyio.abc.AsyncResource):
         keep_remote: RetentionPolicy | None = None,
         upload: Literal["every", "manual"] = "every",
         uploader: UploadWriter | None = None,
+        capture: Literal["eager", "lazy"] = "eager",
     ) -> None:
         self._storage, self.directory = resolve(directory, storage)
+        self._capture = _check_capture(capture)
         if upload not in ("every", "manual"):
             raise ValueError(f"upload must be 'every' or 'manual', not {upload!r}")
         if remote is None and (remote_storage is not None or keep_remote is not None or uploader is not None):
@@ -457,14 +470,16 @@ class CheckpointManager(anyio.abc.AsyncResource):
     def _raise_pending(self, *, accepted: str | None = None) -> None:
         raise_first(self.take_failures(), accepted=accepted)
 
-    async def _accept(self, filename: str, directory: str, state: object) -> SaveHandle:
+    async def _accept(self, filename: str, directory: str, state: object, capture: str) -> SaveHandle:
         """Hand a save to the writer through its ``accept`` (the caller awaits the capture;
-        earlier failures are this manager's to report). A writer of the user's own may
-        lack it: it is then called, and waits for the capture itself."""
+        earlier failures are this manager's to report), lazily if asked and the writer
+        can. A writer of the user's own may lack it: it is then called, and waits for the
+        capture itself."""
         accept = getattr(self._writer, "accept", None)
         if accept is None:
             return await self._writer(filename, directory, state)
-        handle: SaveHandle = await accept(filename, directory, state)
+        lazy = {"capture": capture} if "capture" in inspect.signature(accept).parameters else {}
+        handle: SaveHandle = await accept(filename, directory, state, **lazy)
         return handle
 
     # -- saving --------------------------------------------------------------------------
@@ -485,6 +500,7 @@ class CheckpointManager(anyio.abc.AsyncResource):
         metadata: dict[str, Any] | None = None,
         force: bool = False,
         overwrite: bool = False,
+        capture: Literal["eager", "lazy"] | None = None,
     ) -> SaveHandle:
         """Save ``state`` as ``step`` if the triggers say so (or ``force``).
 
@@ -494,8 +510,11 @@ class CheckpointManager(anyio.abc.AsyncResource):
         Returns once the state is captured. The handle resolves when the checkpoint is
         committed, indexed, and the retention it triggers is done; a save the triggers
         did not call for resolves at once, skipped. An earlier save's failure not yet
-        reported is raised here, after this save was accepted.
+        reported is raised here, after this save was accepted. ``capture`` overrides the
+        manager's (a lazy save returns once its tree is walked: ``handle.wait_captured()``
+        says when its tensors are copied).
         """
+        mode = self._capture if capture is None else _check_capture(capture)
         if self._state != "open":
             raise WriterClosedError("the manager is not open: use `async with manager:`")
         if self.read_only:
@@ -511,7 +530,7 @@ class CheckpointManager(anyio.abc.AsyncResource):
             self._raise_pending()
             return skipped(self._storage.join(self.directory, filename))
         try:
-            outer = await self._submit(record, state, overwrite=overwrite)
+            outer = await self._submit(record, state, overwrite=overwrite, capture=mode)
         except BaseException:
             if self._uploads_every_save():
                 # Every member hands every save to the remote tier, in the same order: one
@@ -527,7 +546,7 @@ class CheckpointManager(anyio.abc.AsyncResource):
                 outer.upload = await self._upload_after(record, outer)
         # Cancelled before the capture ended, the save is dropped whole (its handle
         # fails, nothing is written); after, it commits and is indexed and rotated.
-        await outer.wait_captured()
+        await outer.wait_walked()
         if getattr(self._writer, "returns_durable", False):
             await outer.wait()
         self._last = Moment(step, epoch, time.monotonic())
@@ -536,7 +555,13 @@ class CheckpointManager(anyio.abc.AsyncResource):
         return outer
 
     async def _submit(
-        self, record: CheckpointRecord, state: object, *, overwrite: bool, check: bool = True
+        self,
+        record: CheckpointRecord,
+        state: object,
+        *,
+        overwrite: bool,
+        check: bool = True,
+        capture: str = "eager",
     ) -> SaveHandle:
         """Take this save's turn, hand it to the writer, and vote on it in the background;
         the returned handle follows the writer's, its capture included. ``check``: look
@@ -554,7 +579,7 @@ class CheckpointManager(anyio.abc.AsyncResource):
             if check:
                 committed = self._catalog is not None and record.step in self._catalog.records
                 await member.layout.check_vacant(record, committed, overwrite)
-            inner = await self._accept(file, out_dir, target)
+            inner = await self._accept(file, out_dir, target, capture)
         except BaseException as exc:
             # The other members vote on this step all the same: this one votes that it failed.
             failure = (
