@@ -384,7 +384,7 @@ async def test_memory_is_reused_across_saves(tmp_path: Path) -> None:
     async with aiosnap.QueueWriter() as writer:
         for i in range(6):
             await (await writer(f"s{i}", str(tmp_path), state)).wait()
-        assert len(writer._pool._free) == 1  # one arena, handed from save to save
+        assert writer.staging_memory().kept == 1  # one arena, handed from save to save
 
 
 async def test_a_killed_worker_process_fails_one_save_and_is_replaced(tmp_path: Path) -> None:
@@ -392,8 +392,10 @@ async def test_a_killed_worker_process_fails_one_save_and_is_replaced(tmp_path: 
     import signal
 
     async with aiosnap.ProcessQueueWriter() as writer:
-        os.kill(writer._engine._process.pid, signal.SIGKILL)
-        await writer._engine._process.wait()
+        pid = writer.worker_pid
+        assert pid is not None and aiosnap.ThreadQueueWriter().worker_pid is None
+        os.kill(pid, signal.SIGKILL)
+        await wait_until(lambda: _dead(pid), what="the worker's death")
         handle = await writer("a", str(tmp_path), {"x": torch.ones(3)})
         with pytest.raises(aiosnap.WorkerCrashedError):
             await handle.wait()
@@ -415,6 +417,15 @@ async def test_cancelling_wait_does_not_cancel_the_save(tmp_path: Path) -> None:
             await waiting
         gate.open()
         assert (await handle.wait()).bytes > 0
+
+
+def _dead(pid: int) -> bool:
+    """Whether process ``pid`` has exited (a zombie until its parent reaps it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
 
 
 def _rss() -> int:
@@ -439,7 +450,8 @@ async def test_a_state_larger_than_the_budget_is_written_in_pieces(offload: str,
     async with aiosnap.QueueWriter(max_host_bytes=4 << 20, offload=offload) as writer:  # type: ignore[arg-type]
         handle = await writer("ckpt", str(tmp_path), state)
         assert handle.done()  # bounded memory: the save finished inside the call
-        assert writer._pool._in_use == 0 and writer._pool._free == []
+        memory = writer.staging_memory()
+        assert (memory.in_use, memory.kept, memory.kept_bytes) == (0, 0, 0)
         stats = await handle.wait()
         small = await writer("small", str(tmp_path), {"x": torch.ones(10)})
         await small.wait()
@@ -460,8 +472,8 @@ async def test_queued_saves_count_against_the_budget(tmp_path: Path) -> None:
         third = asyncio.create_task(writer("c", str(tmp_path), state))
         # Two arenas in use: the third waits for memory (in its staging thread) until one
         # is released.
-        await wait_until(lambda: writer._pool.waiting == 1)
-        assert not third.done() and writer._pool._in_use <= 12 << 20
+        await wait_until(lambda: writer.staging_memory().waiting == 1)
+        assert not third.done() and writer.staging_memory().in_use <= 12 << 20
         gate.open()
         await (await third).wait()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "c"]
