@@ -1,6 +1,7 @@
 """aiosnap benchmark suite: physical limits, aiosnap, and peers, in one run on one state.
 
     python benchmarks/bench.py [--size 1GiB] [--reps 5] [--dir DIR] [--sweeps] [--quick]
+                               [--cold-sizes 256MiB,1GiB,4GiB]
 
 Every figure is the median of ``--reps`` repetitions; the order of the methods rotates
 from one repetition to the next so that machine noise spreads evenly. Writers and
@@ -8,7 +9,9 @@ stagers are opened, warmed with one save, measured, and closed within a repetiti
 so each method's peak RSS is its own. The raw write the saves are held to is timed as
 they are, right after an untimed write of the same bytes: on some virtual disks a write
 that follows another runs a third slower than one on an idle disk (the idle disk's time
-has a row of its own). Results: ``benchmarks/results/latest.{md,json,png}``
+has a row of its own). Cold loads are also measured as a resume does them: one load per
+new process (``aiosnap._cli.bench.cold_load``), beside torch.load and the raw read of the
+same file, at each of ``--cold-sizes``. Results: ``benchmarks/results/latest.{md,json,png}``
 (``--out`` elsewhere);
 ``--publish`` also puts them in docs/benchmarks.md (replacing only this script's section).
 """
@@ -35,6 +38,8 @@ import numpy as np
 import torch
 
 import aiosnap
+from aiosnap._cli.bench import cold_load
+from aiosnap._storage.posix import huge_pages_pay, thp_mode
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _harness import RssSampler, cold_start, loop_lag, o_direct_supported, publish
@@ -186,7 +191,10 @@ class Limits:
         t0 = time.perf_counter()
         fd = os.open(self.path, os.O_RDONLY)
         try:
-            view = memoryview(np.empty(self.nbytes, np.uint8) if fresh else self.buffer)
+            # Fresh memory as torch allocates it, with no huge-page advice (NumPy's own
+            # would compact memory at every fault where defrag=madvise: see posix.py).
+            fresh_bytes = torch.empty(self.nbytes, dtype=torch.uint8).numpy() if fresh else None
+            view = memoryview(self.buffer if fresh_bytes is None else fresh_bytes)
             for start in range(0, self.nbytes, 16 * MiB):
                 os.preadv(fd, [view[start : min(start + 16 * MiB, self.nbytes)]], start)
         finally:
@@ -387,6 +395,73 @@ async def tiny_saves(directory: Path, count: int) -> dict[str, float]:
     }
 
 
+#: The rows of the cold-load table: (method of cold_load, the file it reads).
+COLD_ROWS: dict[str, tuple[str, str]] = {
+    "limit: read, one reused 16 MiB buffer": ("read", "snap"),
+    "limit: read into fresh memory": ("read-fresh", "snap"),
+    "read into fresh memory advised MADV_HUGEPAGE": ("read-fresh-huge", "snap"),
+    "torch.load": ("torch.load", "pt"),
+    "aiosnap.load": ("aiosnap.load", "snap"),
+    "aiosnap.load_into (target made first)": ("aiosnap.load_into", "snap"),
+}
+
+
+async def cold_loads(directory: Path, sizes: list[int], reps: int) -> list[dict[str, Any]]:
+    """One load per new process, each from a cold start (see cold_start), the order of
+    the rows rotating; per size and row, the median and spread of the seconds."""
+    rows: list[dict[str, Any]] = []
+    for size in sizes:
+        state = make_state(size)
+        nbytes = state_bytes(state)
+        files = {"snap": directory / "cold.snap", "pt": directory / "cold.pt"}
+        # Written as the other cold rows' files are: buffered, then dropped from the cache.
+        await aiosnap.save(str(files["snap"]), state, storage=aiosnap.LocalStorage(direct=False))
+        torch.save(state, files["pt"])
+        del state
+        times: dict[str, list[float]] = {name: [] for name in COLD_ROWS}
+        names = list(COLD_ROWS)
+        for rep in range(reps):
+            for name in names[rep % len(names) :] + names[: rep % len(names)]:
+                method, file = COLD_ROWS[name]
+                cold_start(files[file])
+                times[name].append(await asyncio.to_thread(cold_load, method, str(files[file])))
+        for name, seconds in times.items():
+            rows.append(
+                {
+                    "bytes": nbytes,
+                    "method": name,
+                    "s": statistics.median(seconds),
+                    "min": min(seconds),
+                    "max": max(seconds),
+                }
+            )
+        _clean(directory)
+        print(f"  cold loads of {nbytes / MiB:.0f} MiB done", flush=True)
+    return rows
+
+
+def render_cold(rows: list[dict[str, Any]], reps: int) -> str:
+    """The cold-load table: time, bandwidth, and both against torch.load and the raw read."""
+    thp = f"enabled={thp_mode('enabled')}, defrag={thp_mode('defrag')}"
+    lines = [
+        f"### Cold loads in a new process (medians of {reps} rotated runs, one load per process)",
+        "",
+        f"Transparent huge pages here: {thp}; aiosnap asks for them: {'yes' if huge_pages_pay() else 'no'}.",
+        "",
+        "| MiB | method | s (min-max) | GB/s | x torch.load time | bandwidth x raw read's |",
+        "|---|---|---|---|---|---|",
+    ]
+    by = {(r["bytes"], r["method"]): r for r in rows}
+    for r in rows:
+        torch_s = by[(r["bytes"], "torch.load")]["s"]
+        read_s = by[(r["bytes"], "limit: read, one reused 16 MiB buffer")]["s"]
+        lines.append(
+            f"| {r['bytes'] / MiB:.0f} | {r['method']} | {r['s']:.3f} ({r['min']:.3f}-{r['max']:.3f}) | "
+            f"{r['bytes'] / r['s'] / 1e9:.2f} | {r['s'] / torch_s:.2f} | {read_s / r['s']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def slope(xs: list[float], ys: list[float]) -> float:
     if len(xs) < 2:
         return float("nan")
@@ -469,6 +544,8 @@ def render(
     for key in ("size_slope", "count_slope", "tiny"):
         if key in extra:
             lines += ["", f"- {key}: {extra[key]}"]
+    if extra.get("cold"):
+        lines += ["", render_cold(extra["cold"], extra["reps"])]
     return "\n".join(lines) + "\n"
 
 
@@ -546,6 +623,10 @@ async def main_async(args: argparse.Namespace) -> None:
             f"{load * 1e6:.1f} to load, {into * 1e6:.1f} to load_into (warm cache)"
         )
         extra["tiny"] = await tiny_saves(directory, args.tiny)
+    if args.cold_sizes:
+        extra["cold"] = await cold_loads(
+            directory, [parse_size(s) for s in args.cold_sizes.split(",")], args.reps
+        )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     info = machine()
@@ -589,6 +670,11 @@ def main() -> None:
     parser.add_argument("--sweep-sizes", default="64MiB,256MiB,1GiB,4GiB")
     parser.add_argument("--sweep-counts", default="10,1000,10000,100000")
     parser.add_argument("--tiny", type=int, default=1000, help="saves of a tiny state")
+    parser.add_argument(
+        "--cold-sizes",
+        default="256MiB,1GiB,4GiB",
+        help="sizes of the cold loads in new processes ('' for none)",
+    )
     parser.add_argument("--publish", action="store_true", help="write docs/benchmarks.md")
     parser.add_argument("--out", default=str(ROOT / "results"), help="where the table, JSON and chart go")
     parser.add_argument("--quick", action="store_true", help="smoke test: 64MiB, 1 repetition, small sweeps")
@@ -596,6 +682,7 @@ def main() -> None:
     if args.quick:
         args.size, args.reps, args.sweeps = args.size or "64MiB", 1, True
         args.sweep_sizes, args.sweep_counts, args.tiny = "16MiB,64MiB", "10,100", 20
+        args.cold_sizes = "16MiB"
     args.size = args.size or "1GiB"
     asyncio.run(main_async(args))
 
