@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import aiosnap
+from aiosnap._storage.posix import Posix
 
 from .conftest import WAIT_CAP, assert_tree_equal, temp_files, training_state, wait_until
 from .faults import HookedPosix
@@ -497,3 +498,56 @@ async def test_cancel_during_a_save_in_pieces_commits_nothing(tmp_path: Path) ->
         with pytest.raises(asyncio.CancelledError):
             await save
     assert not (tmp_path / "ckpt").exists() and temp_files(tmp_path) == []
+
+
+class RecordingPosix(Posix):
+    """The real calls; records each write as (O_DIRECT or not, offset, length)."""
+
+    def __init__(self) -> None:
+        self.direct: dict[int, bool] = {}
+        self.writes: list[tuple[bool, int, int]] = []
+
+    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
+        fd = super().open(path, flags, mode)
+        self.direct[fd] = bool(flags & getattr(os, "O_DIRECT", 0))
+        return fd
+
+    def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
+        self.writes.append((self.direct.get(fd, False), offset, len(data)))
+        return super().pwrite(fd, data, offset)
+
+
+async def test_a_save_in_pieces_writes_whole_aligned_pieces_while_the_next_is_copied(tmp_path: Path) -> None:
+    # Entries of odd sizes: every piece but the last is still a whole buffer, written
+    # with O_DIRECT where the filesystem allows it.
+    state = {f"w{i}": torch.randn((1 << 20) + 7 * i) for i in range(5)}  # ~20 MiB
+    posix = RecordingPosix()
+    storage = aiosnap.LocalStorage(posix=posix)
+    async with aiosnap.SimpleWriter(max_host_bytes=4 << 20, storage=storage) as writer:
+        await writer("ckpt", str(tmp_path), state)
+    loaded = await aiosnap.load(str(tmp_path / "ckpt"))
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
+    data = [w for w in posix.writes if w[1] > 0]
+    assert len(data) >= 10 and len({n for _, _, n in data[:-1]}) == 1  # pieces of 2 MiB
+    if all(direct for direct, _, _ in posix.writes[:1]):  # O_DIRECT where the filesystem has it
+        assert all(direct and off % 4096 == 0 and n % 4096 == 0 for direct, off, n in data[:-1])
+
+
+async def test_a_one_call_save_of_a_large_state_streams_through_small_buffers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import aiosnap._save.writers as writers
+
+    budgets: list[int] = []
+    streamed = writers.write_in_pieces
+
+    def spy(layout: Any, upload: Any, budget: int, stop: Any) -> None:
+        budgets.append(budget)
+        streamed(layout, upload, budget, stop)
+
+    monkeypatch.setattr(writers, "write_in_pieces", spy)
+    state = {"big": torch.randn(12 << 20), "small": torch.ones(3)}  # 48 MiB
+    await aiosnap.save(str(tmp_path / "ckpt"), state)
+    await aiosnap.save(str(tmp_path / "tiny"), {"x": torch.ones(3)})  # staged whole
+    assert budgets == [32 << 20]
+    assert torch.equal((await aiosnap.load(str(tmp_path / "ckpt")))["big"], state["big"])

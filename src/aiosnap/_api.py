@@ -17,6 +17,8 @@ from ._storage.backends import resolve
 from ._storage.protocol import Storage
 
 P = ParamSpec("P")
+#: The staging memory of a one-call save: larger states are written in pieces through it.
+_ONE_SHOT_BYTES = 32 << 20
 T = TypeVar("T")
 
 
@@ -31,7 +33,11 @@ async def save(
     """Durably save ``target`` to ``path`` and return when it is committed."""
     storage, path = resolve(path, storage)
     directory, name = storage.split(path)
-    async with SimpleWriter(storage=storage, allow_pickle=allow_pickle) as writer:
+    # The caller waits until the file is durable, so the state is not staged whole: it is
+    # written through two small buffers (fresh memory for a whole arena, faulted in and
+    # unmapped again at every call, cost more than the disk's write here).
+    budget = None if savefun is not None else _ONE_SHOT_BYTES
+    async with SimpleWriter(storage=storage, allow_pickle=allow_pickle, max_host_bytes=budget) as writer:
         handle = await writer(name, directory, target, savefun=savefun)
         return await handle.wait()
 

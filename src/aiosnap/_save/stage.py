@@ -298,48 +298,89 @@ def _stage_once(layout: Plan, request: StageRequest, optimizers: Sequence[Any]) 
     return staged
 
 
-def write_in_pieces(layout: Plan, upload: Upload, piece: int, stop: Callable[[], bool]) -> None:
-    """Stage and write an image larger than the memory budget through one ``piece``-byte
-    buffer into ``upload``. Where pieces may come in any order, the data goes first and
-    the header, with the checksums, last; an upload written front to back (an object
-    store) first reads every leaf for its checksums, then writes the header and the data
-    in order. ``stop()`` is asked before each piece."""
-    buffer = Arena(max(ALIGN, piece // ALIGN * ALIGN), shared=False)
+def write_in_pieces(layout: Plan, upload: Upload, budget: int, stop: Callable[[], bool]) -> None:
+    """Stage and write an image larger than the memory budget through two buffers of half
+    ``budget`` bytes: a helper thread writes one while the next is filled, and every
+    piece but the last is a whole buffer, aligned for O_DIRECT. Where pieces may come in
+    any order, the data goes first and the header, with the checksums, last; an upload
+    written front to back (an object store) first checksums every leaf where it lies,
+    then gets the header and the data in order. ``stop()`` is asked before each piece."""
+    size = max(ALIGN, budget // 2 // ALIGN * ALIGN)
+    buffers = (Arena(size, shared=False), Arena(size, shared=False))
     try:
         if upload.random_access:
-            crcs = _pieces(layout, buffer, stop, upload.write_at)
+            crcs = _stream(layout, buffers, stop, upload.write_at)
             upload.write_at(0, memoryview(layout.template.render(crcs)))
         else:
-            crcs = _pieces(layout, buffer, stop, None)
-            upload.write_at(0, memoryview(layout.template.render(crcs)))
-            _pieces(layout, buffer, stop, upload.write_at)
+            upload.write_at(0, memoryview(layout.template.render(_checksums(layout, stop))))
+            _stream(layout, buffers, stop, upload.write_at)
     finally:
-        buffer.close()
+        for buffer in buffers:
+            buffer.close()
 
 
-def _pieces(
-    layout: Plan, buffer: Arena, stop: Callable[[], bool], write: Callable[[int, memoryview], None] | None
+def _stream(
+    layout: Plan,
+    buffers: tuple[Arena, Arena],
+    stop: Callable[[], bool],
+    write: Callable[[int, memoryview], None],
 ) -> list[int]:
-    """Stage every leaf through ``buffer``, writing each full buffer at its place in the
-    data section (if ``write``); the checksums of the entries, in header order."""
+    """Copy every leaf, front to back, into the buffers in turn, each written at its place
+    in the data section once full (by the helper thread, while the other fills); the
+    checksums of the entries, in header order."""
     crcs: list[int] = []
-    filled, file_pos = 0, layout.data_start
+    size, blocks = buffers[0].capacity, layout.template.blocks
+    turn, filled, pos = 0, 0, layout.data_start
+    with _offload.side_thread() as side:
+        for i, (leaf, info) in enumerate(zip(layout.leaves, layout.tensors, strict=True)):
+            buffer, crc = buffers[turn], EntryCrc(blocks[i])
+            if info.nbytes <= size - filled and _memmove_small(leaf, buffer, filled, info.nbytes):
+                crc.update(buffer.view(filled, filled + info.nbytes))
+                filled += info.nbytes
+                crcs += crc.values()
+                continue
+            flat, lo = _flat_bytes(leaf), 0
+            while lo < info.nbytes:
+                n = min(info.nbytes - lo, size - filled)
+                buffer.array[filled : filled + n] = flat[lo : lo + n]
+                crc.update(buffer.view(filled, filled + n))
+                filled, lo = filled + n, lo + n
+                if filled == size:
+                    if stop():
+                        raise SaveCancelledError("the caller gave the save up during a save in pieces")
+                    side.wait()  # the other buffer is written: it is free
+                    side.submit(write, pos, buffer.view(0, size))
+                    pos, filled, turn = pos + size, 0, 1 - turn
+                    buffer = buffers[turn]
+            crcs += crc.values()
+        side.wait()
+        if filled:
+            write(pos, buffers[turn].view(0, filled))
+    return crcs
+
+
+def _memmove_small(leaf: Leaf, buffer: Arena, at: int, nbytes: int) -> bool:
+    """Copy a small contiguous host tensor into ``buffer`` by one ``memmove`` (see
+    ``_SmallCopy``); False if it needs the general copy."""
+    t = leaf.value
+    if leaf.kind != "tensor" or not 0 < nbytes < _SMALL or t.nbytes != nbytes:
+        return False
+    if not t.is_cpu or not t.is_contiguous() or t.is_conj() or t.is_neg():
+        return False
+    _memmove(buffer.array.ctypes.data + at, t.data_ptr(), nbytes)
+    return True
+
+
+def _checksums(layout: Plan, stop: Callable[[], bool]) -> list[int]:
+    """The checksums of every entry, read where the leaves lie (no copy)."""
+    crcs: list[int] = []
     for i, (leaf, info) in enumerate(zip(layout.leaves, layout.tensors, strict=True)):
+        if stop():
+            raise SaveCancelledError("the caller gave the save up during a save in pieces")
         crc, flat = EntryCrc(layout.template.blocks[i]), _flat_bytes(leaf)
-        for lo in range(0, info.nbytes, buffer.capacity):
-            if stop():
-                raise SaveCancelledError("the caller gave the save up during a save in pieces")
-            chunk = flat[lo : lo + buffer.capacity]
-            if filled + len(chunk) > buffer.capacity:
-                if write is not None:
-                    write(file_pos, buffer.view(0, filled))
-                file_pos, filled = file_pos + filled, 0
-            buffer.array[filled : filled + len(chunk)] = chunk
-            crc.update(buffer.view(filled, filled + len(chunk)))
-            filled += len(chunk)
+        for lo in range(0, info.nbytes, _CHUNK):
+            crc.update(flat[lo : lo + _CHUNK].data)
         crcs += crc.values()
-    if write is not None:
-        write(file_pos, buffer.view(0, filled))
     return crcs
 
 
