@@ -101,6 +101,10 @@ class Capture:
                 self._failure.reported = True
             raise self._error
 
+    async def ended(self) -> None:
+        """Until the capture ended, whichever way; a cancelled wait abandons nothing."""
+        await self._done.wait()
+
     async def _wait(self, stage: anyio.Event) -> None:
         try:
             await stage.wait()

@@ -545,7 +545,10 @@ class _WriterBase(abc.ABC):
         except Exception as exc:
             captured = not (isinstance(exc, CaptureEnded) or save.capture_error is not None or save.abandoned)
             if save.pipe is not None and not captured:
-                # The capture failed: its caller has the error; nothing else reports it.
+                # The capture failed: its caller has the error (a lazy capture's is reported
+                # as a background failure). A lazy capture fails its pipe from its staging
+                # thread: its error may not be recorded yet.
+                await save.capture.ended()
                 self._settle(save, self._capture_failure(save))
                 return
             logger.warning("background save of %s failed: %r", save.handle.path, exc)
