@@ -73,6 +73,11 @@ class FakeDevice:
         self.calls.append(("fence",))
         return ("fence", self.started)
 
+    def hold_producers(self, producers: Any, fence: object) -> None:
+        # The caller's stream waits for the small copies: in this fake, they took their
+        # values when started, before the call returned.
+        self.calls.append(("hold_producers", producers["producer"], fence))
+
     def order_after(self, fence: object) -> None:
         # The caller's later device work queues after the copies: in this fake, a copy took
         # its value when it was started, so nothing lands early or late.

@@ -87,3 +87,108 @@ async def test_real_cuda_tensors_on_a_side_stream(tmp_path: Path) -> None:
     loaded = await aiosnap.load(str(tmp_path / "c"))
     assert torch.equal(loaded["w"], expected)
     assert (await aiosnap.load(str(tmp_path / "c"), map_location="cuda"))["w"].is_cuda
+
+
+def _cuda_training_state() -> tuple[dict[str, Any], torch.Tensor]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(512, 512), torch.nn.BatchNorm1d(512), torch.nn.Linear(512, 512)
+    )
+    model = model.cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randn(64, 512, device="cuda")
+    state = {"model": model, "optimizer": opt, "step": 0}
+    _cuda_step(state, x)
+    return state, x
+
+
+def _cuda_step(state: dict[str, Any], x: torch.Tensor) -> None:
+    state["optimizer"].zero_grad(set_to_none=True)
+    state["model"](x).square().mean().backward()
+    state["optimizer"].step()
+
+
+def _cpu_copy(state: dict[str, Any]) -> dict[str, Any]:
+    model = {k: v.cpu() for k, v in state["model"].state_dict().items()}
+    opt = state["optimizer"].state_dict()
+    moments = {i: {k: v.cpu() for k, v in s.items()} for i, s in opt["state"].items()}
+    return {"model": model, "moments": moments}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("capture", ["lazy", "eager"])
+async def test_a_gpu_state_is_saved_as_it_was_at_the_call(capture: str, tmp_path: Path) -> None:
+    state, x = _cuda_training_state()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):  # the training stream is not the default one
+        async with aiosnap.QueueWriter(capture=capture) as writer:  # type: ignore[arg-type]
+            for i in range(3):
+                want = _cpu_copy(state)
+                handle = await writer(f"c{i}", str(tmp_path), state)
+                for _ in range(2):  # forward changes the BatchNorm statistics, step the rest
+                    _cuda_step(state, x)
+                await handle.wait()
+                loaded = await aiosnap.load(str(tmp_path / f"c{i}"))
+                for k, v in want["model"].items():
+                    assert torch.equal(loaded["model"][k], v), k
+                for p, moments in want["moments"].items():
+                    for k, v in moments.items():
+                        assert torch.equal(loaded["optimizer"]["state"][p][k], v), (p, k)
+    assert len(state["optimizer"]._optimizer_step_pre_hooks) == 0
+
+
+@pytest.mark.cuda
+async def test_save_calls_and_the_steps_after_them_never_wait_for_the_gpu(tmp_path: Path) -> None:
+    state, x = _cuda_training_state()
+    async with aiosnap.QueueWriter() as writer:
+        await (await writer("warm", str(tmp_path), state)).wait()  # the arena exists, pinned
+        for capture in ("lazy", "eager"):
+            torch.cuda.set_sync_debug_mode("error")  # a host synchronisation raises
+            try:
+                handle = await writer("c", str(tmp_path), state, capture=capture)  # type: ignore[arg-type]
+                for _ in range(3):
+                    _cuda_step(state, x)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            await handle.wait()
+
+
+@pytest.mark.cuda
+async def test_a_pinned_arena_is_registered_once_and_released_at_close(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[str] = []
+    real = torch.cuda.cudart
+
+    class Counting:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real(), name)
+
+        def cudaHostRegister(self, *args: Any) -> Any:
+            calls.append("register")
+            return real().cudaHostRegister(*args)
+
+        def cudaHostUnregister(self, *args: Any) -> Any:
+            calls.append("unregister")
+            return real().cudaHostUnregister(*args)
+
+    monkeypatch.setattr(torch.cuda, "cudart", Counting)
+    state, _ = _cuda_training_state()
+    async with aiosnap.StandardWriter() as writer:
+        for i in range(4):
+            await (await writer(f"c{i}", str(tmp_path), state)).wait()
+        assert calls == ["register"]  # one arena, registered once, reused
+    assert calls == ["register", "unregister"]
+
+
+@pytest.mark.cuda
+async def test_gpu_tensors_through_the_worker_process(tmp_path: Path) -> None:
+    state, x = _cuda_training_state()
+    want = _cpu_copy(state)
+    async with aiosnap.ProcessQueueWriter(capture="lazy") as writer:
+        handle = await writer("c", str(tmp_path), state)
+        _cuda_step(state, x)
+        await handle.wait()
+    loaded = await aiosnap.load(str(tmp_path / "c"), map_location="cuda")
+    for k, v in want["model"].items():
+        assert loaded["model"][k].is_cuda and torch.equal(loaded["model"][k].cpu(), v), k

@@ -82,7 +82,7 @@ def hooks(state: dict[str, Any]) -> int:
 
 
 class HeldDevice(FakeDevice):
-    """The model's parameters are on this fake device. Each save's copies wait for
+    """The model's parameters are on this fake device. Each save's large copies wait for
     ``gate``; with ``hold_step``, the first then waits until the training thread is held
     by a guard (``waited`` gets "held") or, with none, until its step has run
     ("stepped"); then ``error``, if set, fails it."""
@@ -100,7 +100,7 @@ class HeldDevice(FakeDevice):
         self._first = True
 
     def start(self, src: torch.Tensor, dst: torch.Tensor, producers: Any) -> int:
-        if self._first:
+        if self._first and src.nbytes >= 256 << 10:  # small ones are copied during the call
             self._first = False
             assert self.gate.wait(WAIT_CAP), "the test never opened the gate"
             if self.hold_step:
@@ -391,3 +391,27 @@ async def _lazy_group(rank: int, world: int, directory: str) -> bool:
 def test_a_lazy_save_of_a_group_holds_every_rank_s_state_of_the_call(tmp_path: Path) -> None:
     results = run_ranks(2, _lazy_group, str(tmp_path))
     ok(results, 2)
+
+
+async def test_small_device_tensors_are_copied_and_the_callers_stream_held_before_a_lazy_call_returns(
+    tmp_path: Path,
+) -> None:
+    # A BatchNorm's statistics on a device: the next forward changes them in place, on the
+    # caller's stream. Their copies start during the call, and that stream waits for them.
+    state, x = make_state()
+    bn = state["model"][1]
+    device = HeldDevice(state["model"], hold_step=False)
+    device.ptrs |= {b.data_ptr() for b in bn.buffers()}
+    want = expected(state)
+    async with aiosnap.QueueWriter(capture="lazy", device_copier=device) as writer:
+        device.gate.clear()  # the large copies wait; the small ones start in the call
+        handle = await writer("c", str(tmp_path), state)
+        returned = list(device.calls)
+        device.gate.set()
+        train(state, x)
+        await handle.wait()
+    on_device = [t for t in want["model"].values() if t.nbytes < 256 << 10]  # cloned: same sizes
+    assert len(on_device) == 7  # biases, BatchNorm's weight, bias and 3 statistics
+    assert [c[0] for c in returned].count("copy") == len(on_device)
+    assert returned[-1][0] == "hold_producers"
+    await assert_saved(tmp_path / "c", want)

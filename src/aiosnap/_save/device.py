@@ -16,9 +16,12 @@ save's guard orders the optimizer's step after the copies on the device (``fence
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Protocol
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -53,6 +56,11 @@ class DeviceCopier(Protocol):
     def fence(self) -> object:
         """A mark after every copy started so far, for ``order_after`` (no host wait)."""
 
+    def hold_producers(self, producers: Any, fence: object) -> None:
+        """Make the streams ``producers`` came from wait for the copies ``fence`` marks,
+        without blocking the host: the caller's next work (a forward that updates a
+        BatchNorm's statistics in place) then runs after them."""
+
     def order_after(self, fence: object) -> None:
         """Make the work the calling thread queues from now on (an optimizer's step) run
         after the copies ``fence`` marks, without blocking the host where possible."""
@@ -80,13 +88,14 @@ class CudaCopier:
     def is_device(self, t: torch.Tensor) -> bool:
         return t.device.type == "cuda"
 
-    def producer_streams(self) -> dict[torch.device, Any]:
+    def producer_streams(self) -> dict[torch.device, tuple[Any, Any]]:
         marks = {}
         for i in range(torch.cuda.device_count()):
             device = torch.device("cuda", i)
+            stream = torch.cuda.current_stream(device)
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(torch.cuda.current_stream(device))
-            marks[device] = event
+            event.record(stream)
+            marks[device] = (stream, event)
         return marks
 
     def pin(self, array: Any) -> None:
@@ -94,7 +103,14 @@ class CudaCopier:
         if address in self._pinned or not torch.cuda.is_available():
             return
         # Register the arena with the driver once; it stays registered while reused.
-        torch.cuda.cudart().cudaHostRegister(address, int(array.nbytes), 0)  # type: ignore[no-untyped-call]
+        error = torch.cuda.cudart().cudaHostRegister(address, int(array.nbytes), 0)  # type: ignore[no-untyped-call]
+        if int(error) != 0:
+            # Copies into it still work, synchronously (a locked-memory limit, shared memory
+            # the driver will not pin): slower, never wrong.
+            logger.warning(
+                "could not pin a staging buffer of %d bytes (CUDA error %d)", array.nbytes, int(error)
+            )
+            return
         self._pinned.add(address)
 
     def unpin(self, array: Any) -> None:
@@ -109,7 +125,7 @@ class CudaCopier:
         side = self._streams.get(src.device)
         if side is None:
             side = self._streams[src.device] = torch.cuda.Stream(src.device)  # type: ignore[no-untyped-call]
-        side.wait_event(producers[src.device])
+        side.wait_event(producers[src.device][1])
         with torch.cuda.stream(side):
             dst.copy_(src, non_blocking=True)
         src.record_stream(side)
@@ -138,6 +154,11 @@ class CudaCopier:
         assert isinstance(fence, dict)
         for device, event in fence.items():
             torch.cuda.current_stream(device).wait_event(event)
+
+    def hold_producers(self, producers: Any, fence: object) -> None:
+        assert isinstance(fence, dict)
+        for device, event in fence.items():
+            producers[device][0].wait_event(event)
 
 
 def default_copier() -> DeviceCopier | None:

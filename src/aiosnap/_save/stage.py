@@ -141,12 +141,13 @@ def stage(layout: Plan, request: StageRequest, optimizers: Sequence[Any] = ()) -
                 offer = Pipe(arena, layout.size, layout.data_start)
                 pipe = offer if request.begin(offer) else None
             todo: Sequence[int] = range(len(layout.leaves))
+            started: dict[int, object] = {}
             if lazy is not None:
-                todo = _copy_small(layout, arena, request.copier)
+                todo, started = _copy_small(layout, arena, request.copier, request.producers)
                 if pipe is not None:
                     pipe.wait_started()  # started by the loop, which the caller may hold next
                 lazy.walked(list(optimizers))
-            _fill(layout, arena, request, pipe, todo)
+            _fill(layout, arena, request, pipe, todo, started)
         except BaseException:
             if pipe is None:
                 request.pool.release(arena)
@@ -181,33 +182,50 @@ def _seal_pipe(staged: StagedImage, pipe: Pipe) -> None:
     pipe.seal()
 
 
-def _copy_small(layout: Plan, arena: Arena, copier: DeviceCopier | None) -> list[int]:
-    """A lazy capture's first part, before its call returns: the host leaves under
-    _SMALL bytes. Returns the indices of the others, left to copy."""
+def _copy_small(
+    layout: Plan, arena: Arena, copier: DeviceCopier | None, producers: Any
+) -> tuple[list[int], dict[int, object]]:
+    """A lazy capture's first part, before its call returns: the leaves under _SMALL
+    bytes (a BatchNorm's running statistics, which the next forward changes in place).
+    Device ones are copied asynchronously, and the caller's streams wait for those copies
+    on the device, so its next forward runs after them. Returns the indices of the leaves
+    left to copy, and the device copies started (their tokens, by leaf index)."""
     data_start = layout.data_start
     small, rest = _SmallCopy(arena, data_start), []
+    started: dict[int, object] = {}
     with _offload.side_thread() as side:
         for i, (leaf, info) in enumerate(zip(layout.leaves, layout.tensors, strict=True)):
-            if small.add(leaf, info):
-                continue
-            if info.nbytes >= _SMALL or (
-                copier is not None and leaf.kind == "tensor" and copier.is_device(leaf.value)
-            ):
+            on_device = copier is not None and leaf.kind == "tensor" and copier.is_device(leaf.value)
+            if info.nbytes >= _SMALL:
                 rest.append(i)
-                continue
-            _copy(leaf, arena, data_start + info.start, info.nbytes, side)
-    return rest
+            elif on_device:
+                assert copier is not None
+                at = data_start + info.start
+                started[i] = _start_copy(copier, arena, leaf, at, info.nbytes, producers, not started)
+            elif not small.add(leaf, info):
+                _copy(leaf, arena, data_start + info.start, info.nbytes, side)
+    if started:
+        assert copier is not None
+        copier.hold_producers(producers, copier.fence())
+    return rest, started
 
 
-def _fill(layout: Plan, arena: Arena, request: StageRequest, pipe: Pipe | None, todo: Sequence[int]) -> None:
+def _fill(
+    layout: Plan,
+    arena: Arena,
+    request: StageRequest,
+    pipe: Pipe | None,
+    todo: Sequence[int],
+    started: dict[int, object],
+) -> None:
     """Copy the leaves ``todo`` lists to their places, front to back, raising ``pipe``'s
-    watermark a piece at a time. Device copies start first and run meanwhile: the
-    watermark waits below the first device leaf until the host leaves are staged, then
-    follows the device copies as each one lands. ``request.stop()`` is asked before each
-    large host copy."""
+    watermark a piece at a time. Device copies start first and run meanwhile (with those
+    ``started`` already): the watermark waits below the first device leaf until the host
+    leaves are staged, then follows the device copies as each one lands.
+    ``request.stop()`` is asked before each large host copy."""
     leaves, infos, data_start = layout.leaves, layout.tensors, layout.data_start
     copier, stop = request.copier, request.stop
-    on_device = _start_device_copies(layout, todo, arena, copier, request.producers)
+    on_device = {**started, **_start_device_copies(layout, todo, arena, copier, request.producers)}
     hold = data_start + min(infos[i].start for i in on_device) if on_device else layout.size
     mark = _Mark(pipe, hold)
     small = _SmallCopy(arena, data_start)
@@ -408,12 +426,20 @@ def _start_device_copies(
     for i in todo:
         leaf, info = leaves[i], infos[i]
         if leaf.kind == "tensor" and info.nbytes and copier.is_device(leaf.value):
-            if not started:
-                copier.pin(arena.array)
-            start = data_start + info.start
-            dst, src = host_view(arena.tensor[start : start + info.nbytes], leaf.value.detach())
-            started[i] = copier.start(src, dst, producers)
+            at = data_start + info.start
+            started[i] = _start_copy(copier, arena, leaf, at, info.nbytes, producers, not started)
     return started
+
+
+def _start_copy(
+    copier: DeviceCopier, arena: Arena, leaf: Leaf, start: int, nbytes: int, producers: Any, first: bool
+) -> object:
+    """Start the copy of a device leaf to ``arena[start:start + nbytes]``; the ``first``
+    of a save pins the arena (a copier pins an arena only once)."""
+    if first:
+        copier.pin(arena.array)
+    dst, src = host_view(arena.tensor[start : start + nbytes], leaf.value.detach())
+    return copier.start(src, dst, producers)
 
 
 _memmove = ctypes.memmove
