@@ -761,14 +761,21 @@ def render(
     for key in ("size_slope", "count_slope", "tiny"):
         if key in extra:
             lines += ["", f"- {key}: {extra[key]}"]
-    if extra.get("cold"):
-        lines += ["", render_cold(extra["cold"], extra["reps"])]
-    durable = render_durable(summary)
-    if durable:
-        lines += ["", durable]
-    if extra.get("lazy"):
-        lines += ["", render_lazy(extra["lazy"], extra["loop"], extra["reps"])]
     return "\n".join(lines) + "\n"
+
+
+def render_sections(
+    summary: dict[str, dict[str, float]], info: dict[str, Any], extra: dict[str, Any]
+) -> dict[str, str]:
+    """The tables of issue 31, each a section of docs/benchmarks.md of its own (``bench:NAME``),
+    headed with the machine and the date of the run."""
+    head = "Machine: " + ", ".join(f"{k} {v}" for k, v in info.items()) + "\n\n"
+    sections = {"durable": render_durable(summary)}
+    if extra.get("cold"):
+        sections["cold"] = render_cold(extra["cold"], extra["reps"])
+    if extra.get("lazy"):
+        sections["lazy"] = render_lazy(extra["lazy"], extra["loop"], extra["reps"])
+    return {name: head + text for name, text in sections.items() if text}
 
 
 def _is_load(name: str) -> bool:
@@ -858,17 +865,20 @@ async def main_async(args: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)
     info = machine()
     table = render(summary, nbytes, info, extra)
-    (out / "latest.md").write_text(table)
+    sections = render_sections(summary, info, extra)
+    (out / "latest.md").write_text("\n".join([table, *sections.values()]))
     (out / "latest.json").write_text(
         json.dumps({"machine": info, "summary": summary, "extra": extra}, indent=1)
     )
     chart(summary, extra.get("sizes"), out / "latest.png")
-    print(table)
+    print("\n".join([table, *sections.values()]))
     if args.publish:
         docs = ROOT.parent / "docs"
         # The chart goes inside docs/, where the documentation site finds it.
         shutil.copyfile(out / "latest.png", docs / "assets" / "benchmarks-latest.png")
         publish("main", table + "\n![chart](assets/benchmarks-latest.png)\n")
+        for name, text in sections.items():
+            publish(name, text)
     _clean(directory)
     if not args.dir:
         directory.rmdir()
