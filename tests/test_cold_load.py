@@ -4,7 +4,9 @@ resume does it (``aiosnap bench``'s ``cold_load``)."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -99,3 +101,38 @@ def test_entries_read_in_pieces_are_whole_and_checked(tmp_path: Path) -> None:
         f.write(bytes([byte[0] ^ 0xFF]))
     with pytest.raises(aiosnap.CorruptCheckpointError, match="'b'"):
         aiosnap.load_sync(str(path))
+
+
+def test_a_blocking_load_never_formats_what_it_loaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Python 3.11's asyncio.Runner formats the repr of its main task as it ends, and with
+    # it the task's result: a load's state, every tensor of it scanned to be printed.
+    path = str(tmp_path / "ckpt")
+    aiosnap.save_sync(path, {"w": torch.ones(1 << 16), "m": {"x": torch.zeros(3)}})
+    formatted: list[tuple[int, ...]] = []
+    real = torch.Tensor.__repr__
+
+    def recording(self: torch.Tensor, *args: Any, **kwargs: Any) -> str:
+        formatted.append(tuple(self.shape))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "__repr__", recording)
+    assert aiosnap.load_sync(path)["m"]["x"].shape == (3,)
+    aiosnap.load_into_sync(path, {"w": torch.zeros(1 << 16), "m": {"x": torch.ones(3)}})
+    assert formatted == []
+
+
+def test_the_blocking_twins_read_in_the_callers_thread(tmp_path: Path) -> None:
+    # No event loop to keep serving: a worker thread would only add two hops.
+    path = str(tmp_path / "ckpt")
+    aiosnap.save_sync(path, {"w": torch.ones(1 << 16)})
+    threads: set[int] = set()
+
+    def progress(done: int, total: int) -> None:
+        threads.add(threading.get_ident())
+
+    aiosnap.load_sync(path, progress=progress)
+    aiosnap.load_into_sync(path, {"w": torch.zeros(1 << 16)}, progress=progress)
+    aiosnap.verify_sync(path, progress=progress)
+    assert threads == {threading.get_ident()}

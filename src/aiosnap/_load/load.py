@@ -80,12 +80,20 @@ async def load(
     pages asked for (``MADV_HUGEPAGE`` on Linux), as NumPy asks for them for its large
     arrays; ``NUMPY_MADVISE_HUGEPAGE=0`` in the environment turns both off.
     """
-    storage, path = resolve(path, storage)
-    storage, finished = counted(storage, progress)
     request = LoadRequest(
         keys=keys, map_location=map_location, allow_pickle=allow_pickle, replicas=replicas, rank=rank
     )
-    loaded = await _offload.run_io(read_blocking, storage, path, request)
+    return await _offload.run_io(load_now, path, request, storage, progress)
+
+
+def load_now(
+    path: str, request: LoadRequest, storage: Storage | None = None, progress: Progress | None = None
+) -> Any:
+    """``load`` in the calling thread: the blocking twin's (``load_sync``), and what
+    ``load`` runs in a worker thread."""
+    storage, path = resolve(path, storage)
+    storage, finished = counted(storage, progress)
+    loaded = read_blocking(storage, path, request)
     finished()
     return loaded
 
@@ -97,8 +105,13 @@ async def verify(
     every entry that failed. A step directory is verified whole: its manifest, and every
     rank's file against it. ``progress(done, total)`` is called with the bytes read so
     far, from the worker thread that reads them."""
+    return await _offload.run_io(verify_now, path, storage, progress)
+
+
+def verify_now(path: str, storage: Storage | None = None, progress: Progress | None = None) -> VerifyReport:
+    """``verify`` in the calling thread (see ``load_now``)."""
     storage, path = resolve(path, storage)
-    return await _offload.run_io(verify_blocking, storage, path, progress)
+    return verify_blocking(storage, path, progress)
 
 
 async def load_into(
@@ -128,20 +141,23 @@ async def load_into(
     older checkpoint into it, as CheckpointManager.restore does). ``replicas``,
     ``rank`` and ``progress`` as in ``load``.
     """
-    storage, path = resolve(path, storage)
-    storage, finished = counted(storage, progress)
     request = LoadRequest(
         keys=keys, allow_pickle=allow_pickle, target=target, strict=strict, replicas=replicas, rank=rank
     )
-    await _offload.run_io(_read_into, storage, path, request)
-    finished()
+    await _offload.run_io(load_into_now, path, request, storage, progress)
     return target
 
 
-def _read_into(storage: Storage, path: str, request: LoadRequest) -> None:
-    # What was rebuilt is dropped here, not on the event loop: its containers alone are
-    # ~15 ms of deallocation per 100,000 tensors.
+def load_into_now(
+    path: str, request: LoadRequest, storage: Storage | None = None, progress: Progress | None = None
+) -> None:
+    """``load_into`` in the calling thread (see ``load_now``). What was rebuilt is dropped
+    here, not on the event loop: its containers alone are ~15 ms of deallocation per
+    100,000 tensors."""
+    storage, path = resolve(path, storage)
+    storage, finished = counted(storage, progress)
     read_blocking(storage, path, request)
+    finished()
 
 
 @dataclass(frozen=True, slots=True)
