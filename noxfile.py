@@ -1,4 +1,5 @@
-"""Sessions: `nox -s demo`, `nox -s tests`, `nox -s stress`, `nox -s bench`, `nox -s docs`.
+"""Sessions: `nox -s demo`, `nox -s tests`, `nox -s stress`, `nox -s bench`, `nox -s docs`,
+`nox -s gpu`.
 
 Every session installs through pip with constraints.txt, which pins torch to the CPU
 wheel on the project's machines (uv would not find it).
@@ -70,6 +71,17 @@ def bench(session: nox.Session) -> None:
         session.run("python", "benchmarks/bench_ranks.py", *quick, *publish)
         session.run("python", "benchmarks/bench_sharded.py", *quick, *publish)
         session.run("python", "benchmarks/bench_integrations.py", *quick, *publish)
+
+
+@nox.session(venv_backend="none")
+def gpu(session: nox.Session) -> None:
+    """The CUDA path on a machine with a GPU, in the environment nox runs from, which must
+    have a CUDA build of torch and the test extra installed (the CPU wheel constraints.txt
+    pins has no CUDA, and such machines may have no network): the tests marked cuda, the
+    host-sync and pinning checks, and the GPU benchmark (benchmarks/gpu_check.py; under 8
+    minutes on one H100). `-- --publish` puts its table into docs/benchmarks.md;
+    `-- --dry-run` runs every part on the CPU."""
+    session.run("python", "benchmarks/gpu_check.py", *session.posargs, external=True)
 
 
 @nox.session

@@ -36,6 +36,7 @@ def test_every_error_is_a_checkpoint_error_and_its_nearest_builtin() -> None:
         aiosnap.PickleNotAllowedError: ValueError,
         aiosnap.RankFailedError: RuntimeError,
         aiosnap.RemoteStorageError: OSError,
+        aiosnap.SaveCancelledError: RuntimeError,
         aiosnap.StateMismatchError: ValueError,
         aiosnap.StepExistsError: FileExistsError,
         aiosnap.UnsupportedTypeError: TypeError,

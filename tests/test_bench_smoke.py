@@ -24,6 +24,11 @@ def test_benchmark_suite_runs_small(tmp_path: Path) -> None:
     out = run_bench("bench.py", tmp_path, "--quick", "--size", "16MiB")
     table = (out / "latest.md").read_text()
     assert "aiosnap QueueWriter (thread)" in table and "peer: dcp.async_save" in table
+    assert "Cold loads in a new process" in table
+    cold = json.loads((out / "latest.json").read_text())["extra"]["cold"]
+    methods = {r["method"] for r in cold}
+    assert {"torch.load", "aiosnap.load", "limit: read, one reused 16 MiB buffer"} <= methods
+    assert all(r["s"] > 0 for r in cold)
     summary = json.loads((out / "latest.json").read_text())["summary"]
     assert all(row["total"] > 0 for row in summary.values())
     assert (out / "latest.png").stat().st_size > 1000

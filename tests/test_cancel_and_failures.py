@@ -88,7 +88,7 @@ IO_ERROR_SCRIPT = textwrap.dedent(
         limit = (1 << 20, 1 << 20)
         async with aiosnap.QueueWriter(offload=offload) as writer:
             if offload == "process":
-                resource.prlimit(writer._engine._process.pid, resource.RLIMIT_FSIZE, limit)
+                resource.prlimit(writer.worker_pid, resource.RLIMIT_FSIZE, limit)
             else:
                 resource.setrlimit(resource.RLIMIT_FSIZE, limit)
             handle = await writer("ckpt", directory, {"x": torch.ones(1 << 20)})

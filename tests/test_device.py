@@ -11,64 +11,7 @@ import torch
 
 import aiosnap
 
-
-class FakeDevice:
-    """A CPU stand-in for a GPU: 'device' tensors are registered CPU tensors, and a copy
-    lands in host memory only at its event (``wait``) or at ``finish``, as an
-    asynchronous copy would."""
-
-    def __init__(self, device_tensors: list[torch.Tensor]) -> None:
-        self.ids = {id(t) for t in device_tensors}
-        self.calls: list[tuple[Any, ...]] = []
-        self.pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
-        self.started = 0
-        self.pinned: set[int] = set()
-        self.unpinned: list[tuple[int, bool]] = []
-
-    def is_device(self, t: torch.Tensor) -> bool:
-        return id(t) in self.ids
-
-    def producer_streams(self) -> Any:
-        self.calls.append(("producer_streams", threading.current_thread() is threading.main_thread()))
-        return {"producer": "the training stream"}
-
-    def pin(self, array: Any) -> None:
-        self.calls.append(("pin", int(array.ctypes.data)))
-        self.pinned.add(int(array.ctypes.data))
-
-    def unpin(self, array: Any) -> None:
-        address = int(array.ctypes.data)
-        if address in self.pinned:
-            self.pinned.discard(address)
-            self.unpinned.append((address, threading.current_thread() is threading.main_thread()))
-
-    def start(self, src: torch.Tensor, dst: torch.Tensor, producers: Any) -> int:
-        # The side stream waits for the producer, then the copy is enqueued: the value
-        # copied is the one at enqueue time, but it reaches dst only at its event.
-        self.calls += [
-            ("wait_stream", producers["producer"]),
-            ("copy",),
-            ("record_stream",),
-            ("record_event",),
-        ]
-        self.started += 1
-        self.pending.append((self.started, src.clone(), dst))
-        # Until the event, host memory holds garbage: a checksum taken early would not match.
-        dst.reshape(-1).view(torch.uint8).fill_(0x5A)
-        return self.started
-
-    def wait(self, token: object) -> None:
-        self.calls.append(("event_synchronize",))
-        self._land(lambda t: t <= token)  # type: ignore[operator]  # one stream: in order
-
-    def finish(self) -> None:
-        self.calls.append(("synchronize", len(self.pending)))
-        self._land(lambda t: True)
-
-    def _land(self, landed: Any) -> None:
-        for _, src, dst in [p for p in self.pending if landed(p[0])]:
-            dst.copy_(src)
-        self.pending = [p for p in self.pending if not landed(p[0])]
+from .fake_device import FakeDevice
 
 
 @pytest.mark.parametrize("offload", ["thread", "process"])
@@ -78,8 +21,7 @@ async def test_device_copies_follow_stream_order_and_are_read_after_the_event(
     gpu = [torch.randn(1000), torch.randn(64, 64).t(), torch.arange(10, dtype=torch.int16)]
     state = {"gpu": gpu, "cpu": torch.ones(100), "step": 3}
     fake = FakeDevice(gpu)
-    async with aiosnap.QueueWriter(offload=offload) as writer:  # type: ignore[arg-type]
-        writer._copier = fake
+    async with aiosnap.QueueWriter(offload=offload, device_copier=fake) as writer:  # type: ignore[arg-type]
         for i in range(2):
             handle = await writer(f"c{i}", str(tmp_path), state)
             expected = [t.clone() for t in gpu]
@@ -94,7 +36,7 @@ async def test_device_copies_follow_stream_order_and_are_read_after_the_event(
     per_save = fake.calls[: len(fake.calls) // 2]
     assert per_save[1][0] == "pin"
     assert per_save[2:] == [
-        ("wait_stream", "the training stream"),
+        ("wait_event", "the training stream's mark at the call"),
         ("copy",),
         ("record_stream",),
         ("record_event",),
@@ -121,8 +63,7 @@ async def test_arenas_are_unpinned_then_unmapped_off_the_event_loop(
     monkeypatch.setattr(aiosnap._save.arena.Arena, "close", recording_close)
     gpu = [torch.randn(1 << 16)]
     fake = FakeDevice(gpu)
-    async with aiosnap.QueueWriter(max_pending=1, offload=offload) as writer:  # type: ignore[arg-type]
-        writer._copier = fake
+    async with aiosnap.QueueWriter(max_pending=1, offload=offload, device_copier=fake) as writer:  # type: ignore[arg-type]
         # Growing states: each save outgrows the arenas kept, which are dropped.
         for i, extra in enumerate((1, 4, 16)):
             state = {"gpu": gpu, "cpu": torch.ones(extra << 18)}
@@ -146,3 +87,108 @@ async def test_real_cuda_tensors_on_a_side_stream(tmp_path: Path) -> None:
     loaded = await aiosnap.load(str(tmp_path / "c"))
     assert torch.equal(loaded["w"], expected)
     assert (await aiosnap.load(str(tmp_path / "c"), map_location="cuda"))["w"].is_cuda
+
+
+def _cuda_training_state() -> tuple[dict[str, Any], torch.Tensor]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(512, 512), torch.nn.BatchNorm1d(512), torch.nn.Linear(512, 512)
+    )
+    model = model.cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randn(64, 512, device="cuda")
+    state = {"model": model, "optimizer": opt, "step": 0}
+    _cuda_step(state, x)
+    return state, x
+
+
+def _cuda_step(state: dict[str, Any], x: torch.Tensor) -> None:
+    state["optimizer"].zero_grad(set_to_none=True)
+    state["model"](x).square().mean().backward()
+    state["optimizer"].step()
+
+
+def _cpu_copy(state: dict[str, Any]) -> dict[str, Any]:
+    model = {k: v.cpu() for k, v in state["model"].state_dict().items()}
+    opt = state["optimizer"].state_dict()
+    moments = {i: {k: v.cpu() for k, v in s.items()} for i, s in opt["state"].items()}
+    return {"model": model, "moments": moments}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("capture", ["lazy", "eager"])
+async def test_a_gpu_state_is_saved_as_it_was_at_the_call(capture: str, tmp_path: Path) -> None:
+    state, x = _cuda_training_state()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):  # the training stream is not the default one
+        async with aiosnap.QueueWriter(capture=capture) as writer:  # type: ignore[arg-type]
+            for i in range(3):
+                want = _cpu_copy(state)
+                handle = await writer(f"c{i}", str(tmp_path), state)
+                for _ in range(2):  # forward changes the BatchNorm statistics, step the rest
+                    _cuda_step(state, x)
+                await handle.wait()
+                loaded = await aiosnap.load(str(tmp_path / f"c{i}"))
+                for k, v in want["model"].items():
+                    assert torch.equal(loaded["model"][k], v), k
+                for p, moments in want["moments"].items():
+                    for k, v in moments.items():
+                        assert torch.equal(loaded["optimizer"]["state"][p][k], v), (p, k)
+    assert len(state["optimizer"]._optimizer_step_pre_hooks) == 0
+
+
+@pytest.mark.cuda
+async def test_save_calls_and_the_steps_after_them_never_wait_for_the_gpu(tmp_path: Path) -> None:
+    state, x = _cuda_training_state()
+    async with aiosnap.QueueWriter() as writer:
+        await (await writer("warm", str(tmp_path), state)).wait()  # the arena exists, pinned
+        for capture in ("lazy", "eager"):
+            torch.cuda.set_sync_debug_mode("error")  # a host synchronisation raises
+            try:
+                handle = await writer("c", str(tmp_path), state, capture=capture)  # type: ignore[arg-type]
+                for _ in range(3):
+                    _cuda_step(state, x)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            await handle.wait()
+
+
+@pytest.mark.cuda
+async def test_a_pinned_arena_is_registered_once_and_released_at_close(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[str] = []
+    real = torch.cuda.cudart
+
+    class Counting:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real(), name)
+
+        def cudaHostRegister(self, *args: Any) -> Any:
+            calls.append("register")
+            return real().cudaHostRegister(*args)
+
+        def cudaHostUnregister(self, *args: Any) -> Any:
+            calls.append("unregister")
+            return real().cudaHostUnregister(*args)
+
+    monkeypatch.setattr(torch.cuda, "cudart", Counting)
+    state, _ = _cuda_training_state()
+    async with aiosnap.StandardWriter() as writer:
+        for i in range(4):
+            await (await writer(f"c{i}", str(tmp_path), state)).wait()
+        assert calls == ["register"]  # one arena, registered once, reused
+    assert calls == ["register", "unregister"]
+
+
+@pytest.mark.cuda
+async def test_gpu_tensors_through_the_worker_process(tmp_path: Path) -> None:
+    state, x = _cuda_training_state()
+    want = _cpu_copy(state)
+    async with aiosnap.ProcessQueueWriter(capture="lazy") as writer:
+        handle = await writer("c", str(tmp_path), state)
+        _cuda_step(state, x)
+        await handle.wait()
+    loaded = await aiosnap.load(str(tmp_path / "c"), map_location="cuda")
+    for k, v in want["model"].items():
+        assert loaded["model"][k].is_cuda and torch.equal(loaded["model"][k].cpu(), v), k

@@ -205,38 +205,6 @@ def test_map_location(tmp_path: Path) -> None:
     assert meta["t"].device.type == "meta"
 
 
-def _vm_flags(address: int) -> list[str]:
-    """The flags of the memory mapping that holds ``address`` (/proc/self/smaps)."""
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split(maxsplit=1)[0]
-        if "-" in head and ":" not in head:
-            start, end = (int(x, 16) for x in head.split("-"))
-            inside = start <= address < end
-        elif inside and head == "VmFlags:":
-            return line.split()[1:]
-    raise LookupError(f"no mapping holds {address:#x}")
-
-
-_THP = (
-    Path("/sys/kernel/mm/transparent_hugepage").exists()
-    and os.environ.get("NUMPY_MADVISE_HUGEPAGE") != "0"  # NumPy's switch, which load follows
-)
-
-
-@pytest.mark.skipif(not _THP, reason="needs Linux's transparent huge pages, not turned off")
-def test_large_tensors_are_loaded_into_memory_advised_for_huge_pages(tmp_path: Path) -> None:
-    # A cold load of 1 GiB took 0.41 s faulting its tensors in 4 KiB pages, 0.31 s with
-    # huge pages (as long as load_into, or torch.load). NumPy asks for them for its
-    # large arrays; glibc's malloc, under torch.empty, does not.
-    path = str(tmp_path / "ckpt")
-    aiosnap.save_sync(path, {"big": torch.ones(4 << 20), "array": np.ones(4 << 20, np.float32)})
-    loaded = aiosnap.load_sync(path)
-    assert "hg" in _vm_flags(loaded["big"].data_ptr() + (8 << 20))
-    assert "hg" in _vm_flags(loaded["array"].ctypes.data + (8 << 20))  # NumPy's own
-    assert torch.equal(loaded["big"], torch.ones(4 << 20))
-
-
 # -- bad input -------------------------------------------------------------------------------------
 
 

@@ -26,8 +26,8 @@ import aiosnap
 from aiosnap._save import stage as _stage
 
 from .conftest import temp_files
+from .fake_device import FakeDevice
 from .faults import HookedPosix
-from .test_device import FakeDevice
 
 MiB = 1 << 20
 GUARD = 120.0  # seconds: a deadlock bound, never a point to synchronise on
@@ -94,8 +94,7 @@ async def after_first_save(
     """An open writer that has saved step 1 to ``ckpt``, through a gated fake device."""
     disk = Disk()
     fake = GatedDevice([], disk.wrote)
-    async with kind(storage=disk.storage) as writer:
-        writer._copier = fake
+    async with kind(storage=disk.storage, device_copier=fake) as writer:
         await (await writer("ckpt", str(tmp_path), next_state(1, fake, disk))).wait()
         yield writer, disk, fake
 
@@ -111,8 +110,7 @@ async def test_the_disk_receives_data_while_the_capture_is_still_copying(kind: s
     disk = Disk()
     state, gpu = make_state(1)
     fake = GatedDevice([gpu], disk.wrote)
-    async with getattr(aiosnap, kind)(storage=disk.storage) as writer:
-        writer._copier = fake
+    async with getattr(aiosnap, kind)(storage=disk.storage, device_copier=fake) as writer:
         for step in (1, 2):
             state = next_state(step, fake, disk)
             await (await writer("ckpt", str(tmp_path), state)).wait()
@@ -126,8 +124,7 @@ async def test_pipeline_false_writes_nothing_before_the_capture_ends(tmp_path: P
     state, gpu = make_state(1)
     fake = GatedDevice([gpu], disk.wrote)
     fake.wait_for_disk = False  # only look: did the disk get bytes before the copy landed?
-    async with aiosnap.QueueWriter(storage=disk.storage, pipeline=False) as writer:
-        writer._copier = fake
+    async with aiosnap.QueueWriter(storage=disk.storage, pipeline=False, device_copier=fake) as writer:
         await (await writer("ckpt", str(tmp_path), state)).wait()
     assert fake.overlapped == [False]
     await assert_step(tmp_path / "ckpt", 1)
@@ -138,8 +135,7 @@ async def test_device_copies_are_written_as_they_land(tmp_path: Path) -> None:
     disk = Disk()
     state = {f"d{i}": torch.full((4 << 20,), float(i)) for i in range(4)}
     fake = GatedDevice(list(state.values()), disk.wrote)
-    async with aiosnap.QueueWriter(storage=disk.storage) as writer:
-        writer._copier = fake
+    async with aiosnap.QueueWriter(storage=disk.storage, device_copier=fake) as writer:
         await (await writer("ckpt", str(tmp_path), state)).wait()
     assert fake.overlapped == [True], "the commit waited for every device copy"
     loaded = await aiosnap.load(str(tmp_path / "ckpt"))

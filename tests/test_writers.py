@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import aiosnap
+from aiosnap._storage.posix import Posix
 
 from .conftest import WAIT_CAP, assert_tree_equal, temp_files, training_state, wait_until
 from .faults import HookedPosix
@@ -384,7 +385,7 @@ async def test_memory_is_reused_across_saves(tmp_path: Path) -> None:
     async with aiosnap.QueueWriter() as writer:
         for i in range(6):
             await (await writer(f"s{i}", str(tmp_path), state)).wait()
-        assert len(writer._pool._free) == 1  # one arena, handed from save to save
+        assert writer.staging_memory().kept == 1  # one arena, handed from save to save
 
 
 async def test_a_killed_worker_process_fails_one_save_and_is_replaced(tmp_path: Path) -> None:
@@ -392,8 +393,10 @@ async def test_a_killed_worker_process_fails_one_save_and_is_replaced(tmp_path: 
     import signal
 
     async with aiosnap.ProcessQueueWriter() as writer:
-        os.kill(writer._engine._process.pid, signal.SIGKILL)
-        await writer._engine._process.wait()
+        pid = writer.worker_pid
+        assert pid is not None and aiosnap.ThreadQueueWriter().worker_pid is None
+        os.kill(pid, signal.SIGKILL)
+        await wait_until(lambda: _dead(pid), what="the worker's death")
         handle = await writer("a", str(tmp_path), {"x": torch.ones(3)})
         with pytest.raises(aiosnap.WorkerCrashedError):
             await handle.wait()
@@ -415,6 +418,15 @@ async def test_cancelling_wait_does_not_cancel_the_save(tmp_path: Path) -> None:
             await waiting
         gate.open()
         assert (await handle.wait()).bytes > 0
+
+
+def _dead(pid: int) -> bool:
+    """Whether process ``pid`` has exited (a zombie until its parent reaps it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
 
 
 def _rss() -> int:
@@ -439,7 +451,8 @@ async def test_a_state_larger_than_the_budget_is_written_in_pieces(offload: str,
     async with aiosnap.QueueWriter(max_host_bytes=4 << 20, offload=offload) as writer:  # type: ignore[arg-type]
         handle = await writer("ckpt", str(tmp_path), state)
         assert handle.done()  # bounded memory: the save finished inside the call
-        assert writer._pool._in_use == 0 and writer._pool._free == []
+        memory = writer.staging_memory()
+        assert (memory.in_use, memory.kept, memory.kept_bytes) == (0, 0, 0)
         stats = await handle.wait()
         small = await writer("small", str(tmp_path), {"x": torch.ones(10)})
         await small.wait()
@@ -460,8 +473,8 @@ async def test_queued_saves_count_against_the_budget(tmp_path: Path) -> None:
         third = asyncio.create_task(writer("c", str(tmp_path), state))
         # Two arenas in use: the third waits for memory (in its staging thread) until one
         # is released.
-        await wait_until(lambda: writer._pool.waiting == 1)
-        assert not third.done() and writer._pool._in_use <= 12 << 20
+        await wait_until(lambda: writer.staging_memory().waiting == 1)
+        assert not third.done() and writer.staging_memory().in_use <= 12 << 20
         gate.open()
         await (await third).wait()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "c"]
@@ -485,3 +498,56 @@ async def test_cancel_during_a_save_in_pieces_commits_nothing(tmp_path: Path) ->
         with pytest.raises(asyncio.CancelledError):
             await save
     assert not (tmp_path / "ckpt").exists() and temp_files(tmp_path) == []
+
+
+class RecordingPosix(Posix):
+    """The real calls; records each write as (O_DIRECT or not, offset, length)."""
+
+    def __init__(self) -> None:
+        self.direct: dict[int, bool] = {}
+        self.writes: list[tuple[bool, int, int]] = []
+
+    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
+        fd = super().open(path, flags, mode)
+        self.direct[fd] = bool(flags & getattr(os, "O_DIRECT", 0))
+        return fd
+
+    def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
+        self.writes.append((self.direct.get(fd, False), offset, len(data)))
+        return super().pwrite(fd, data, offset)
+
+
+async def test_a_save_in_pieces_writes_whole_aligned_pieces_while_the_next_is_copied(tmp_path: Path) -> None:
+    # Entries of odd sizes: every piece but the last is still a whole buffer, written
+    # with O_DIRECT where the filesystem allows it.
+    state = {f"w{i}": torch.randn((1 << 20) + 7 * i) for i in range(5)}  # ~20 MiB
+    posix = RecordingPosix()
+    storage = aiosnap.LocalStorage(posix=posix)
+    async with aiosnap.SimpleWriter(max_host_bytes=4 << 20, storage=storage) as writer:
+        await writer("ckpt", str(tmp_path), state)
+    loaded = await aiosnap.load(str(tmp_path / "ckpt"))
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
+    data = [w for w in posix.writes if w[1] > 0]
+    assert len(data) >= 10 and len({n for _, _, n in data[:-1]}) == 1  # pieces of 2 MiB
+    if all(direct for direct, _, _ in posix.writes[:1]):  # O_DIRECT where the filesystem has it
+        assert all(direct and off % 4096 == 0 and n % 4096 == 0 for direct, off, n in data[:-1])
+
+
+async def test_a_one_call_save_of_a_large_state_streams_through_small_buffers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import aiosnap._save.writers as writers
+
+    budgets: list[int] = []
+    streamed = writers.write_in_pieces
+
+    def spy(layout: Any, upload: Any, budget: int, stop: Any) -> None:
+        budgets.append(budget)
+        streamed(layout, upload, budget, stop)
+
+    monkeypatch.setattr(writers, "write_in_pieces", spy)
+    state = {"big": torch.randn(12 << 20), "small": torch.ones(3)}  # 48 MiB
+    await aiosnap.save(str(tmp_path / "ckpt"), state)
+    await aiosnap.save(str(tmp_path / "tiny"), {"x": torch.ones(3)})  # staged whole
+    assert budgets == [32 << 20]
+    assert torch.equal((await aiosnap.load(str(tmp_path / "ckpt")))["big"], state["big"])

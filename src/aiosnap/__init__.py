@@ -49,6 +49,7 @@ from ._base.errors import NotACheckpointError as NotACheckpointError
 from ._base.errors import PickleNotAllowedError as PickleNotAllowedError
 from ._base.errors import RankFailedError as RankFailedError
 from ._base.errors import RemoteStorageError as RemoteStorageError
+from ._base.errors import SaveCancelledError as SaveCancelledError
 from ._base.errors import StateMismatchError as StateMismatchError
 from ._base.errors import StepExistsError as StepExistsError
 from ._base.errors import UnsupportedTypeError as UnsupportedTypeError
@@ -145,6 +146,7 @@ __all__ = [
     "Restored",
     "RetentionPolicy",
     "RunContext",
+    "SaveCancelledError",
     "SaveFailure",
     "SaveHandle",
     "SaveStats",

@@ -14,6 +14,7 @@
     ├── PickleNotAllowedError     (also ValueError)
     ├── RankFailedError           (also RuntimeError)
     ├── RemoteStorageError        (also OSError)
+    ├── SaveCancelledError        (also RuntimeError)   its caller gave the save up before its capture
     ├── StateMismatchError        (also ValueError)
     ├── StepExistsError           (also FileExistsError)
     ├── UnsupportedTypeError      (also TypeError)
@@ -174,6 +175,11 @@ class RemoteStorageError(CheckpointError, OSError):
 
     #: Whether trying again cannot help (the bucket does not exist): not retried.
     permanent: bool = False
+
+
+class SaveCancelledError(CheckpointError, RuntimeError):
+    """The save was given up by its caller before its state was captured (its call, or
+    its ``wait_captured()``, was cancelled): nothing of it was written."""
 
 
 class StateMismatchError(CheckpointError, ValueError):

@@ -6,7 +6,9 @@ where to put checkpoints wants to know: how fast that disk writes and reads (a p
 write + fsync, a cold read), and how aiosnap saves and loads a state of that size there
 next to torch.save and torch.load. Every figure is the median of ``reps`` runs, in an
 order that rotates from one run to the next; reads are cold (the file is dropped from
-the page cache first, where the OS allows).
+the page cache first, where the OS allows), and each runs in a new Python process, as
+a resume does: its imports are not timed, but what a fresh process pays for its first
+load (fresh memory, the first worker thread) is.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping
@@ -23,7 +27,7 @@ from typing import Any, Literal
 import anyio
 import torch
 
-from .._api import load_sync, save_sync
+from .._api import load_into_sync, load_sync, save_sync
 from .._save.writers import QueueWriter
 
 MiB = 1 << 20
@@ -114,14 +118,16 @@ class Bench:
         ]
 
     def _warm(self, methods: Mapping[str, tuple[str, Callable[[], object]]]) -> None:
-        """Run every method once on a small state, unmeasured: what a process pays once
-        (imports, the first worker thread, the first event loop) is no method's cost."""
+        """Run every save once on a small state, unmeasured: what this process pays once
+        (imports, the first worker thread, the first event loop) is no method's cost. The
+        loads run in new processes: a resume pays those costs, and they are timed."""
         state, raw = self.state, self.raw
         self.state = make_state(min(_PIECE, self.nbytes))
         self.raw = [t.reshape(-1).view(torch.uint8).numpy() for t in _tensors(self.state)]
         try:
-            for _, method in methods.values():
-                method()
+            for phase, method in methods.values():
+                if phase == "save":
+                    method()
             for name in os.listdir(self.scratch):
                 os.unlink(self._path(name))
         finally:
@@ -171,27 +177,15 @@ class Bench:
 
         return anyio.run(measure)
 
-    # -- loads -----------------------------------------------------------------------------------
+    # -- loads, each in a new process ----------------------------------------------------------
     def read(self) -> tuple[float, float]:
-        path = self._ready("raw.bin", self.write)
-        buf = bytearray(_PIECE)
-        t0 = time.perf_counter()
-        with open(path, "rb", buffering=0) as f:
-            while f.readinto(buf):
-                pass
-        return _both(time.perf_counter() - t0)
+        return _both(cold_load("read", self._ready("raw.bin", self.write)))
 
     def torch_load(self) -> tuple[float, float]:
-        path = self._ready("state.pt", self.torch_save)
-        t0 = time.perf_counter()
-        torch.load(path, weights_only=True)
-        return _both(time.perf_counter() - t0)
+        return _both(cold_load("torch.load", self._ready("state.pt", self.torch_save)))
 
     def aiosnap_load(self) -> tuple[float, float]:
-        path = self._ready("state.snap", self.aiosnap_save)
-        t0 = time.perf_counter()
-        load_sync(path)
-        return _both(time.perf_counter() - t0)
+        return _both(cold_load("aiosnap.load", self._ready("state.snap", self.aiosnap_save)))
 
     def _ready(self, name: str, write: Callable[[], object]) -> str:
         """The file ``write`` makes, out of the page cache."""
@@ -200,6 +194,87 @@ class Bench:
             write()
         _drop_cache(path)
         return path
+
+
+#: What a new process runs for ``cold_load``: ``python -c COLD_CHILD METHOD PATH``.
+COLD_CHILD = "from aiosnap._cli.bench import cold_child; cold_child()"
+#: The loads ``cold_load`` times (``read``: the disk's own speed, into one reused buffer;
+#: ``read-fresh``: into fresh memory of the file's size, as a load must; ``read-fresh-huge``:
+#: the same memory advised for transparent huge pages, whatever this kernel makes of it).
+COLD_METHODS = ("read", "read-fresh", "read-fresh-huge", "torch.load", "aiosnap.load", "aiosnap.load_into")
+
+
+def cold_load(method: str, path: str) -> float:
+    """Seconds one load of ``path`` takes in a new Python process (which imports torch and
+    aiosnap before it starts the clock): the first load of a resume. Drop ``path`` from the
+    page cache first for a cold one."""
+    if method not in COLD_METHODS:
+        raise ValueError(f"not a load: {method!r} (one of {', '.join(COLD_METHODS)})")
+    done = subprocess.run(
+        [sys.executable, "-c", COLD_CHILD, method, path], capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"the {method} of {path} failed in its process:\n{done.stderr[-2000:]}")
+    return float(done.stdout.split()[-1])
+
+
+def cold_child() -> None:
+    """The new process of ``cold_load``: one load, timed; prints its seconds."""
+    method, path = sys.argv[1], sys.argv[2]
+    target = _target_for(path) if method == "aiosnap.load_into" else None
+    t0 = time.perf_counter()
+    if method == "torch.load":
+        torch.load(path, weights_only=True)
+    elif method == "aiosnap.load":
+        load_sync(path)
+    elif method == "aiosnap.load_into":
+        load_into_sync(path, target)
+    else:
+        _read(path, fresh=method != "read", huge=method == "read-fresh-huge")
+    print(repr(time.perf_counter() - t0))
+
+
+def _read(path: str, *, fresh: bool, huge: bool = False) -> None:
+    """Read a file in 16 MiB pieces: into one reused buffer, or into fresh memory of its
+    size (allocated as torch allocates a tensor's: no huge-page advice, unless ``huge``)."""
+    size = os.stat(path).st_size
+    buffer = torch.empty(size if fresh else min(size, _PIECE), dtype=torch.uint8).numpy()
+    if huge:
+        from .._storage.posix import _MADV_HUGEPAGE, _advise
+
+        _advise(buffer.ctypes.data, size, _MADV_HUGEPAGE)
+    view = memoryview(buffer)  # type: ignore[arg-type]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for start in range(0, size, _PIECE):
+            piece = view[start : start + _PIECE] if fresh else view[: min(_PIECE, size - start)]
+            os.preadv(fd, [piece], start)
+    finally:
+        os.close(fd)
+
+
+def _target_for(path: str) -> Any:
+    """The state a resume loads into, made from the file's header and written to (zeros)
+    before the load, as a model's parameters are initialised before they are restored."""
+    from .._format.codec import read_header, tree_of
+    from .._format.dtypes import TORCH_DTYPES
+    from .._format.tree import rebuild
+    from .._storage.local import LocalStorage
+
+    f = LocalStorage().open_read(path)
+    try:
+        header = read_header(f)
+    finally:
+        f.close()
+    _drop_cache(path)
+
+    def zeros(kind: str, name: str, where: tuple[object, ...]) -> Any:
+        info = header.tensors[name]
+        if kind != "tensor":
+            raise ValueError(f"{path}: {'.'.join(map(str, where))} is not a tensor")
+        return torch.zeros(info.shape, dtype=TORCH_DTYPES[info.dtype])
+
+    return rebuild(tree_of(header), zeros)
 
 
 def _both(seconds: float) -> tuple[float, float]:

@@ -75,6 +75,8 @@ class Snapshot:
     tree: str
     leaves: list[Leaf] = field(default_factory=list)
     external: list[Leaf] = field(default_factory=list)
+    #: The optimizers whose ``state_dict()`` was taken: a lazy capture guards their step.
+    optimizers: list[Any] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +157,8 @@ class _Capture:
         if isinstance(obj, (dict, list)) or type(obj) in (tuple, torch.Size):
             return self.container(obj, path)
         if is_stateful(obj):
+            if isinstance(obj, torch.optim.Optimizer):
+                self.snapshot.optimizers.append(obj)
             return self.node(obj.state_dict(), path)  # type: ignore[attr-defined]
         return self.other(obj, path)
 

@@ -9,6 +9,7 @@ assembled from their boxes (``_readers``).
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -79,11 +80,20 @@ async def load(
     pages asked for (``MADV_HUGEPAGE`` on Linux), as NumPy asks for them for its large
     arrays; ``NUMPY_MADVISE_HUGEPAGE=0`` in the environment turns both off.
     """
+    request = LoadRequest(
+        keys=keys, map_location=map_location, allow_pickle=allow_pickle, replicas=replicas, rank=rank
+    )
+    return await _offload.run_io(load_now, path, request, storage, progress)
+
+
+def load_now(
+    path: str, request: LoadRequest, storage: Storage | None = None, progress: Progress | None = None
+) -> Any:
+    """``load`` in the calling thread: the blocking twin's (``load_sync``), and what
+    ``load`` runs in a worker thread."""
     storage, path = resolve(path, storage)
     storage, finished = counted(storage, progress)
-    loaded = await _offload.run_io(
-        load_blocking, storage, path, keys, map_location, allow_pickle, None, True, replicas, rank
-    )
+    loaded = read_blocking(storage, path, request)
     finished()
     return loaded
 
@@ -95,8 +105,13 @@ async def verify(
     every entry that failed. A step directory is verified whole: its manifest, and every
     rank's file against it. ``progress(done, total)`` is called with the bytes read so
     far, from the worker thread that reads them."""
+    return await _offload.run_io(verify_now, path, storage, progress)
+
+
+def verify_now(path: str, storage: Storage | None = None, progress: Progress | None = None) -> VerifyReport:
+    """``verify`` in the calling thread (see ``load_now``)."""
     storage, path = resolve(path, storage)
-    return await _offload.run_io(verify_blocking, storage, path, progress)
+    return verify_blocking(storage, path, progress)
 
 
 async def load_into(
@@ -126,28 +141,42 @@ async def load_into(
     older checkpoint into it, as CheckpointManager.restore does). ``replicas``,
     ``rank`` and ``progress`` as in ``load``.
     """
-    storage, path = resolve(path, storage)
-    storage, finished = counted(storage, progress)
-    await _offload.run_io(
-        _load_into_blocking, storage, path, keys, allow_pickle, target, strict, replicas, rank
+    request = LoadRequest(
+        keys=keys, allow_pickle=allow_pickle, target=target, strict=strict, replicas=replicas, rank=rank
     )
-    finished()
+    await _offload.run_io(load_into_now, path, request, storage, progress)
     return target
 
 
-def _load_into_blocking(
-    storage: Storage,
-    path: str,
-    keys: Sequence[str] | None,
-    allow_pickle: bool,
-    target: Any,
-    strict: bool,
-    replicas: str | None,
-    rank: int | None,
+def load_into_now(
+    path: str, request: LoadRequest, storage: Storage | None = None, progress: Progress | None = None
 ) -> None:
-    # What was rebuilt is dropped here, not on the event loop: its containers alone are
-    # ~15 ms of deallocation per 100,000 tensors.
-    load_blocking(storage, path, keys, None, allow_pickle, target, strict, replicas, rank)
+    """``load_into`` in the calling thread (see ``load_now``). What was rebuilt is dropped
+    here, not on the event loop: its containers alone are ~15 ms of deallocation per
+    100,000 tensors."""
+    storage, path = resolve(path, storage)
+    storage, finished = counted(storage, progress)
+    read_blocking(storage, path, request)
+    finished()
+
+
+@dataclass(frozen=True, slots=True)
+class LoadRequest:
+    """What a load reads and how: the arguments of ``load`` and ``load_into``, whole.
+
+    ``keys``: the dotted subtrees to read (None: all). ``map_location``: where tensors go.
+    ``allow_pickle``: unpickle what was stored pickled. ``target``: the objects to load
+    into (None: build the tree), ``strict`` about its keys, shapes and dtypes.
+    ``replicas``: the file of replicated entries. ``rank``: read a step directory as rank
+    N of the group that saved it."""
+
+    keys: Sequence[str] | None = None
+    map_location: MapLocation = None
+    allow_pickle: bool = False
+    target: Any = None
+    strict: bool = True
+    replicas: str | None = None
+    rank: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +187,21 @@ class Step:
     manifest: Manifest
     rank: int
     world: int
+
+
+def read_blocking(storage: Storage, path: str, request: LoadRequest) -> Any:
+    """``load``/``load_into`` of a file or a step directory. Blocking. The collector
+    is held off throughout: the header and the tree are thousands of objects, freed by
+    reference counting, and what is built is returned (see ``gc_paused``)."""
+    with _offload.gc_paused(keep=True):
+        if exists(storage, storage.join(path, MANIFEST_NAME)):
+            manifest = read_manifest(storage, path)
+            rank = request.rank
+            if rank is not None and not 0 <= rank < manifest.world_size:
+                raise ValueError(f"rank={rank}: {path} was saved by ranks 0..{manifest.world_size - 1}")
+            step = Step(path, manifest, rank or 0, 1 if rank is None else manifest.world_size)
+            return read_step(storage, step, request)
+        return load_file(storage, path, request)
 
 
 def load_blocking(
@@ -171,31 +215,10 @@ def load_blocking(
     replicas: str | None = None,
     rank: int | None = None,
 ) -> Any:
-    """``load``/``load_into`` of a file or a step directory. Blocking. The collector
-    is held off throughout: the header and the tree are thousands of objects, freed by
-    reference counting, and what is built is returned (see ``gc_paused``)."""
-    with _offload.gc_paused(keep=True):
-        return _load_blocking(storage, path, keys, map_location, allow_pickle, target, strict, replicas, rank)
-
-
-def _load_blocking(
-    storage: Storage,
-    path: str,
-    keys: Sequence[str] | None,
-    map_location: MapLocation,
-    allow_pickle: bool,
-    target: Any,
-    strict: bool,
-    replicas: str | None,
-    rank: int | None,
-) -> Any:
-    if exists(storage, storage.join(path, MANIFEST_NAME)):
-        manifest = read_manifest(storage, path)
-        if rank is not None and not 0 <= rank < manifest.world_size:
-            raise ValueError(f"rank={rank}: {path} was saved by ranks 0..{manifest.world_size - 1}")
-        step = Step(path, manifest, rank or 0, 1 if rank is None else manifest.world_size)
-        return load_step(storage, step, keys, map_location, allow_pickle, target, strict)
-    return load_file(storage, path, keys, map_location, allow_pickle, target, strict, replicas)
+    """``read_blocking`` with its request spelled out, for callers not moved to
+    LoadRequest yet (the manager's layouts, the command line, the fuzzers)."""
+    request = LoadRequest(keys, map_location, allow_pickle, target, strict, replicas, rank)
+    return read_blocking(storage, path, request)
 
 
 def load_step(
@@ -207,6 +230,11 @@ def load_step(
     target: Any,
     strict: bool,
 ) -> Any:
+    """``read_step`` with its request spelled out (see ``load_blocking``)."""
+    return read_step(storage, step, LoadRequest(keys, map_location, allow_pickle, target, strict))
+
+
+def read_step(storage: Storage, step: Step, request: LoadRequest) -> Any:
     """This rank's part of a group checkpoint: its tree and plain entries from the file
     ``base_file`` picks, DTensors from their boxes, anything per-rank refused if the
     group is another size. Blocking."""
@@ -239,15 +267,10 @@ def load_step(
         return load_file(
             storage,
             join(step.directory, m.files[base_file(m, step.rank, step.world)]),
-            keys,
-            map_location,
-            allow_pickle,
-            target,
-            strict,
-            join(step.directory, m.replicas),
-            checksums,
-            Shards(m.shards, open_rank, join(step.directory, MANIFEST_NAME)),
-            refuse,
+            dataclasses.replace(request, replicas=join(step.directory, m.replicas)),
+            checksums=checksums,
+            shards=Shards(m.shards, open_rank, join(step.directory, MANIFEST_NAME)),
+            refuse=refuse,
         )
     finally:
         for f, _ in opened.values():
@@ -257,19 +280,17 @@ def load_step(
 def load_file(
     storage: Storage,
     path: str,
-    keys: Sequence[str] | None,
-    map_location: MapLocation,
-    allow_pickle: bool,
-    target: Any = None,
-    strict: bool = True,
-    replicas: str | None = None,
+    request: LoadRequest,
+    *,
     checksums: Mapping[str, str] | None = None,
     shards: Shards | None = None,
     refuse: Callable[[set[str]], None] | None = None,
 ) -> Any:
     """Load one checkpoint file. ``checksums`` (path -> header crc32c, as a manifest
     records them) refuses a file that is not the one committed; ``shards`` and
-    ``refuse`` come with a step of a group (``load_step``). Blocking."""
+    ``refuse`` come with a step of a group (``read_step``). Blocking."""
+    keys, map_location, allow_pickle = request.keys, request.map_location, request.allow_pickle
+    target, strict, replicas = request.target, request.strict, request.replicas
     files: list[Reader] = [storage.open_read(path)]
     dests = Destinations(track_held=refuse is not None)
     try:

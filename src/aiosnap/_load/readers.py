@@ -42,6 +42,9 @@ READ_IOVECS = 512
 SMALL_GROUP = 4 << 20
 #: Bytes of shard read through a scratch buffer at a time (partial reads, devices).
 SCRATCH = 64 << 20
+#: Large entries of a local file are read this many bytes at a time, the next piece's
+#: fresh pages faulted in by a helper thread meanwhile (see ``read_all``).
+READ_PIECE = 8 << 20
 
 MapLocation = str | torch.device | None
 #: What a load made or found for each entry: the object, and where its bytes go: a flat
@@ -221,34 +224,36 @@ class EntryReader:
         self, f: Reader, header: Header, infos: list[TensorInfo], made: Made, placed: Mapping[str, Any]
     ) -> None:
         """Read ``infos`` (in file order) into ``made``, verified. A helper thread works
-        beside the reads: it faults in the pages of the next group's buffers that are not
+        beside the reads: it faults in the pages of the next step's buffers that are not
         ``placed`` in a target's memory (those were allocated for this load; the faults
-        would otherwise stop the read at every page) and checks the previous group's
-        checksums."""
+        would otherwise stop the read at every page) and checks the checksums of the
+        entries the step before completed. Large entries of a local file are read
+        READ_PIECE bytes at a time (``_pieces``): only the first piece's pages are
+        faulted in before the disk starts."""
         most, iovecs = getattr(f, "batch_bytes", READ_GROUP), getattr(f, "batch_iovecs", READ_IOVECS)
-        groups = list(_groups(infos, most, iovecs))
-        ahead = _buffer(groups[0], made) if groups else None
-        if groups:
-            _populate(made, groups[0], placed, ahead)
+        # An object store's batch is one round trip of parallel GETs: read whole.
+        piece = most if hasattr(f, "batch_bytes") else READ_PIECE
+        steps = [step for group in _groups(infos, most, iovecs) for step in _pieces(group, made, piece)]
+        ahead = _buffer(steps[0], made) if steps else None
+        if steps:
+            _populate(made, steps[0], placed, ahead)
         behind: list[tuple[TensorInfo, memoryview]] = []
         scratch = None
         with _offload.side_thread() as side:
-            for k, group in enumerate(groups):
+            for k, step in enumerate(steps):
                 side.wait()
-                buffer, ahead = ahead, _buffer(groups[k + 1], made) if k + 1 < len(groups) else None
-                side.submit(_side_work, f.path, behind, made, groups[k + 1 : k + 2], placed, ahead)
+                buffer, ahead = ahead, _buffer(steps[k + 1], made) if k + 1 < len(steps) else None
+                side.submit(_side_work, f.path, behind, made, steps[k + 1 : k + 2], placed, ahead)
                 behind = []
-                start = header.data_start + group[0].start
-                if group[0].nbytes < SMALL:
+                if isinstance(step, list):  # entries under SMALL bytes, read through one buffer
                     if buffer is None:  # every entry has its place already: read through scratch
                         if scratch is None:
-                            scratch = np.empty(min(SMALL_GROUP, infos[-1].end - group[0].start), np.uint8)
+                            scratch = _empty(min(SMALL_GROUP, infos[-1].end - step[0].start))
                         buffer = scratch
-                    _read_small(f, start, group, made, buffer)
+                    _read_small(f, header.data_start + step[0].start, step, made, buffer)
                     continue
-                views = [memoryview(made[info.name][1]) for info in group]
-                f.read_batch([(start, views)])
-                behind = list(zip(group, views, strict=True))
+                f.read_batch([(header.data_start + step.start, [p.data for p in step.parts])])
+                behind = [(info, memoryview(made[info.name][1])) for info in step.finished]
             side.wait()
         _verify(f.path, behind)
 
@@ -322,7 +327,7 @@ class _BoxReader:
 
     def read(self, pieces: list[Run]) -> None:
         if self.info.blocks is None:  # small: read it whole, once, and check it whole
-            buf = np.empty(self.info.nbytes, dtype=np.uint8)
+            buf = _empty(self.info.nbytes)
             self.f.readinto(self.base, buf.data)
             if crc32c(buf.data) != self.info.crc:
                 raise CorruptCheckpointError(self.f.path, f"checksum mismatch in tensor {self.info.name!r}")
@@ -350,7 +355,7 @@ class _BoxReader:
                     break
                 hi = max(hi, hi_j)
                 j += 1
-            buf = np.empty(hi - lo, dtype=np.uint8)
+            buf = _empty(hi - lo)
             self.f.readinto(self.base + lo, buf.data)
             self._check(lo, buf.data)
             for piece in pieces[i:j]:
@@ -468,13 +473,13 @@ def _read_small(
             dest[:] = buf[at:end]
 
 
-def _buffer(group: list[TensorInfo], made: Made) -> np.ndarray[Any, np.dtype[np.uint8]] | None:
+def _buffer(group: list[TensorInfo] | _Piece, made: Made) -> np.ndarray[Any, np.dtype[np.uint8]] | None:
     """The memory a run of small entries is read into, if some of them have no place
     yet: its own, which their objects then share (see ``_in_buffer``); else None."""
-    if group[0].nbytes >= SMALL or all(made[info.name] is not None for info in group):
+    if not isinstance(group, list) or all(made[info.name] is not None for info in group):
         return None
     nbytes = group[-1].end - group[0].start
-    raw = np.empty(nbytes + _ALIGNMENT, np.uint8)
+    raw = _empty(nbytes + _ALIGNMENT)
     skip = -raw.ctypes.data % _ALIGNMENT  # as torch aligns what it allocates
     return raw[skip : skip + nbytes]
 
@@ -537,17 +542,55 @@ def _find_carrier(dtype: torch.dtype) -> tuple[np.dtype[Any], torch.dtype | None
     return None  # sub-byte and bit types: copied
 
 
+@dataclass(frozen=True, slots=True)
+class _Piece:
+    """At most READ_PIECE bytes of large entries, contiguous from ``start`` in the data
+    section: the arrays they go to (slices of the entries' own), and the entries whose
+    last byte is in it (checked once it is read)."""
+
+    start: int
+    parts: list[np.ndarray[Any, np.dtype[np.uint8]]]
+    names: list[str]
+    finished: list[TensorInfo]
+
+
+def _pieces(group: list[TensorInfo], made: Made, size: int) -> Iterator[list[TensorInfo] | _Piece]:
+    """A group of entries as the steps it is read in: entries under SMALL bytes as they
+    are (read into one buffer), larger ones cut into pieces of at most ``size`` bytes."""
+    if group[0].nbytes < SMALL:
+        yield group
+        return
+    start, filled = group[0].start, 0
+    parts: list[np.ndarray[Any, np.dtype[np.uint8]]] = []
+    names: list[str] = []
+    finished: list[TensorInfo] = []
+    for info in group:
+        array, lo = made[info.name][1], 0
+        while lo < info.nbytes:
+            n = min(info.nbytes - lo, size - filled)
+            parts.append(array[lo : lo + n])
+            names.append(info.name)
+            lo, filled = lo + n, filled + n
+            if lo == info.nbytes:
+                finished.append(info)
+            if filled == size:
+                yield _Piece(start, parts, names, finished)
+                start, filled, parts, names, finished = start + filled, 0, [], [], []
+    if parts:
+        yield _Piece(start, parts, names, finished)
+
+
 def _side_work(
     path: str,
     behind: list[tuple[TensorInfo, memoryview]],
     made: Made,
-    ahead: list[list[TensorInfo]],
+    ahead: list[list[TensorInfo] | _Piece],
     placed: Mapping[str, Any],
     buffer: np.ndarray[Any, np.dtype[np.uint8]] | None,
 ) -> None:
+    for step in ahead:  # first: the reader needs these pages next
+        _populate(made, step, placed, buffer)
     _verify(path, behind)
-    for group in ahead:
-        _populate(made, group, placed, buffer)
 
 
 def _verify(path: str, read: list[tuple[TensorInfo, memoryview]]) -> None:
@@ -562,17 +605,18 @@ _POPULATE_MIN = 1 << 20
 
 def _populate(
     made: Made,
-    group: list[TensorInfo],
+    step: list[TensorInfo] | _Piece,
     placed: Mapping[str, Any],
     buffer: np.ndarray[Any, np.dtype[np.uint8]] | None,
 ) -> None:
     if buffer is not None:  # small entries' own buffer: fresh memory, all of it
         populate(buffer.ctypes.data, buffer.nbytes)
         return
-    for info in group:
-        if info.nbytes >= _POPULATE_MIN and info.name not in placed:
-            array = made[info.name][1]
-            populate(array.ctypes.data, array.nbytes)
+    if isinstance(step, list):  # small entries, each in its place already
+        return
+    for name, part in zip(step.names, step.parts, strict=True):
+        if name not in placed and made[name][1].nbytes >= _POPULATE_MIN:
+            populate(part.ctypes.data, part.nbytes)
 
 
 def _allocate(info: TensorInfo) -> tuple[Any, Any]:
@@ -584,8 +628,22 @@ def _allocate(info: TensorInfo) -> tuple[Any, Any]:
         nbytes = info.end - info.start
         if nbytes < SMALL:
             return tensor, tensor.data_ptr()
-        if nbytes >= HUGE_MIN:  # (NumPy's arrays, below, have them already)
+        if nbytes >= HUGE_MIN:
             huge_pages(tensor.data_ptr(), nbytes)
         return tensor, tensor.reshape(-1).view(torch.uint8).numpy()
     array = np.empty(info.shape, dtype=np.dtype(info.dtype))
+    if array.nbytes >= HUGE_MIN:
+        huge_pages(array.ctypes.data, array.nbytes, numpy_advised=_NUMPY_ADVISES)
     return array, array.reshape(-1).view(np.uint8)
+
+
+def _empty(nbytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    """Fresh bytes, with the huge-page advice that pays here (see ``huge_pages``)."""
+    raw = np.empty(nbytes, np.uint8)
+    if nbytes >= HUGE_MIN:
+        huge_pages(raw.ctypes.data, nbytes, numpy_advised=_NUMPY_ADVISES)
+    return raw
+
+
+#: Whether NumPy asks for huge pages for its large arrays (NUMPY_MADVISE_HUGEPAGE).
+_NUMPY_ADVISES: bool = getattr(getattr(np, "_core", np).multiarray, "_get_madvise_hugepage", lambda: False)()

@@ -44,7 +44,7 @@ from .._storage.protocol import Storage
 from .member import Attempt, restore_first
 from .records import CheckpointRecord
 from .retention import RetentionPolicy
-from .site import Group, Naming, Site
+from .site import Accept, Group, Naming, Site
 from .tier import Tier
 from .triggers import EveryNSteps, Moment, Trigger, deterministic
 from .upload import UploadWriter
@@ -66,6 +66,12 @@ class Restored:
     epoch: int | None
     path: str
     state: Any
+
+
+def _check_capture(capture: str) -> Literal["eager", "lazy"]:
+    if capture not in ("eager", "lazy"):
+        raise ValueError(f"capture must be 'eager' or 'lazy', not {capture!r}")
+    return capture  # type: ignore[return-value]
 
 
 def _in_a_group(group: object) -> bool:
@@ -139,6 +145,11 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
     ``resume()`` take the newest valid checkpoint of either tier, the local one when
     both hold that step.
 
+    ``capture="lazy"`` makes ``save`` return once the state's tree is walked, its
+    tensors copied in the background while the optimizers' steps wait for them (see
+    the writers' ``capture``); ``save(capture=...)`` overrides it per call. A writer
+    without a ``capture`` option saves eagerly.
+
     Args:
         directory: the checkpoint directory: a local path, or a URL.
         writer: the writer saves go through (unopened); a QueueWriter by default.
@@ -160,6 +171,8 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
         keep_remote: the remote tier's retention policy.
         upload: ``"every"`` committed save is uploaded, or ``"manual"`` (``upload()``).
         uploader: the UploadWriter of the remote tier (retries, waiting uploads).
+        capture: ``"eager"`` (a save returns once its state is copied) or ``"lazy"`` (once
+            its tree is walked; see below).
     """
 
     def __init__(
@@ -183,7 +196,9 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
         keep_remote: RetentionPolicy | None = None,
         upload: Literal["every", "manual"] = "every",
         uploader: UploadWriter | None = None,
+        capture: Literal["eager", "lazy"] = "eager",
     ) -> None:
+        self._capture = _check_capture(capture)
         if upload not in ("every", "manual"):
             raise ValueError(f"upload must be 'every' or 'manual', not {upload!r}")
         if remote is None and (remote_storage is not None or keep_remote is not None or uploader is not None):
@@ -395,14 +410,24 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
     def _raise_pending(self, *, accepted: str | None = None) -> None:
         raise_first(self.take_failures(), accepted=accepted)
 
-    async def _accept(self, filename: str, directory: str, state: object) -> SaveHandle:
+    def _accepting(self, capture: str) -> Accept:
+        """The writer's side of a save made with ``capture``."""
+
+        async def accept(filename: str, directory: str, state: object) -> SaveHandle:
+            return await self._accept(filename, directory, state, capture)
+
+        return accept
+
+    async def _accept(self, filename: str, directory: str, state: object, capture: str) -> SaveHandle:
         """Hand a save to the writer through its ``accept`` (the caller awaits the capture;
-        earlier failures are this manager's to report). A writer of the user's own may
-        lack it: it is then called, and waits for the capture itself."""
+        earlier failures are this manager's to report), lazily if asked and the writer
+        can. A writer of the user's own may lack it: it is then called, and waits for the
+        capture itself."""
         accept = getattr(self._writer, "accept", None)
         if accept is None:
             return await self._writer(filename, directory, state)
-        handle: SaveHandle = await accept(filename, directory, state)
+        lazy = {"capture": capture} if "capture" in inspect.signature(accept).parameters else {}
+        handle: SaveHandle = await accept(filename, directory, state, **lazy)
         return handle
 
     def _report(self, path: str, error: BaseException) -> SaveFailure:
@@ -426,6 +451,7 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
         metadata: dict[str, Any] | None = None,
         force: bool = False,
         overwrite: bool = False,
+        capture: Literal["eager", "lazy"] | None = None,
     ) -> SaveHandle:
         """Save ``state`` as ``step`` if the triggers say so (or ``force``).
 
@@ -437,8 +463,10 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
         did not call for resolves at once, skipped. A cancelled call either drops the
         save whole (before its capture ended) or lets it commit, indexed and rotated as
         any other. An earlier save's failure not yet reported is raised here, after this
-        save was accepted.
+        save was accepted. ``capture`` overrides the manager's (a lazy save returns once
+        its tree is walked: ``handle.wait_captured()`` says when its tensors are copied).
         """
+        mode = self._capture if capture is None else _check_capture(capture)
         if self._state != "open":
             raise WriterClosedError("the manager is not open: use `async with manager:`")
         if self.read_only:
@@ -455,7 +483,7 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
             return skipped(self._site.storage.join(self.directory, filename))
         try:
             outer = await self._site.submit(
-                self._tasks, record, state, self._accept, overwrite=overwrite, report=self._report
+                self._tasks, record, state, self._accepting(mode), overwrite=overwrite, report=self._report
             )
         except BaseException:
             if self._uploads_every_save():
@@ -471,7 +499,7 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
                 outer.upload = await self._upload(record, outer)
         # Cancelled before the capture ended, the save is dropped whole (its handle
         # fails, nothing is written); after, it commits and is indexed and rotated.
-        await outer.wait_captured()
+        await outer.wait_walked()
         if getattr(self._writer, "returns_durable", False):
             await outer.wait()
         self._last = Moment(step, epoch, time.monotonic())

@@ -28,6 +28,7 @@ from .._base.errors import (
     CorruptCheckpointError,
     DirectoryLockedError,
     LeaseLostError,
+    SaveCancelledError,
     WriterClosedError,
 )
 from .._dist.channel import Channel, LocalChannel
@@ -328,7 +329,7 @@ class Site:
         except BaseException as exc:
             # The other members vote on this step all the same: this one votes that it failed.
             failure = (
-                exc if isinstance(exc, Exception) else WriterClosedError("this rank's save was cancelled")
+                exc if isinstance(exc, Exception) else SaveCancelledError("this rank's save was cancelled")
             )
             refused = outer if outer is not None else Resolver(path)
             self._pending.add(refused.handle)

@@ -141,6 +141,11 @@ class ArenaPool:
             self._free_arena(old)
         return Arena(capacity, shared=self.shared)
 
+    def usage(self) -> tuple[int, int, int, int]:
+        """Bytes of arenas in use, arenas kept and their bytes, staging threads waiting."""
+        with self._cond:
+            return self._in_use, len(self._free), sum(a.capacity for a in self._free), self.waiting
+
     def _free_arena(self, arena: Arena) -> None:
         if self._on_free is not None and arena.capacity:
             self._on_free(arena.array)

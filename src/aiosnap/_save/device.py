@@ -1,20 +1,27 @@
 """Device-to-host copies for staging: CUDA streams and events, behind a small Protocol.
 
 A CUDA tensor is copied into the (pinned) staging arena on a side stream that first
-waits for the producer's stream -- the stream that was current on the event-loop
-thread when the save was called, since current streams are per thread -- with
+waits for the work its producer had queued at the call: an event recorded, at the
+call, on the stream that was current on the event-loop thread (current streams are per
+thread). Work queued after the call (the next forward and backward of a lazily
+captured save) is not waited for: it only reads the tensors. The copy is
 ``copy_(non_blocking=True)``; ``record_stream`` keeps the caching allocator from
 reusing the source early, and an event marks the end of each copy. The staging thread
 blocks on a copy's event (the event loop never does) before the bytes it copied are
 read: with a pipelined commit, one copy at a time, in file order, so the disk writes
-the first tensors while the device still copies the later ones.
+the first tensors while the device still copies the later ones. A lazily captured
+save's guard orders the optimizer's step after the copies on the device (``fence``,
+``order_after``), with no host synchronisation.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Protocol
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -26,8 +33,9 @@ class DeviceCopier(Protocol):
         """Whether this copier handles ``t``."""
 
     def producer_streams(self) -> Any:
-        """Called on the event-loop thread by the save call: the streams the caller's
-        tensors are produced on (current streams are per thread)."""
+        """Called on the event-loop thread by the save call: the point in the streams the
+        caller's tensors are produced on (current streams are per thread) that the
+        copies must follow."""
 
     def pin(self, array: Any) -> None:
         """Make a host buffer usable as the target of asynchronous copies (once per arena)."""
@@ -44,6 +52,18 @@ class DeviceCopier(Protocol):
 
     def finish(self) -> None:
         """Block until every copy started so far has completed."""
+
+    def fence(self) -> object:
+        """A mark after every copy started so far, for ``order_after`` (no host wait)."""
+
+    def hold_producers(self, producers: Any, fence: object) -> None:
+        """Make the streams ``producers`` came from wait for the copies ``fence`` marks,
+        without blocking the host: the caller's next work (a forward that updates a
+        BatchNorm's statistics in place) then runs after them."""
+
+    def order_after(self, fence: object) -> None:
+        """Make the work the calling thread queues from now on (an optimizer's step) run
+        after the copies ``fence`` marks, without blocking the host where possible."""
 
 
 def as_copyable(t: torch.Tensor) -> torch.Tensor:
@@ -68,16 +88,29 @@ class CudaCopier:
     def is_device(self, t: torch.Tensor) -> bool:
         return t.device.type == "cuda"
 
-    def producer_streams(self) -> dict[torch.device, Any]:
-        devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
-        return {d: torch.cuda.current_stream(d) for d in devices}
+    def producer_streams(self) -> dict[torch.device, tuple[Any, Any]]:
+        marks = {}
+        for i in range(torch.cuda.device_count()):
+            device = torch.device("cuda", i)
+            stream = torch.cuda.current_stream(device)
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(stream)
+            marks[device] = (stream, event)
+        return marks
 
     def pin(self, array: Any) -> None:
         address = int(array.ctypes.data)
         if address in self._pinned or not torch.cuda.is_available():
             return
         # Register the arena with the driver once; it stays registered while reused.
-        torch.cuda.cudart().cudaHostRegister(address, int(array.nbytes), 0)  # type: ignore[no-untyped-call]
+        error = torch.cuda.cudart().cudaHostRegister(address, int(array.nbytes), 0)  # type: ignore[no-untyped-call]
+        if int(error) != 0:
+            # Copies into it still work, synchronously (a locked-memory limit, shared memory
+            # the driver will not pin): slower, never wrong.
+            logger.warning(
+                "could not pin a staging buffer of %d bytes (CUDA error %d)", array.nbytes, int(error)
+            )
+            return
         self._pinned.add(address)
 
     def unpin(self, array: Any) -> None:
@@ -92,7 +125,7 @@ class CudaCopier:
         side = self._streams.get(src.device)
         if side is None:
             side = self._streams[src.device] = torch.cuda.Stream(src.device)  # type: ignore[no-untyped-call]
-        side.wait_stream(producers[src.device])
+        side.wait_event(producers[src.device][1])
         with torch.cuda.stream(side):
             dst.copy_(src, non_blocking=True)
         src.record_stream(side)
@@ -108,6 +141,24 @@ class CudaCopier:
         events, self._events = self._events, []
         for event in events:
             event.synchronize()
+
+    def fence(self) -> dict[torch.device, Any]:
+        marks = {}
+        for device, side in self._streams.items():
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(side)
+            marks[device] = event
+        return marks
+
+    def order_after(self, fence: object) -> None:
+        assert isinstance(fence, dict)
+        for device, event in fence.items():
+            torch.cuda.current_stream(device).wait_event(event)
+
+    def hold_producers(self, producers: Any, fence: object) -> None:
+        assert isinstance(fence, dict)
+        for device, event in fence.items():
+            producers[device][0].wait_event(event)
 
 
 def default_copier() -> DeviceCopier | None:

@@ -32,6 +32,9 @@ _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 class Engine(Protocol):
     shared: bool
 
+    @property
+    def pid(self) -> int | None: ...
+
     async def start(self) -> None: ...
 
     async def commit(
@@ -55,6 +58,7 @@ class ThreadEngine:
     """Commits in a worker thread of this process."""
 
     shared = False
+    pid = None
 
     async def start(self) -> None:
         await _offload.warm()
@@ -84,6 +88,10 @@ class ProcessEngine:
         self._process: anyio.abc.Process | None = None
         self._reader: BufferedByteReceiveStream | None = None
         self._lock = anyio.Lock()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
 
     async def start(self) -> None:
         await _offload.warm()

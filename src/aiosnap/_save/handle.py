@@ -49,39 +49,71 @@ class SaveFailure:
 
 @final
 class Capture:
-    """The capture of one save's state: set by the writer once the state is copied (or
-    the copy failed), awaited by whoever must not change the state before then.
+    """The capture of one save's state, in two stages: set by the writer once the state's
+    tree is walked (``walked``), then once its tensors are copied (``set``, or the capture
+    failed); awaited by whoever must not change the state before then. An eager save
+    reaches both at once; a lazy one copies its tensors after it is walked.
 
-    A wait cancelled before the capture ended calls ``on_abandon``: the writer drops
-    the save whole, since its caller may be changing the state. Once it ended, a
+    A wait cancelled before its stage ended calls ``on_abandon``: the writer drops the
+    save whole, since its caller may be changing the state. Once the capture ended, a
     cancelled wait changes nothing: the save goes on and commits."""
 
     def __init__(self, on_abandon: Callable[[], None] | None = None) -> None:
+        self._walked = anyio.Event()
         self._done = anyio.Event()
         self._error: BaseException | None = None
+        self._walk_error: BaseException | None = None
+        self._failure: SaveFailure | None = None
         self._on_abandon = on_abandon
-        #: When a wait last returned: the end of the caller's stall.
+        #: When a wait first returned: the end of the caller's stall.
         self.returned_at: float | None = None
 
     def done(self) -> bool:
         return self._done.is_set()
 
-    def set(self, error: BaseException | None = None) -> None:
-        """The state is copied (``error``: the copy failed). Only the first call counts."""
-        if not self._done.is_set():
-            self._error = error
-            self._done.set()
+    def walked(self) -> None:
+        """The tree is walked: the save call may return (a lazy save's tensors are still
+        being copied). Only the first call counts."""
+        self._walked.set()
+
+    def set(self, error: BaseException | None = None, failure: SaveFailure | None = None) -> None:
+        """The state is copied (``error``: the capture failed; ``failure``: its record,
+        reported when a wait raises it). Only the first call counts."""
+        if self._done.is_set():
+            return
+        self._error, self._failure = error, failure
+        if not self._walked.is_set():
+            self._walk_error = error
+            self._walked.set()
+        self._done.set()
+
+    async def wait_walked(self) -> None:
+        """Until the tree is walked; raises what failed the walk."""
+        await self._wait(self._walked)
+        if self._walk_error is not None:
+            raise self._walk_error
 
     async def wait(self) -> None:
+        """Until the state is copied; raises what failed the capture."""
+        await self._wait(self._done)
+        if self._error is not None:
+            if self._failure is not None:
+                self._failure.reported = True
+            raise self._error
+
+    async def ended(self) -> None:
+        """Until the capture ended, whichever way; a cancelled wait abandons nothing."""
+        await self._done.wait()
+
+    async def _wait(self, stage: anyio.Event) -> None:
         try:
-            await self._done.wait()
+            await stage.wait()
         except BaseException:
             if not self._done.is_set() and self._on_abandon is not None:
                 self._on_abandon()
             raise
-        self.returned_at = time.perf_counter()
-        if self._error is not None:
-            raise self._error
+        if self.returned_at is None:
+            self.returned_at = time.perf_counter()
 
 
 @final
@@ -89,7 +121,8 @@ class SaveHandle:
     """The background half of a save.
 
     ``await handle.wait_captured()`` returns once the state of the save is copied: from
-    then on it may change. ``await handle.wait()`` returns the SaveStats once the file
+    then on it may change (a lazy save's call returns before that: see
+    ``wait_walked``). ``await handle.wait()`` returns the SaveStats once the file
     is durable, or raises the exception that failed the save, with its original type. A
     skipped save (a full QueueWriter with ``when_full="skip"`` or ``"replace"``)
     resolves to stats with ``skipped=True``. Cancelling a ``wait()`` only stops
@@ -124,9 +157,19 @@ class SaveHandle:
     async def wait_captured(self) -> None:
         """Return once the state of this save is captured: from then on it may change.
         Raises the capture's failure. Cancelled before the capture ended, it drops the
-        save whole (nothing is written, the handle fails); after, the save goes on. A
-        save that was skipped, or has ended, returns at once."""
+        save whole (nothing is written, the handle fails with SaveCancelledError); after,
+        the save goes on. A save that was skipped, or has ended, returns at once; so
+        does an eager save once its call returned."""
         await self._capture.wait()
+
+    async def wait_walked(self) -> None:
+        """Return once the state's tree is walked: its structure and plain values are
+        taken, and the optimizers in it are guarded. This is where a save call returns:
+        for an eager save, every tensor is copied by then too; a lazy save (``capture=
+        "lazy"``) still copies its tensors, and ``wait_captured()`` says when it is done.
+        Raises what failed the walk; cancelled before the capture ended, it drops the
+        save whole, as ``wait_captured`` does."""
+        await self._capture.wait_walked()
 
     async def wait(self) -> SaveStats:
         """The stats once the save is durable; or raise its failure (which is then
@@ -182,7 +225,7 @@ class Resolver:
         report it (a writer's list), or an exception reported only through this handle."""
         h = self.handle
         h._failure = failure if isinstance(failure, SaveFailure) else SaveFailure(h.path, failure)
-        h._capture.set(h._failure.error)
+        h._capture.set(h._failure.error, h._failure)
         h._done.set()
 
     def skip(self) -> None:

@@ -48,6 +48,7 @@ class Pipe:
         self._filled = 0  # the file's bytes before this offset are staged
         self._sealed = False
         self._failed = False
+        self._started = False
 
     # -- the staging side --------------------------------------------------------------
     def advance(self, filled: int) -> None:
@@ -70,7 +71,23 @@ class Pipe:
             self._failed = True
             self._cond.notify_all()
 
+    def wait_started(self) -> None:
+        """Block until the commit thread runs (or the commit failed): a lazy capture's
+        caller may then hold the event loop, which starts that thread, for a whole step."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._started or self._failed)
+
     # -- the commit side ---------------------------------------------------------------
+    def started(self) -> None:
+        """The commit thread runs."""
+        with self._cond:
+            self._started = True
+            self._cond.notify_all()
+
+    @property
+    def is_started(self) -> bool:
+        return self._started
+
     def wait_filled(self, end: int) -> None:
         """Block until bytes before ``end`` are staged; CaptureEnded if they never will be."""
         with self._cond:
@@ -93,6 +110,7 @@ class Pipe:
 def commit_pipelined(storage: Storage, path: str, pipe: Pipe) -> CommitTimes:
     """Write ``pipe``'s image to ``path`` as it is staged, then commit it (blocking: runs
     in a worker thread). Returns only once the staging side is done with the arena."""
+    pipe.started()
     try:
         upload = storage.create(path, pipe.size)
     except BaseException:

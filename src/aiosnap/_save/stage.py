@@ -17,7 +17,7 @@ import json
 import operator
 import pickle
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,15 +25,16 @@ import numpy as np
 import torch
 
 from .._base import offload as _offload
-from .._base.errors import WriterClosedError
+from .._base.errors import SaveCancelledError
 from .._format import dtypes as _dtypes
 from .._format.codec import TensorInfo
-from .._format.header import ALIGN, EntryCrc, HeaderTemplate
+from .._format.header import ALIGN, EntryCrc, HeaderTemplate, seal
 from .._format.plans import Plan, PlanCache, plan
 from .._format.tree import Leaf, capture
 from .._storage.protocol import Upload
 from .arena import Arena, ArenaPool
 from .device import DeviceCopier, as_copyable, host_view
+from .guard import Guard
 from .pipeline import PIECE, Pipe
 
 _SMALL = 256 << 10
@@ -56,6 +57,8 @@ class StagedImage:
     #: one object instead of thousands for the garbage collector to walk.
     spans: array.array[int]
     stage_s: float = 0.0
+    #: The header is in the arena already (a lazy capture's pipelined commit).
+    sealed: bool = False
     #: The entries and the skeleton's JSON, kept only where a ``savefun`` rebuilds the
     #: state from them.
     tensors: list[TensorInfo] | None = None
@@ -73,15 +76,48 @@ class StagedImage:
         return self.arena.view(0, -(-self.size // ALIGN) * ALIGN)
 
 
-def stage(
-    layout: Plan,
-    pool: ArenaPool,
-    copier: DeviceCopier | None = None,
-    producers: Any = None,
-    keep_tree: bool = False,
-    begin: Callable[[Pipe], bool] | None = None,
-) -> StagedImage:
-    """Copy the planned leaves into an arena: the capture, all the caller waits for.
+@dataclass(frozen=True, slots=True)
+class Lazy:
+    """A lazy capture's hand-offs, for the staging thread. ``walked(optimizers)`` is
+    called on the event loop (which is free then: the caller waits for it) once the tree
+    is walked, the small leaves copied and the arena taken; the caller then returns, and
+    the rest is copied with no help from the loop. ``guard`` holds the optimizers' steps
+    until the copies are done."""
+
+    walked: Callable[[list[Any]], None]
+    guard: Guard
+
+
+def _never() -> bool:
+    return False
+
+
+@dataclass(frozen=True, slots=True)
+class StageRequest:
+    """How one save is captured and staged (``stage_or_plan``).
+
+    ``allow_pickle``: store values that are not state types pickled. ``pool``: where the
+    arena comes from. ``copier`` and ``producers``: device copies, after the work queued
+    before the call (see ``_device``). ``keep_tree``: keep the entries and the skeleton
+    for a ``savefun`` to rebuild the state from. ``begin``: offered the arena before the
+    first copy, to start a pipelined commit (see ``stage``). ``plans``: the writer's last
+    layout, reused while the state keeps its structure. ``stop``: asked between large
+    copies; true once the caller gave the save up. ``lazy``: capture lazily (``Lazy``).
+    """
+
+    allow_pickle: bool
+    pool: ArenaPool
+    copier: DeviceCopier | None = None
+    producers: Any = None
+    keep_tree: bool = False
+    begin: Callable[[Pipe], bool] | None = None
+    plans: PlanCache | None = None
+    stop: Callable[[], bool] = _never
+    lazy: Lazy | None = None
+
+
+def stage(layout: Plan, request: StageRequest, optimizers: Sequence[Any] = ()) -> StagedImage:
+    """Copy the planned leaves into an arena: the capture, all an eager caller waits for.
 
     Device tensors (with a ``copier``) are copied first and asynchronously; host
     tensors are staged while those copies run; the capture ends at
@@ -89,43 +125,117 @@ def stage(
     the caller's path. With ``begin``, the arena is offered to a commit before the
     first copy (``_pipeline``); if ``begin`` takes it, the copies raise the pipe's
     watermark as they go, and the arena belongs to that commit, even if staging fails.
+
+    A lazy request copies the small host leaves first (a BatchNorm's running
+    statistics, which the next forward changes in place), hands the caller back through
+    ``lazy.walked(optimizers)``, then copies the rest; and seals a pipelined commit
+    itself. Its guard is released however this ends.
     """
     t0 = time.perf_counter()
-    arena = pool.acquire(layout.size)
+    lazy = request.lazy
     pipe: Pipe | None = None
     try:
-        if begin is not None:
-            offer = Pipe(arena, layout.size, layout.data_start)
-            pipe = offer if begin(offer) else None
-        _fill(layout, arena, copier, producers, pipe)
-    except BaseException:
-        if pipe is None:
-            pool.release(arena)
-        raise
+        arena = request.pool.acquire(layout.size)
+        try:
+            if request.begin is not None:
+                offer = Pipe(arena, layout.size, layout.data_start)
+                pipe = offer if request.begin(offer) else None
+            todo: Sequence[int] = range(len(layout.leaves))
+            started: dict[int, object] = {}
+            if lazy is not None:
+                todo, started = _copy_small(layout, arena, request.copier, request.producers)
+                if pipe is not None:
+                    pipe.wait_started()  # started by the loop, which the caller may hold next
+                lazy.walked(list(optimizers))
+            _fill(layout, arena, request, pipe, todo, started)
+        except BaseException:
+            if pipe is None:
+                request.pool.release(arena)
+            elif lazy is not None:
+                pipe.fail()  # the commit aborts now, not once the loop is back
+            raise
+    finally:
+        if lazy is not None:
+            lazy.guard.release()
     infos = layout.tensors
     spans = array.array("q")
     for i in range(0, len(infos), _SPANS):  # one C call over 100,000 held the GIL 14 ms
         spans.extend(itertools.chain.from_iterable(map(_START_END, infos[i : i + _SPANS])))
     staged = StagedImage(arena, layout.size, layout.template, spans, time.perf_counter() - t0)
-    if keep_tree:
+    if request.keep_tree:
         staged.tensors, staged.tree = infos, layout.tree
+    if lazy is not None and pipe is not None:
+        _seal_pipe(staged, pipe)
     return staged
 
 
-def _fill(layout: Plan, arena: Arena, copier: DeviceCopier | None, producers: Any, pipe: Pipe | None) -> None:
-    """Copy every leaf to its place, front to back, raising ``pipe``'s watermark a piece
-    at a time. Device copies start first and run meanwhile: the watermark waits below
-    the first device leaf until the host leaves are staged, then follows the device
-    copies as each one lands."""
+def _seal_pipe(staged: StagedImage, pipe: Pipe) -> None:
+    """Checksum a lazy capture's entries and put its header into the arena, from the
+    staging thread: the event loop may be running a training step until the next save,
+    and the commit must not wait for it."""
+    try:
+        seal(staged.image(), staged.template, staged.spans)
+    except BaseException:
+        pipe.fail()
+        raise
+    staged.sealed = True
+    pipe.seal()
+
+
+def _copy_small(
+    layout: Plan, arena: Arena, copier: DeviceCopier | None, producers: Any
+) -> tuple[list[int], dict[int, object]]:
+    """A lazy capture's first part, before its call returns: the leaves under _SMALL
+    bytes (a BatchNorm's running statistics, which the next forward changes in place).
+    Device ones are copied asynchronously, and the caller's streams wait for those copies
+    on the device, so its next forward runs after them. Returns the indices of the leaves
+    left to copy, and the device copies started (their tokens, by leaf index)."""
+    data_start = layout.data_start
+    small, rest = _SmallCopy(arena, data_start), []
+    started: dict[int, object] = {}
+    with _offload.side_thread() as side:
+        for i, (leaf, info) in enumerate(zip(layout.leaves, layout.tensors, strict=True)):
+            on_device = copier is not None and leaf.kind == "tensor" and copier.is_device(leaf.value)
+            if info.nbytes >= _SMALL:
+                rest.append(i)
+            elif on_device:
+                assert copier is not None
+                at = data_start + info.start
+                started[i] = _start_copy(copier, arena, leaf, at, info.nbytes, producers, not started)
+            elif not small.add(leaf, info):
+                _copy(leaf, arena, data_start + info.start, info.nbytes, side)
+    if started:
+        assert copier is not None
+        copier.hold_producers(producers, copier.fence())
+    return rest, started
+
+
+def _fill(
+    layout: Plan,
+    arena: Arena,
+    request: StageRequest,
+    pipe: Pipe | None,
+    todo: Sequence[int],
+    started: dict[int, object],
+) -> None:
+    """Copy the leaves ``todo`` lists to their places, front to back, raising ``pipe``'s
+    watermark a piece at a time. Device copies start first and run meanwhile (with those
+    ``started`` already): the watermark waits below the first device leaf until the host
+    leaves are staged, then follows the device copies as each one lands.
+    ``request.stop()`` is asked before each large host copy."""
     leaves, infos, data_start = layout.leaves, layout.tensors, layout.data_start
-    on_device = _start_device_copies(leaves, infos, arena, data_start, copier, producers)
+    copier, stop = request.copier, request.stop
+    on_device = {**started, **_start_device_copies(layout, todo, arena, copier, request.producers)}
     hold = data_start + min(infos[i].start for i in on_device) if on_device else layout.size
     mark = _Mark(pipe, hold)
     small = _SmallCopy(arena, data_start)
     with _offload.side_thread() as side:
-        for i, (leaf, info) in enumerate(zip(leaves, infos, strict=True)):
+        for i in todo:
+            leaf, info = leaves[i], infos[i]
             if i in on_device or small.add(leaf, info):
                 continue
+            if info.nbytes >= _SMALL and stop():
+                raise SaveCancelledError("the caller gave the save up during its capture")
             mark.reach(data_start + info.start)
             flat = _flat_view(leaf) if pipe is not None and info.nbytes > _CHUNK else None
             if flat is None:
@@ -135,6 +245,10 @@ def _fill(layout: Plan, arena: Arena, copier: DeviceCopier | None, producers: An
                 at, n = data_start + info.start + lo, min(_CHUNK, info.nbytes - lo)
                 _split_copy(arena.array[at : at + n], flat[lo : lo + n], side)
                 mark.reach(at + n)
+    if request.lazy is not None:
+        # The host copies are done and the device copies queued: a step may go on (its
+        # device work after those copies).
+        request.lazy.guard.ready(copier.fence() if on_device and copier is not None else None)
     if on_device:
         assert copier is not None
         if pipe is not None:
@@ -143,6 +257,8 @@ def _fill(layout: Plan, arena: Arena, copier: DeviceCopier | None, producers: An
                 pipe.advance(data_start + infos[i].start)
                 copier.wait(token)
         copier.finish()  # not a byte copied from a device is read before this
+    if stop():  # before the pipe is sealed: a commit of it could not be stopped any more
+        raise SaveCancelledError("the caller gave the save up during its capture")
     if pipe is not None:
         pipe.advance(layout.size)
 
@@ -170,76 +286,119 @@ def _flat_view(leaf: Leaf) -> np.ndarray[Any, np.dtype[np.uint8]] | None:
     return flat
 
 
-def stage_or_plan(
-    target: object,
-    allow_pickle: bool,
-    pool: ArenaPool,
-    copier: DeviceCopier | None = None,
-    producers: Any = None,
-    keep_tree: bool = False,
-    begin: Callable[[Pipe], bool] | None = None,
-    plans: PlanCache | None = None,
-) -> StagedImage | Plan:
+def stage_or_plan(target: object, request: StageRequest) -> StagedImage | Plan:
     """Capture and stage ``target``; or, if its image is larger than the pool's budget,
     only plan it. Runs in a worker thread: a state of 100,000 tensors takes a second to
     walk, which the event loop must not wait for. The collector is held off meanwhile,
     and what capture built is freed (by reference counting) before it resumes; what
     ``plans`` keeps of a new layout joins the oldest generation (``gc_paused(keep=True)``):
     left young, 100,000 entries cost the next young collections 40-50 ms each, in
-    whichever thread set them off. ``begin``: see ``stage``; ``plans``: see ``plan``."""
-    with _offload.gc_paused(keep=plans is not None):
-        layout = plan(capture(target, allow_pickle=allow_pickle), plans)
-        if pool.budget is not None and layout.size > pool.budget:
+    whichever thread set them off. A lazy capture's copies run after the pause: they run
+    beside the training step, whose garbage must not wait for them."""
+    with _offload.gc_paused(keep=request.plans is not None):
+        snapshot = capture(target, allow_pickle=request.allow_pickle)
+        optimizers, snapshot.optimizers = snapshot.optimizers, []
+        layout = plan(snapshot, request.plans)
+        del snapshot
+        if request.pool.budget is not None and layout.size > request.pool.budget:
+            if request.lazy is not None:
+                request.lazy.guard.release()  # written in pieces while the caller waits
             return layout
-        staged = stage(layout, pool, copier, producers, keep_tree, begin)
-        # Not at once: a plan of 100,000 leaves freed in one cascade held the GIL 15-25 ms.
-        _offload.release(layout.leaves, *([] if keep_tree else [layout.tensors]))
-        del layout
+        if request.lazy is None:
+            return _stage_once(layout, request, ())
+    return _stage_once(layout, request, optimizers)
+
+
+def _stage_once(layout: Plan, request: StageRequest, optimizers: Sequence[Any]) -> StagedImage:
+    staged = stage(layout, request, optimizers)
+    # Not at once: a plan of 100,000 leaves freed in one cascade held the GIL 15-25 ms.
+    _offload.release(layout.leaves, *([] if request.keep_tree else [layout.tensors]))
     return staged
 
 
-def write_in_pieces(layout: Plan, upload: Upload, piece: int, stop: Callable[[], bool]) -> None:
-    """Stage and write an image larger than the memory budget through one ``piece``-byte
-    buffer into ``upload``. Where pieces may come in any order, the data goes first and
-    the header, with the checksums, last; an upload written front to back (an object
-    store) first reads every leaf for its checksums, then writes the header and the data
-    in order. ``stop()`` is asked before each piece."""
-    buffer = Arena(max(ALIGN, piece // ALIGN * ALIGN), shared=False)
+def write_in_pieces(layout: Plan, upload: Upload, budget: int, stop: Callable[[], bool]) -> None:
+    """Stage and write an image larger than the memory budget through two buffers of half
+    ``budget`` bytes: a helper thread writes one while the next is filled, and every
+    piece but the last is a whole buffer, aligned for O_DIRECT. Where pieces may come in
+    any order, the data goes first and the header, with the checksums, last; an upload
+    written front to back (an object store) first checksums every leaf where it lies,
+    then gets the header and the data in order. ``stop()`` is asked before each piece."""
+    size = max(ALIGN, budget // 2 // ALIGN * ALIGN)
+    buffers = (Arena(size, shared=False), Arena(size, shared=False))
     try:
         if upload.random_access:
-            crcs = _pieces(layout, buffer, stop, upload.write_at)
+            crcs = _stream(layout, buffers, stop, upload.write_at)
             upload.write_at(0, memoryview(layout.template.render(crcs)))
         else:
-            crcs = _pieces(layout, buffer, stop, None)
-            upload.write_at(0, memoryview(layout.template.render(crcs)))
-            _pieces(layout, buffer, stop, upload.write_at)
+            upload.write_at(0, memoryview(layout.template.render(_checksums(layout, stop))))
+            _stream(layout, buffers, stop, upload.write_at)
     finally:
-        buffer.close()
+        for buffer in buffers:
+            buffer.close()
 
 
-def _pieces(
-    layout: Plan, buffer: Arena, stop: Callable[[], bool], write: Callable[[int, memoryview], None] | None
+def _stream(
+    layout: Plan,
+    buffers: tuple[Arena, Arena],
+    stop: Callable[[], bool],
+    write: Callable[[int, memoryview], None],
 ) -> list[int]:
-    """Stage every leaf through ``buffer``, writing each full buffer at its place in the
-    data section (if ``write``); the checksums of the entries, in header order."""
+    """Copy every leaf, front to back, into the buffers in turn, each written at its place
+    in the data section once full (by the helper thread, while the other fills); the
+    checksums of the entries, in header order."""
     crcs: list[int] = []
-    filled, file_pos = 0, layout.data_start
+    size, blocks = buffers[0].capacity, layout.template.blocks
+    turn, filled, pos = 0, 0, layout.data_start
+    with _offload.side_thread() as side:
+        for i, (leaf, info) in enumerate(zip(layout.leaves, layout.tensors, strict=True)):
+            buffer, crc = buffers[turn], EntryCrc(blocks[i])
+            if info.nbytes <= size - filled and _memmove_small(leaf, buffer, filled, info.nbytes):
+                crc.update(buffer.view(filled, filled + info.nbytes))
+                filled += info.nbytes
+                crcs += crc.values()
+                continue
+            flat, lo = _flat_bytes(leaf), 0
+            while lo < info.nbytes:
+                n = min(info.nbytes - lo, size - filled)
+                buffer.array[filled : filled + n] = flat[lo : lo + n]
+                crc.update(buffer.view(filled, filled + n))
+                filled, lo = filled + n, lo + n
+                if filled == size:
+                    if stop():
+                        raise SaveCancelledError("the caller gave the save up during a save in pieces")
+                    side.wait()  # the other buffer is written: it is free
+                    side.submit(write, pos, buffer.view(0, size))
+                    pos, filled, turn = pos + size, 0, 1 - turn
+                    buffer = buffers[turn]
+            crcs += crc.values()
+        side.wait()
+        if filled:
+            write(pos, buffers[turn].view(0, filled))
+    return crcs
+
+
+def _memmove_small(leaf: Leaf, buffer: Arena, at: int, nbytes: int) -> bool:
+    """Copy a small contiguous host tensor into ``buffer`` by one ``memmove`` (see
+    ``_SmallCopy``); False if it needs the general copy."""
+    t = leaf.value
+    if leaf.kind != "tensor" or not 0 < nbytes < _SMALL or t.nbytes != nbytes:
+        return False
+    if not t.is_cpu or not t.is_contiguous() or t.is_conj() or t.is_neg():
+        return False
+    _memmove(buffer.array.ctypes.data + at, t.data_ptr(), nbytes)
+    return True
+
+
+def _checksums(layout: Plan, stop: Callable[[], bool]) -> list[int]:
+    """The checksums of every entry, read where the leaves lie (no copy)."""
+    crcs: list[int] = []
     for i, (leaf, info) in enumerate(zip(layout.leaves, layout.tensors, strict=True)):
+        if stop():
+            raise SaveCancelledError("the caller gave the save up during a save in pieces")
         crc, flat = EntryCrc(layout.template.blocks[i]), _flat_bytes(leaf)
-        for lo in range(0, info.nbytes, buffer.capacity):
-            if stop():
-                raise WriterClosedError("the caller was cancelled during a save in pieces")
-            chunk = flat[lo : lo + buffer.capacity]
-            if filled + len(chunk) > buffer.capacity:
-                if write is not None:
-                    write(file_pos, buffer.view(0, filled))
-                file_pos, filled = file_pos + filled, 0
-            buffer.array[filled : filled + len(chunk)] = chunk
-            crc.update(buffer.view(filled, filled + len(chunk)))
-            filled += len(chunk)
+        for lo in range(0, info.nbytes, _CHUNK):
+            crc.update(flat[lo : lo + _CHUNK].data)
         crcs += crc.values()
-    if write is not None:
-        write(file_pos, buffer.view(0, filled))
     return crcs
 
 
@@ -257,25 +416,30 @@ def _flat_bytes(leaf: Leaf) -> np.ndarray[Any, np.dtype[np.uint8]]:
 
 
 def _start_device_copies(
-    leaves: list[Leaf],
-    infos: list[TensorInfo],
-    arena: Arena,
-    data_start: int,
-    copier: DeviceCopier | None,
-    producers: Any,
+    layout: Plan, todo: Sequence[int], arena: Arena, copier: DeviceCopier | None, producers: Any
 ) -> dict[int, object]:
-    """Start the copy of every device leaf; the token of each, by leaf index."""
+    """Start the copy of every device leaf of ``todo``; the token of each, by leaf index."""
     if copier is None:
         return {}
     started: dict[int, object] = {}
-    for i, (leaf, info) in enumerate(zip(leaves, infos, strict=True)):
+    leaves, infos, data_start = layout.leaves, layout.tensors, layout.data_start
+    for i in todo:
+        leaf, info = leaves[i], infos[i]
         if leaf.kind == "tensor" and info.nbytes and copier.is_device(leaf.value):
-            if not started:
-                copier.pin(arena.array)
-            start = data_start + info.start
-            dst, src = host_view(arena.tensor[start : start + info.nbytes], leaf.value.detach())
-            started[i] = copier.start(src, dst, producers)
+            at = data_start + info.start
+            started[i] = _start_copy(copier, arena, leaf, at, info.nbytes, producers, not started)
     return started
+
+
+def _start_copy(
+    copier: DeviceCopier, arena: Arena, leaf: Leaf, start: int, nbytes: int, producers: Any, first: bool
+) -> object:
+    """Start the copy of a device leaf to ``arena[start:start + nbytes]``; the ``first``
+    of a save pins the arena (a copier pins an arena only once)."""
+    if first:
+        copier.pin(arena.array)
+    dst, src = host_view(arena.tensor[start : start + nbytes], leaf.value.detach())
+    return copier.start(src, dst, producers)
 
 
 _memmove = ctypes.memmove

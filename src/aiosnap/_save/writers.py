@@ -11,6 +11,12 @@ thread, no ``savefun`` -- is *pipelined* (``_pipeline``): its commit is handed t
 arena as soon as the image is laid out, and writes the first pieces while later ones
 are still being copied. The commit then owns the end of the save: it settles it,
 also when the capture fails (the caller gets that error, the writer reports nothing).
+
+A *lazy* save (``capture="lazy"``) releases its caller once the tree is walked: the
+staging thread goes on copying the tensors, with no help from the event loop, which a
+synchronous training step holds until the next save; a ``Guard`` holds the step of
+the optimizers in the state until the copies are done. A copy that fails after the
+call returned is a background failure, reported as a failed commit is.
 """
 
 from __future__ import annotations
@@ -30,23 +36,25 @@ import anyio.abc
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .._base import offload as _offload
-from .._base.errors import WriterClosedError
+from .._base.errors import SaveCancelledError, WriterClosedError
 from .._base.names import check_component
 from .._format.header import seal
 from .._format.plans import Plan, PlanCache
 from .._storage.backends import resolve
 from .._storage.protocol import CommitTimes, Storage
 from .arena import Arena, ArenaPool
-from .device import default_copier
+from .device import DeviceCopier, default_copier
 from .engine import Engine, ProcessEngine, SaveFun, ThreadEngine
+from .guard import Guard
 from .handle import Capture, Failures, Resolver, SaveFailure, SaveHandle, SaveStats, raise_first
 from .pipeline import CaptureEnded, Pipe, commit_pipelined
-from .stage import StagedImage, stage_or_plan, write_in_pieces
+from .stage import Lazy, StagedImage, StageRequest, stage_or_plan, write_in_pieces
 
 logger = logging.getLogger(__name__)
 
 Offload = Literal["thread", "process"]
 WhenFull = Literal["block", "skip", "replace"]
+CaptureMode = Literal["eager", "lazy"]
 #: Below this, a budget could not even hold one header page and one piece.
 _MIN_BUDGET = 1 << 20
 _After = Callable[["_Save"], Coroutine[Any, Any, None]]
@@ -65,12 +73,20 @@ class WriterOptions(TypedDict, total=False):
     ahead of it be written while it is still being copied (the default: durable about one
     disk write after the call); False commits only after the capture, which stalls the
     caller ~15-25 % less (the copy then has the memory bus and the cores to itself).
+    ``capture``: when a save call returns. ``"eager"`` (the default) once every tensor is
+    copied; ``"lazy"`` once the tree is walked and its plain values taken, the tensors
+    copied in the background while ``optimizer.step()`` of every optimizer in the state
+    waits for them (see docs/concepts.md, "Lazy capture"); a call's own ``capture=``
+    overrides it. ``device_copier``: what copies device tensors to host memory (by
+    default, CUDA's side streams where CUDA is available; tests pass a fake device).
     """
 
     storage: Storage | None
     allow_pickle: bool
     max_host_bytes: int | None
     pipeline: bool
+    capture: CaptureMode
+    device_copier: DeviceCopier | None
 
 
 class Writer(Protocol):
@@ -113,6 +129,9 @@ class _Save:
     savefun: SaveFun | None
     t0: float
     capture: Capture
+    guard: Guard | None = None  # a lazy capture's
+    walked: bool = False  # a lazy capture's caller was released
+    failure: SaveFailure | None = None  # a lazy capture failed after its call returned
     staged: StagedImage | None = None
     arena: Arena | None = None  # released when the save settles
     pipe: Pipe | None = None  # set once a pipelined commit has taken the save
@@ -140,9 +159,12 @@ class _WriterBase(abc.ABC):
         allow_pickle: bool = False,
         max_host_bytes: int | None = None,
         pipeline: bool = True,
+        capture: CaptureMode = "eager",
+        device_copier: DeviceCopier | None = None,
     ) -> None:
         if offload not in ("thread", "process"):
             raise ValueError(f"offload must be 'thread' or 'process', not {offload!r}")
+        _check_capture(capture)
         if max_host_bytes is not None and max_host_bytes < _MIN_BUDGET:
             raise ValueError(f"max_host_bytes must be at least {_MIN_BUDGET}")
         self.offload = offload
@@ -160,7 +182,8 @@ class _WriterBase(abc.ABC):
         self._hooks: list[PostSaveHook] = []
         self._capture_lock = anyio.Lock()
         self._plans = PlanCache()  # used under the capture lock
-        self._copier = default_copier()
+        self._copier = device_copier if device_copier is not None else default_copier()
+        self.capture: CaptureMode = capture
 
     # -- lifecycle ---------------------------------------------------------------------
     async def __aenter__(self) -> Self:
@@ -232,6 +255,17 @@ class _WriterBase(abc.ABC):
         in a worker thread). A failing hook fails its save's handle."""
         self._hooks.append(hook)
 
+    def staging_memory(self) -> StagingMemory:
+        """The host memory staging holds now (arenas of saves in flight, and those kept
+        for the next saves), and how many captures wait for some to be released."""
+        in_use, kept, kept_bytes, waiting = self._pool.usage()
+        return StagingMemory(in_use, kept, kept_bytes, waiting)
+
+    @property
+    def worker_pid(self) -> int | None:
+        """The process id of the offload worker (``offload="process"``, while open)."""
+        return self._engine.pid
+
     def _unpin(self, array: object) -> None:
         if self._copier is not None:
             self._copier.unpin(array)
@@ -248,7 +282,13 @@ class _WriterBase(abc.ABC):
 
     # -- one save ------------------------------------------------------------------------
     async def __call__(
-        self, filename: str, out_dir: str, target: object, *, savefun: SaveFun | None = None
+        self,
+        filename: str,
+        out_dir: str,
+        target: object,
+        *,
+        savefun: SaveFun | None = None,
+        capture: CaptureMode | None = None,
     ) -> SaveHandle:
         """Capture ``target`` now and write it to ``out_dir/filename``.
 
@@ -264,22 +304,37 @@ class _WriterBase(abc.ABC):
         from the captured copy, still through the durable atomic commit; it implies
         ``allow_pickle`` for values that are not state types.
 
+        ``capture="lazy"`` (or the writer's ``capture``) returns once the tree is walked,
+        its plain values taken (a list appended to later is saved as it was), and copies
+        the tensors in the background: ``optimizer.step()`` of each optimizer in
+        ``target`` waits for them, and anything else that changes a tensor in place
+        must ``await handle.wait_captured()`` first. ``capture="eager"`` overrides a
+        lazy default.
+
         If an earlier background save failed and that was not reported yet, the call
         raises that failure -- after it has accepted its own save, which goes on.
         """
-        handle = await self.accept(filename, out_dir, target, savefun=savefun)
-        await handle.wait_captured()
+        handle = await self.accept(filename, out_dir, target, savefun=savefun, capture=capture)
+        await handle.wait_walked()
         raise_first(self._failures.take(), accepted=handle.path)
         return handle
 
     async def accept(
-        self, filename: str, out_dir: str, target: object, *, savefun: SaveFun | None = None
+        self,
+        filename: str,
+        out_dir: str,
+        target: object,
+        *,
+        savefun: SaveFun | None = None,
+        capture: CaptureMode | None = None,
     ) -> SaveHandle:
         """Take a save, as ``__call__`` does, and return its handle as soon as the writer
         has it (a slot in its queue, its turn), before the state is captured: the caller
-        must ``await handle.wait_captured()`` before it changes ``target``. Earlier
+        must ``await handle.wait_walked()`` (a lazy save: and let only the guarded step
+        change it) or ``handle.wait_captured()`` before it changes ``target``. Earlier
         failures are not raised here (``flush()``, ``take_failures()``)."""
         t0 = time.perf_counter()
+        mode = self.capture if capture is None else _check_capture(capture)
         if self._state != "open":
             raise WriterClosedError(
                 "the writer is closed"
@@ -293,10 +348,12 @@ class _WriterBase(abc.ABC):
         else:
             storage, path = resolve(filename, self._storage)
             check_component(storage.split(path)[1], "the file name of")
-        capture = Capture()
-        save = _Save(Resolver(path, capture), storage, target, savefun, t0, capture)
+        taken = Capture()
+        save = _Save(Resolver(path, taken), storage, target, savefun, t0, taken)
+        if mode == "lazy":
+            save.guard = Guard(self._copier)
         # A caller that stops waiting before the capture ended may be changing the state.
-        capture._on_abandon = functools.partial(setattr, save, "abandoned", True)
+        taken._on_abandon = functools.partial(setattr, save, "abandoned", True)
         if self._copier is not None:
             # Current streams are per thread: take the caller's here, on the loop thread.
             save.producers = self._copier.producer_streams()
@@ -313,22 +370,25 @@ class _WriterBase(abc.ABC):
         self._tg.start_soon(self._capture_then, save, after)
 
     async def _capture_then(self, save: _Save, after: _After) -> None:
-        begin = None
+        begin = lazy = None
         if self._pipeline and not self._engine.shared and save.savefun is None:
             begin = functools.partial(_offload.from_loop, self._begin_pipeline, save, after)
+        if save.guard is not None:
+            lazy = Lazy(functools.partial(_offload.from_loop, self._walked, save), save.guard)
+        request = StageRequest(
+            allow_pickle=self._allow_pickle or save.savefun is not None,
+            pool=self._pool,
+            copier=self._copier,
+            producers=save.producers,
+            keep_tree=save.savefun is not None,
+            begin=begin,
+            plans=self._plans,
+            stop=functools.partial(getattr, save, "abandoned"),
+            lazy=lazy,
+        )
         try:
             async with self._capture_lock:
-                staged = await _offload.run_cpu(
-                    stage_or_plan,
-                    save.target,
-                    self._allow_pickle or save.savefun is not None,
-                    self._pool,
-                    self._copier,
-                    save.producers,
-                    save.savefun is not None,
-                    begin,
-                    self._plans,
-                )
+                staged = await _offload.run_cpu(stage_or_plan, save.target, request)
                 if isinstance(staged, Plan):
                     save.stats = await self._commit_in_pieces(save, staged)
                 else:
@@ -343,8 +403,9 @@ class _WriterBase(abc.ABC):
                 raise
         finally:
             save.target = None
-            save.stall_s = time.perf_counter() - save.t0  # the caller's own figure replaces it
-            save.capture.set(save.capture_error)
+            if not save.walked:
+                save.stall_s = time.perf_counter() - save.t0  # the caller's own figure replaces it
+            save.capture.set(save.capture_error, self._late_failure(save))
         if save.pipe is not None:
             await self._seal(save, save.pipe)
             return
@@ -356,6 +417,26 @@ class _WriterBase(abc.ABC):
             self._dropped(save)
             return
         await after(save)
+
+    def _walked(self, save: _Save, optimizers: list[Any]) -> None:
+        """On the loop, asked by a lazy capture's staging thread: the tree is walked and
+        the arena taken; guard the optimizers and let the caller return."""
+        if save.abandoned:
+            raise SaveCancelledError("the caller gave the save up during its capture")
+        assert save.guard is not None
+        save.guard.arm(optimizers)
+        save.walked = True
+        save.stall_s = time.perf_counter() - save.t0
+        save.capture.walked()
+
+    def _late_failure(self, save: _Save) -> SaveFailure | None:
+        """A lazy capture that failed after its call returned: its caller has not seen the
+        error, so it is reported as a background failure (the next call, flush, aclose)."""
+        error = save.capture_error
+        if save.walked and isinstance(error, Exception) and not save.abandoned and save.failure is None:
+            logger.warning("the background copy of %s failed: %r", save.handle.path, error)
+            save.failure = self._failures.add(save.handle.path, error)
+        return save.failure
 
     def _begin_pipeline(self, save: _Save, after: _After, pipe: Pipe) -> bool:
         """On the loop, asked by the staging thread once the arena is taken: start the
@@ -378,6 +459,8 @@ class _WriterBase(abc.ABC):
         """After a pipelined capture: checksum the staged entries and write the header
         into the arena while the commit writes the data, or make the commit abort."""
         staged = save.staged
+        if staged is not None and staged.sealed:
+            return  # by a lazy capture's staging thread
         if save.capture_error is not None or save.abandoned or staged is None:
             pipe.fail()
             return
@@ -388,13 +471,15 @@ class _WriterBase(abc.ABC):
             raise
         pipe.seal()
 
-    def _capture_failure(self, save: _Save) -> BaseException:
+    def _capture_failure(self, save: _Save) -> SaveFailure | BaseException:
         """What a save whose capture did not complete ends with."""
+        if save.failure is not None:
+            return save.failure
         error = save.capture_error
         if isinstance(error, Exception):
             return error
         if save.abandoned:
-            return WriterClosedError("the caller was cancelled")
+            return SaveCancelledError("the caller gave the save up before its capture ended")
         return WriterClosedError("the writer closed during a capture")
 
     async def _commit_in_pieces(self, save: _Save, layout: Plan) -> SaveStats:
@@ -424,7 +509,7 @@ class _WriterBase(abc.ABC):
         for hook in self._hooks:
             await _call_hook(hook, stats)
 
-    def _drop(self, save: _Save, error: BaseException) -> None:
+    def _drop(self, save: _Save, error: SaveFailure | BaseException) -> None:
         self._settle(save, error)
         self._dropped(save)
 
@@ -434,7 +519,14 @@ class _WriterBase(abc.ABC):
     async def _commit(self, save: _Save) -> None:
         try:
             if save.pipe is not None:
-                times = await _offload.run_commit(commit_pipelined, save.storage, save.handle.path, save.pipe)
+                try:
+                    times = await _offload.run_commit(
+                        commit_pipelined, save.storage, save.handle.path, save.pipe
+                    )
+                except BaseException:
+                    if not save.pipe.is_started:  # cancelled before its thread ran
+                        save.pipe.fail()
+                    raise
             else:
                 assert save.staged is not None
                 times = await self._engine.commit(save.storage, save.handle.path, save.staged, save.savefun)
@@ -453,7 +545,10 @@ class _WriterBase(abc.ABC):
         except Exception as exc:
             captured = not (isinstance(exc, CaptureEnded) or save.capture_error is not None or save.abandoned)
             if save.pipe is not None and not captured:
-                # The capture failed: its caller has the error; nothing else reports it.
+                # The capture failed: its caller has the error (a lazy capture's is reported
+                # as a background failure). A lazy capture fails its pipe from its staging
+                # thread: its error may not be recorded yet.
+                await save.capture.ended()
                 self._settle(save, self._capture_failure(save))
                 return
             logger.warning("background save of %s failed: %r", save.handle.path, exc)
@@ -470,6 +565,8 @@ class _WriterBase(abc.ABC):
         arena, save.arena, save.staged = save.arena, None, None
         if arena is not None:
             self._pool.release(arena)
+        if save.guard is not None:
+            save.guard.release()  # also where the staging thread never ran
         self._inflight.discard(save)
         if save.handle.done():
             return
@@ -486,6 +583,25 @@ class _WriterBase(abc.ABC):
             save.resolver.fail(error)
         else:
             save.resolver.skip()
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class StagingMemory:
+    """A writer's staging memory at one moment (``staging_memory()``): bytes of arenas
+    held by saves in flight, arenas kept for the next saves and their bytes, and
+    captures waiting for memory (``max_host_bytes``)."""
+
+    in_use: int
+    kept: int
+    kept_bytes: int
+    waiting: int
+
+
+def _check_capture(capture: str) -> CaptureMode:
+    if capture not in ("eager", "lazy"):
+        raise ValueError(f"capture must be 'eager' or 'lazy', not {capture!r}")
+    return capture  # type: ignore[return-value]
 
 
 async def _call_hook(hook: PostSaveHook, stats: SaveStats) -> None:
@@ -507,12 +623,18 @@ class SimpleWriter(_WriterBase):
     returns_durable = True
 
     async def __call__(
-        self, filename: str, out_dir: str, target: object, *, savefun: SaveFun | None = None
+        self,
+        filename: str,
+        out_dir: str,
+        target: object,
+        *,
+        savefun: SaveFun | None = None,
+        capture: CaptureMode | None = None,
     ) -> SaveHandle:
         """Capture ``target`` and write it to ``out_dir/filename``; return once the file
-        is durable, or raise what failed the save."""
-        handle = await self.accept(filename, out_dir, target, savefun=savefun)
-        await handle.wait_captured()
+        is durable, or raise what failed the save (``capture`` changes nothing here)."""
+        handle = await self.accept(filename, out_dir, target, savefun=savefun, capture=capture)
+        await handle.wait_walked()
         await handle.wait()  # raised here, to the caller: reported
         return handle
 
