@@ -38,6 +38,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from .._base import offload as _offload
 from .._base.errors import SaveCancelledError, WriterClosedError
 from .._base.names import check_component
+from .._base.tasks import TaskGroupOwner
 from .._format.header import seal
 from .._format.plans import Plan, PlanCache
 from .._storage.backends import resolve
@@ -146,7 +147,7 @@ class _Save:
         return self.resolver.handle
 
 
-class _WriterBase(abc.ABC):
+class _WriterBase(TaskGroupOwner, abc.ABC):
     """Behaviour shared by all writers; subclasses decide what follows a capture."""
 
     _arenas_kept = 1
@@ -175,7 +176,6 @@ class _WriterBase(abc.ABC):
         )
         self._allow_pickle = allow_pickle
         self._pipeline = pipeline
-        self._tg: anyio.abc.TaskGroup | None = None
         self._state: Literal["new", "open", "closing", "closed"] = "new"
         self._inflight: set[_Save] = set()
         self._failures = Failures()
@@ -189,15 +189,14 @@ class _WriterBase(abc.ABC):
     async def __aenter__(self) -> Self:
         if self._state != "new":
             raise WriterClosedError("a writer can be opened only once")
-        tg = anyio.create_task_group()
-        await tg.__aenter__()
-        self._tg, self._state = tg, "open"
+        tg = await self._open_tasks()
+        self._state = "open"
         try:
             await self._engine.start()
             self._on_open(tg)
         except BaseException:
             self._state = "closed"
-            await self._exit_task_group(cancel=True)
+            await self._close_tasks(cancel=True)
             raise
         return self
 
@@ -209,15 +208,9 @@ class _WriterBase(abc.ABC):
         try:
             await self.aclose()
         except BaseException as error:
-            await self._exit_task_group(cancel=not isinstance(error, Exception))
+            await self._close_tasks(cancel=not isinstance(error, Exception))
             raise
-        await self._exit_task_group(cancel=False)
-
-    async def _exit_task_group(self, *, cancel: bool) -> None:
-        assert self._tg is not None
-        if cancel:
-            self._tg.cancel_scope.cancel()
-        await self._tg.__aexit__(None, None, None)
+        await self._close_tasks(cancel=False)
 
     async def aclose(self) -> None:
         """Wait for every accepted save, stop the workers, raise any unreported failure.
@@ -270,7 +263,7 @@ class _WriterBase(abc.ABC):
         if self._copier is not None:
             self._copier.unpin(array)
 
-    def _on_open(self, tg: anyio.abc.TaskGroup) -> None:  # noqa: B027 - optional hook
+    def _on_open(self, tg: anyio.abc.TaskGroup) -> None:
         """Start the writer's own background tasks."""
 
     async def _drain(self) -> None:
@@ -365,9 +358,8 @@ class _WriterBase(abc.ABC):
         must get the handle of every save that started); return its handle."""
 
     def _start(self, save: _Save, after: _After) -> None:
-        assert self._tg is not None
         self._inflight.add(save)
-        self._tg.start_soon(self._capture_then, save, after)
+        self._tasks.start_soon(self._capture_then, save, after)
 
     async def _capture_then(self, save: _Save, after: _After) -> None:
         begin = lazy = None
@@ -452,8 +444,7 @@ class _WriterBase(abc.ABC):
         return True
 
     def _hand_over(self, save: _Save, after: _After) -> None:
-        assert self._tg is not None
-        self._tg.start_soon(after, save)
+        self._tasks.start_soon(after, save)
 
     async def _seal(self, save: _Save, pipe: Pipe) -> None:
         """After a pipelined capture: checksum the staged entries and write the header
@@ -513,7 +504,7 @@ class _WriterBase(abc.ABC):
         self._settle(save, error)
         self._dropped(save)
 
-    def _dropped(self, save: _Save) -> None:  # noqa: B027 - optional hook
+    def _dropped(self, save: _Save) -> None:
         """A save ended before it was handed on (capture failed or was abandoned)."""
 
     async def _commit(self, save: _Save) -> None:
