@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -143,7 +144,8 @@ async def test_a_remote_tier_that_dies_mid_run_is_waited_for_then_caught_up(
 
 # -- Ctrl-C, and a user who configured no logging -------------------------------------------
 _CLOSING = r"""
-import asyncio, sys, torch, aiosnap
+import asyncio, faulthandler, signal, sys, torch, aiosnap
+faulthandler.register(signal.SIGUSR1)  # the test asks for every thread's stack if it hangs
 from aiosnap.storage import from_url
 
 async def main():
@@ -177,9 +179,23 @@ def test_ctrl_c_ends_a_close_that_waits_for_a_remote_tier_that_does_not_answer(t
             if "AiosnapWarning" in line:
                 break
         assert any("has not answered" in line or "cannot be opened" in line for line in seen), seen
+        # The rest of stderr is read as it comes: a child blocked writing to a full pipe
+        # would not exit.
+        rest: list[str] = []
+        reader = threading.Thread(target=lambda: rest.extend(child.stderr or ()), daemon=True)
+        reader.start()
         t0 = time.monotonic()
         child.send_signal(signal.SIGINT)
-        child.wait(timeout=INTERRUPT_BOUND)
+        try:
+            child.wait(timeout=INTERRUPT_BOUND)
+        except subprocess.TimeoutExpired:
+            child.send_signal(signal.SIGUSR1)  # its threads' stacks, for the failure's message
+            dumped = time.monotonic() + 10
+            while time.monotonic() < dumped and not any("most recent call first" in x for x in rest):
+                time.sleep(0.05)  # only on the way to a failure: what the dump wrote so far
+            child.kill()
+            reader.join(timeout=10)
+            pytest.fail("the close did not end after Ctrl-C:\n" + "".join(seen + rest)[-20000:])
         assert time.monotonic() - t0 < INTERRUPT_BOUND
         assert child.returncode != 0  # interrupted, not finished
     finally:

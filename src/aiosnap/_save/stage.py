@@ -235,7 +235,7 @@ def _fill(
             if i in on_device or small.add(leaf, info):
                 continue
             if info.nbytes >= _SMALL and stop():
-                raise SaveCancelledError("the caller gave the save up during its capture")
+                raise SaveCancelledError("the save was cancelled: its caller gave it up during its capture")
             mark.reach(data_start + info.start)
             flat = _flat_view(leaf) if pipe is not None and info.nbytes > _CHUNK else None
             if flat is None:
@@ -258,7 +258,7 @@ def _fill(
                 copier.wait(token)
         copier.finish()  # not a byte copied from a device is read before this
     if stop():  # before the pipe is sealed: a commit of it could not be stopped any more
-        raise SaveCancelledError("the caller gave the save up during its capture")
+        raise SaveCancelledError("the save was cancelled: its caller gave it up during its capture")
     if pipe is not None:
         pipe.advance(layout.size)
 

@@ -414,7 +414,7 @@ class _WriterBase(TaskGroupOwner, abc.ABC):
         """On the loop, asked by a lazy capture's staging thread: the tree is walked and
         the arena taken; guard the optimizers and let the caller return."""
         if save.abandoned:
-            raise SaveCancelledError("the caller gave the save up during its capture")
+            raise SaveCancelledError("the save was cancelled: its caller gave it up during its capture")
         assert save.guard is not None
         save.guard.arm(optimizers)
         save.walked = True
