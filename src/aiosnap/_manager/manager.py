@@ -99,6 +99,30 @@ def _group_of(name: str, group: Any, rank: int, replicated: Sequence[str], timeo
     return Group(parent, rank, size, size, tuple(replicated), timeout)
 
 
+def _writer_of(
+    writer: Writer | None,
+    storage: Storage,
+    *,
+    incremental: bool,
+    frozen: Sequence[str],
+    compression: str | None,
+    compression_level: int,
+) -> Writer:
+    """The manager's writer: the one given, or a QueueWriter with the manager's options
+    (which a writer given must carry itself)."""
+    if writer is None:
+        return QueueWriter(
+            storage=storage,
+            incremental=incremental,
+            frozen=frozen,
+            compression=compression,
+            compression_level=compression_level,
+        )
+    if incremental or frozen or compression is not None:
+        raise ValueError("incremental=, frozen= and compression= go to the writer when one is given")
+    return writer
+
+
 @final
 class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
     """Owns a checkpoint directory: saves through a writer, keeps an index, rotates, restores.
@@ -173,6 +197,11 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
         uploader: the UploadWriter of the remote tier (retries, waiting uploads).
         capture: ``"eager"`` (a save returns once its state is copied) or ``"lazy"`` (once
             its tree is walked; see below).
+        incremental: store entries of 64 KiB or more once, as blobs shared by the
+            checkpoints of the directory (see docs/manager.md, "Incremental checkpoints");
+            retention deletes a blob once no checkpoint refers to it.
+        frozen: globs of entry names that do not change (not hashed again).
+        compression: ``"zstd"`` compresses the blobs (``compression_level``, 1-22).
     """
 
     def __init__(
@@ -197,6 +226,10 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
         upload: Literal["every", "manual"] = "every",
         uploader: UploadWriter | None = None,
         capture: Literal["eager", "lazy"] = "eager",
+        incremental: bool = False,
+        frozen: Sequence[str] = (),
+        compression: str | None = None,
+        compression_level: int = 3,
     ) -> None:
         self._capture = _check_capture(capture)
         if upload not in ("every", "manual"):
@@ -233,7 +266,21 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
             self._tier = Tier(far, uploads, local=self._site.storage)
         self._upload_mode = upload
         self.read_only = read_only
-        self._writer: Writer = writer if writer is not None else QueueWriter(storage=self._site.storage)
+        self._writer: Writer = _writer_of(
+            writer,
+            self._site.storage,
+            incremental=incremental,
+            frozen=frozen,
+            compression=compression,
+            compression_level=compression_level,
+        )
+        if getattr(self._writer, "incremental", False) and (
+            remote is not None or self._group.world_size is not None
+        ):
+            raise ValueError(
+                "incremental checkpoints are written by a process on its own to a local or single-tier "
+                "directory: not yet in a process group or with a remote tier"
+            )
         self._trigger: Trigger | None = EveryNSteps(save_every) if isinstance(save_every, int) else save_every
         #: This process's rank in the group (or as given, on its own).
         self.rank = self._group.rank

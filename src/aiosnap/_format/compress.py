@@ -1,0 +1,61 @@
+"""Per-entry compression of blobs: zstd, through the ``zstandard`` package (an extra).
+
+A compressed blob is one zstd frame holding the entry's bytes; the referring header
+records ``"compression": "zstd"`` and the frame's size (``stored``). The crc32c is the
+entry's own (its bytes as loaded), so a load checks what it decompressed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._base.errors import CorruptCheckpointError
+
+#: zstd's levels: 1 (fastest) to 22.
+LEVELS = range(1, 23)
+
+
+def _zstd() -> Any:
+    try:
+        import zstandard
+    except ImportError as exc:
+        raise ImportError(
+            'compression="zstd" needs the zstandard package: pip install "aiosnap[zstd]"'
+        ) from exc
+    return zstandard
+
+
+def check(compression: str | None, level: int) -> None:
+    """Refuse a compression aiosnap cannot write, before any save."""
+    if compression is None:
+        return
+    if compression != "zstd":
+        raise ValueError(f'compression must be None or "zstd", not {compression!r}')
+    if level not in LEVELS:
+        raise ValueError(f"compression_level must be 1..22 for zstd, not {level!r}")
+    _zstd()
+
+
+def compress(data: memoryview, compression: str, level: int) -> bytes:
+    """``data`` as one frame (its size recorded in it). Releases the GIL."""
+    assert compression == "zstd"
+    packed: bytes = _zstd().ZstdCompressor(level=level, write_content_size=True).compress(data)
+    return packed
+
+
+def decompress(packed: bytearray, nbytes: int, compression: str, owner: str, path: str) -> memoryview:
+    """The ``nbytes`` bytes of a blob's frame; CorruptCheckpointError (naming the
+    checkpoint ``owner`` and the blob) if the frame is not one of exactly that many."""
+    if compression != "zstd":
+        raise CorruptCheckpointError(owner, f"the blob {path}: unknown compression {compression!r}")
+    zstd = _zstd()
+    try:
+        params = zstd.get_frame_parameters(packed)
+        if params.content_size != nbytes:
+            raise CorruptCheckpointError(owner, f"the blob {path} does not hold {nbytes} bytes")
+        plain = zstd.ZstdDecompressor().decompress(packed, max_output_size=nbytes)
+    except zstd.ZstdError as exc:
+        raise CorruptCheckpointError(owner, f"the blob {path} is not a valid zstd frame ({exc})") from None
+    if len(plain) != nbytes:
+        raise CorruptCheckpointError(owner, f"the blob {path} does not hold {nbytes} bytes")
+    return memoryview(plain)

@@ -1,0 +1,96 @@
+"""Collecting the blobs of a directory that no checkpoint refers to any more.
+
+The references are read from the checkpoints themselves (every file aiosnap wrote in
+the directory, and in its step directories), never from the index, so a lost or stale
+index changes nothing. A blob is deleted only if it lies in aiosnap's own folder, is
+named as aiosnap names blobs (a content hash, with the suffix of its compression), no
+file refers to it, and no save of this process pinned it while the collection ran
+(see ``_save/incremental``). Retention runs it after the checkpoints it removed are
+gone: a crash between the two leaves blobs nobody refers to, never a reference to a
+missing blob.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+from .._base.checksums import is_content_hash
+from .._base.errors import CheckpointError
+from .._base.names import BLOB_DIR, RESERVED_PREFIXES
+from .._format.codec import read_header, written_by_aiosnap
+from .._save.incremental import PINS, SUFFIXES, blob_file
+from .._storage.protocol import Storage
+
+logger = logging.getLogger(__name__)
+
+
+def blob_of(name: str) -> str | None:
+    """The content hash a blob file is named by; None for a name aiosnap never gives one."""
+    for suffix in sorted(SUFFIXES.values(), key=len, reverse=True):
+        if suffix and not name.endswith(suffix):
+            continue
+        blob = name[: len(name) - len(suffix)] if suffix else name
+        if is_content_hash(blob):
+            return blob
+    return None
+
+
+def referenced(storage: Storage, directory: str) -> set[str]:
+    """The blob files the checkpoints in ``directory`` (and in its step directories)
+    refer to. A file whose header cannot be read refers to nothing: it cannot be
+    restored either. Blocking."""
+    found: set[str] = set()
+    for entry in storage.list(directory):
+        if entry.name.startswith(RESERVED_PREFIXES):  # the index, the lock, temp files, blobs
+            continue
+        path = storage.join(directory, entry.name)
+        if entry.is_dir:
+            for inner in storage.list(path):
+                if inner.is_file and not inner.name.startswith(RESERVED_PREFIXES):
+                    found |= _refs_of(storage, storage.join(path, inner.name))
+        elif entry.is_file:
+            found |= _refs_of(storage, path)
+    return found
+
+
+def _refs_of(storage: Storage, path: str) -> set[str]:
+    try:
+        f = storage.open_read(path)
+    except (CheckpointError, OSError):
+        return set()
+    try:
+        if not written_by_aiosnap(f):
+            return set()
+        header = read_header(f)
+    except (CheckpointError, OSError):
+        return set()
+    finally:
+        f.close()
+    return {blob_file(ref.blob, ref.compression) for ref in header.refs.values()}
+
+
+def collect(storage: Storage, directory: str) -> list[str]:
+    """Delete the blobs of ``directory`` that nothing refers to; their paths. Blocking."""
+    folder = storage.join(directory, BLOB_DIR)
+    entry = storage.stat(folder)
+    if entry is None or not entry.is_dir:
+        return []
+    PINS.begin()
+    try:
+        blobs = [e.name for e in storage.list(folder) if e.is_file and blob_of(e.name) is not None]
+        if not blobs:
+            return []
+        kept = referenced(storage, directory)
+        gone = []
+        for name in blobs:
+            if name in kept:
+                continue
+            path = storage.join(folder, name)
+            if PINS.delete_unless_pinned(str(blob_of(name)), functools.partial(storage.delete, path)):
+                gone.append(path)
+    finally:
+        PINS.end()
+    if gone:
+        logger.info("%s: removed %d blobs no checkpoint refers to", folder, len(gone))
+    return gone

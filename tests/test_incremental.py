@@ -1,0 +1,268 @@
+"""Incremental saves: large entries stored once, as content-addressed blobs.
+
+Each test uses real files and the real readers: a save writes only the blobs it lacks,
+every reader follows references and verifies their bytes, retention and prune delete a
+blob only once no checkpoint refers to it, hostile references are refused naming the
+file, and a standalone copy is a plain aiosnap (safetensors) file again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import aiosnap
+from aiosnap._format.codec import read_header
+from aiosnap._manager.blobs import collect
+from aiosnap._manager.catalog import INDEX_NAME
+from aiosnap._save.incremental import MIN_BLOB, PINS
+from aiosnap.storage import LocalStorage
+
+from . import hostile
+from .test_cli import cli
+
+BLOBS = "aiosnap-blobs"
+ROWS = MIN_BLOB // 4 // 64  # a [ROWS, 64] float32 tensor is exactly one blob's minimum
+
+
+def lora_state(step: int, base: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """A frozen base (large, the same every step), an adapter and a small value that change."""
+    g = torch.Generator().manual_seed(1000 + step)
+    return {
+        "base": base,
+        "adapter": torch.randn(2 * ROWS, 64, generator=g),
+        "small": torch.full((8,), float(step)),
+        "step": step,
+    }
+
+
+def make_base() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {f"layer{i}": torch.randn(4 * ROWS, 64, generator=g) for i in range(3)}
+
+
+def blobs(directory: Path) -> set[str]:
+    folder = directory / BLOBS
+    return set(os.listdir(folder)) if folder.exists() else set()
+
+
+def assert_equal(loaded: Any, want: Any) -> None:
+    if isinstance(want, dict):
+        assert set(loaded) == set(want)
+        for k in want:
+            assert_equal(loaded[k], want[k])
+    elif isinstance(want, torch.Tensor):
+        assert torch.equal(loaded, want)
+    else:
+        assert loaded == want
+
+
+async def test_a_second_save_writes_only_what_changed_and_every_reader_follows(tmp_path: Path) -> None:
+    base = make_base()
+    async with aiosnap.ThreadWriter(incremental=True) as writer:
+        first = await (await writer("a", str(tmp_path), lora_state(1, base))).wait()
+        after_first = blobs(tmp_path)
+        second = await (await writer("b", str(tmp_path), lora_state(2, base))).wait()
+    assert len(after_first) == 4  # three base layers and the adapter
+    assert len(blobs(tmp_path) - after_first) == 1  # only the new adapter
+    adapter = 2 * ROWS * 64 * 4
+    file_b = (tmp_path / "b").stat().st_size
+    assert second.bytes == file_b + adapter < first.bytes  # the file and the one new blob
+    for name, step in (("a", 1), ("b", 2)):
+        want = lora_state(step, base)
+        assert_equal(await aiosnap.load(str(tmp_path / name)), want)
+        target = {
+            "base": {k: torch.zeros_like(v) for k, v in base.items()},
+            "adapter": torch.zeros(2 * ROWS, 64),
+            "small": torch.zeros(8),
+            "step": 0,
+        }
+        await aiosnap.load_into(str(tmp_path / name), target)
+        assert_equal(target, want)
+        part = await aiosnap.load(str(tmp_path / name), keys=["base.layer1"])
+        assert torch.equal(part["base"]["layer1"], base["layer1"])
+        report = await aiosnap.verify(str(tmp_path / name))
+        assert report.tensors == 5
+        assert report.bytes == sum(v.nbytes for v in base.values()) + adapter + 32
+
+
+async def test_safetensors_reads_a_referring_file_as_its_own_entries_only(tmp_path: Path) -> None:
+    base = make_base()
+    async with aiosnap.ThreadWriter(incremental=True) as writer:
+        await (await writer("a", str(tmp_path), lora_state(1, base))).wait()
+    with safe_open(str(tmp_path / "a"), "pt") as f:
+        assert list(f.keys()) == ["small"]
+        assert torch.equal(f.get_tensor("small"), torch.full((8,), 1.0))
+        document = json.loads(f.metadata()["aiosnap"])
+    assert sorted(document["refs"]) == ["adapter", "base.layer0", "base.layer1", "base.layer2"]
+    header = read_header(LocalStorage().open_read(str(tmp_path / "a")), shortcut=False)
+    fast = read_header(LocalStorage().open_read(str(tmp_path / "a")))
+    assert header.refs == fast.refs and set(header.refs) == set(document["refs"])
+
+
+async def save_incremental(directory: Path, name: str, state: Any) -> aiosnap.SaveStats:
+    async with aiosnap.ThreadWriter(incremental=True) as writer:
+        return await (await writer(name, str(directory), state)).wait()
+
+
+def test_standalone_copies_are_plain_files_that_load_bit_equal(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = make_base()
+    asyncio.run(save_incremental(tmp_path / "run", "a", lora_state(1, base)))
+    src = str(tmp_path / "run" / "a")
+    written = aiosnap.standalone_sync(src, str(tmp_path / "copy"))
+    assert written == (tmp_path / "copy").stat().st_size
+    assert read_header(LocalStorage().open_read(str(tmp_path / "copy"))).refs == {}
+    with safe_open(str(tmp_path / "copy"), "pt") as f:
+        assert sorted(f.keys()) == ["adapter", "base.layer0", "base.layer1", "base.layer2", "small"]
+    assert_equal(aiosnap.load_sync(str(tmp_path / "copy")), lora_state(1, base))
+    code, _, err = cli(capsys, "convert", "--standalone", src, str(tmp_path / "cli"))
+    assert code == 0, err
+    assert (tmp_path / "cli").read_bytes() == (tmp_path / "copy").read_bytes()
+    # A damaged blob is never copied into a file that would vouch for it.
+    blob = next((tmp_path / "run" / BLOBS).iterdir())
+    raw = bytearray(blob.read_bytes())
+    raw[100] ^= 1
+    blob.write_bytes(raw)
+    with pytest.raises(aiosnap.CorruptCheckpointError, match="checksum mismatch"):
+        asyncio.run(aiosnap.standalone(src, str(tmp_path / "bad")))
+    assert not (tmp_path / "bad").exists()
+
+
+async def test_frozen_entries_are_trusted_only_while_their_checksum_holds(tmp_path: Path) -> None:
+    base = make_base()
+    async with aiosnap.ThreadWriter(incremental=True, frozen=["base.*"]) as writer:
+        await (await writer("a", str(tmp_path), lora_state(1, base))).wait()
+        before = blobs(tmp_path)
+        base["layer0"][0, 0] += 1  # declared frozen, changed all the same
+        await (await writer("b", str(tmp_path), lora_state(2, base))).wait()
+    assert len(blobs(tmp_path) - before) == 2  # the adapter, and the changed layer
+    assert_equal(await aiosnap.load(str(tmp_path / "b")), lora_state(2, base))
+
+
+async def test_hostile_references_are_refused_naming_the_file(tmp_path: Path) -> None:
+    base = make_base()
+    async with aiosnap.ThreadWriter(incremental=True) as writer:
+        await (await writer("a", str(tmp_path), lora_state(1, base))).wait()
+    path = tmp_path / "a"
+    parts = hostile.parse(path.read_bytes())
+    adapter = parts.meta["refs"]["adapter"]
+    blob = tmp_path / BLOBS / adapter["blob"]
+
+    # A header claiming a huge entry: refused from the blob's size, before any allocation.
+    adapter["shape"] = [1 << 40, 64]
+    (tmp_path / "huge").write_bytes(hostile.render(parts))
+    with pytest.raises(aiosnap.CorruptCheckpointError, match="huge.*adapter.*bytes"):
+        await aiosnap.load(str(tmp_path / "huge"))
+    # A blob that holds other bytes: its crc32c fails, in load and verify.
+    raw = bytearray(blob.read_bytes())
+    raw[-1] ^= 0x40
+    blob.write_bytes(raw)
+    for read in (aiosnap.load, aiosnap.verify):
+        with pytest.raises(aiosnap.CorruptCheckpointError, match=f"{path}.*checksum mismatch.*adapter"):
+            await read(str(path))
+    # A reference to a blob that is not there.
+    blob.unlink()
+    with pytest.raises(aiosnap.CorruptCheckpointError, match=f"{path}.*adapter.*missing blob"):
+        await aiosnap.load(str(path))
+    # A blob name that is not a content hash (a path out of the folder) is malformed.
+    parts.meta["refs"]["adapter"]["blob"] = "../../etc/passwd"
+    (tmp_path / "escape").write_bytes(hostile.render(parts))
+    with pytest.raises(aiosnap.CorruptCheckpointError, match="escape.*adapter.*malformed"):
+        await aiosnap.load(str(tmp_path / "escape"))
+
+
+async def test_retention_keeps_every_blob_a_checkpoint_refers_to(tmp_path: Path) -> None:
+    base = make_base()
+    kept = aiosnap.KeepLast(2)
+    async with aiosnap.CheckpointManager(str(tmp_path), keep=kept, incremental=True) as mgr:
+        for step in range(5):
+            await (await mgr.save(step, lora_state(step, base))).wait()
+            # the base's three blobs, and the adapters of the checkpoints kept
+            assert len(blobs(tmp_path)) == 3 + min(step + 1, 2)
+        for step in await mgr.steps():
+            restored = await mgr.restore(step)
+            assert_equal(restored.state, lora_state(step, base))
+    # The index is a cache: without it, the references are read from the checkpoints.
+    (tmp_path / INDEX_NAME).unlink()
+    orphan = tmp_path / BLOBS / ("0" * 32)
+    orphan.write_bytes(b"left by a save that crashed before its checkpoint")
+    foreign = tmp_path / BLOBS / "notes.txt"
+    foreign.write_text("not aiosnap's")
+    async with aiosnap.CheckpointManager(str(tmp_path), keep=kept, incremental=True) as mgr:
+        assert await mgr.prune() == []
+        assert not orphan.exists() and foreign.exists()  # only what aiosnap names as blobs
+        assert len(blobs(tmp_path)) == 3 + 2 + 1
+        for step in await mgr.steps():
+            await aiosnap.verify(str(tmp_path / mgr.filename(step)))
+
+
+def test_the_collector_never_deletes_a_blob_pinned_while_it_ran(tmp_path: Path) -> None:
+    folder = tmp_path / BLOBS
+    folder.mkdir()
+    names = ["1" * 32, "2" * 32]
+    for name in names:
+        (folder / name).write_bytes(b"x")
+    # Pinned and unpinned during the collection (its checkpoint committed meanwhile,
+    # after the collector's scan): still kept.
+    started, go = threading.Event(), threading.Event()
+    storage = LocalStorage()
+    real_list = storage.list
+
+    def slow_list(path: str) -> list[Any]:
+        if path == str(tmp_path):
+            started.set()
+            go.wait()
+        return real_list(path)
+
+    storage.list = slow_list  # type: ignore[method-assign]
+    gone: list[str] = []
+    collector = threading.Thread(target=lambda: gone.extend(collect(storage, str(tmp_path))))
+    collector.start()
+    started.wait()
+    PINS.pin(names[0])
+    PINS.unpin([names[0]])
+    go.set()
+    collector.join()
+    assert gone == [str(folder / names[1])]
+    assert os.listdir(folder) == [names[0]]
+
+
+async def test_zstd_blobs_are_recorded_compressed_and_checked(tmp_path: Path) -> None:
+    pytest.importorskip("zstandard")
+    state = {"zeros": torch.zeros(4 * ROWS, 64), "step": 3}
+    async with aiosnap.ThreadWriter(incremental=True, compression="zstd", compression_level=3) as writer:
+        stats = await (await writer("a", str(tmp_path), state)).wait()
+    (blob,) = (tmp_path / BLOBS).iterdir()
+    assert blob.name.endswith(".zst") and blob.stat().st_size < state["zeros"].nbytes // 100
+    assert stats.bytes == (tmp_path / "a").stat().st_size + blob.stat().st_size
+    document = hostile.parse((tmp_path / "a").read_bytes()).meta["refs"]["zeros"]
+    assert document["compression"] == "zstd" and document["stored"] == blob.stat().st_size
+    assert_equal(await aiosnap.load(str(tmp_path / "a")), state)
+    await aiosnap.verify(str(tmp_path / "a"))
+    blob.write_bytes(blob.read_bytes()[:-4] + b"\0\0\0\0")
+    with pytest.raises(aiosnap.CorruptCheckpointError, match=str(tmp_path / "a")):
+        await aiosnap.load(str(tmp_path / "a"))
+
+
+async def test_options_that_need_incremental_are_refused_without_it(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="incremental=True"):
+        aiosnap.ThreadWriter(compression="zstd")
+    with pytest.raises(ValueError, match="incremental=True"):
+        aiosnap.ThreadWriter(frozen=["base.*"])
+    with pytest.raises(ValueError, match="compression"):
+        aiosnap.ThreadWriter(incremental=True, compression="lz4")
+    with pytest.raises(ValueError, match="go to the writer"):
+        aiosnap.CheckpointManager(str(tmp_path), writer=aiosnap.ThreadWriter(), incremental=True)
+    with pytest.raises(ValueError, match="reserved|aiosnap's own"):
+        async with aiosnap.ThreadWriter() as writer:
+            await writer(BLOBS, str(tmp_path), {"x": 1})
