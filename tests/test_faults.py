@@ -38,6 +38,7 @@ def state(step: int, size: int = 1024) -> dict[str, Any]:
 
 def assert_state(loaded: Any, step: int) -> None:
     assert loaded["step"] == step and bool((loaded["x"] == float(step)).all()), "a torn checkpoint"
+    assert "shared" not in loaded or torch.equal(loaded["shared"], _SHARED), "a torn checkpoint"
 
 
 # -- the flows: each starts from a directory holding step 1, and writes step 2 --------------------
@@ -56,7 +57,39 @@ async def manager_commit(directory: Path, storage: aiosnap.Storage) -> None:
         await (await mgr.save(2, state(2))).wait()
 
 
-FLOWS: dict[str, Flow] = {"save": save_file, "pieces": save_in_pieces, "manager": manager_commit}
+#: A frozen tensor both steps of the incremental flow share (one blob), 128 KiB.
+_SHARED = torch.arange(1 << 15, dtype=torch.float32)
+
+
+def incremental_state(step: int) -> dict[str, Any]:
+    return {**state(step, 1 << 15), "shared": _SHARED}  # x: 128 KiB, a blob of its own
+
+
+async def incremental_commit(directory: Path, storage: aiosnap.Storage) -> None:
+    # Blobs first (x of step 2; the shared one is there), then the file, then retention
+    # drops step 1 and collects its blob of x.
+    async with aiosnap.CheckpointManager(
+        str(directory), keep=aiosnap.KeepLast(1), storage=storage, incremental=True
+    ) as mgr:
+        await (await mgr.save(2, incremental_state(2))).wait()
+
+
+FLOWS: dict[str, Flow] = {
+    "save": save_file,
+    "pieces": save_in_pieces,
+    "manager": manager_commit,
+    "incremental": incremental_commit,
+}
+
+
+async def seed_incremental(directory: Path) -> None:
+    directory.mkdir()
+    async with aiosnap.CheckpointManager(str(directory), incremental=True) as mgr:
+        await (await mgr.save(1, incremental_state(1))).wait()
+
+
+#: How a flow's directory is made, where it is not ``seed``'s.
+SEEDS: dict[str, Callable[[Path], Awaitable[None]]] = {"incremental": seed_incremental}
 
 
 async def seed(directory: Path) -> None:
@@ -108,6 +141,8 @@ async def reopen_and_restore(directory: Path, committed: bool) -> None:
         assert_state(restored.state, restored.step)
         on_disk = sorted(int(n.rsplit("_", 1)[1]) for n in os.listdir(directory) if n.startswith("snapshot"))
         assert await mgr.steps() == on_disk
+        for step in on_disk:  # each whole: no reference to a missing blob
+            await aiosnap.verify(str(directory / mgr.filename(step)))
     index = json.loads((directory / INDEX_NAME).read_text())
     assert [c["step"] for c in index["checkpoints"]] == on_disk
 
@@ -120,12 +155,13 @@ async def test_a_fault_at_every_call_keeps_a_whole_checkpoint(
 ) -> None:
     flow = FLOWS[name]
     counted = Injector()
-    await seed(tmp_path / "count")
+    seeded = SEEDS.get(name, seed)
+    await seeded(tmp_path / "count")
     assert await run(flow, tmp_path / "count", counted) is None
     assert counted.calls > 5
     for n in range(1, counted.calls + 1):
         directory = tmp_path / f"n{n}"
-        await seed(directory)
+        await seeded(directory)
         injector = Injector(n, CODES[code], persistent=persistent)
         error = await run(flow, directory, injector)
         assert injector.failed, f"call #{n} was never made"
@@ -162,12 +198,13 @@ def _ctx() -> Any:
 @pytest.mark.parametrize("name", sorted(FLOWS))
 async def test_a_crash_at_every_call_leaves_the_old_or_the_new_checkpoint(tmp_path: Path, name: str) -> None:
     counted = Injector()
-    await seed(tmp_path / "count")
+    seeded = SEEDS.get(name, seed)
+    await seeded(tmp_path / "count")
     assert await run(FLOWS[name], tmp_path / "count", counted) is None
     ctx = _ctx()
     for n in range(1, counted.calls + 1):
         directory = tmp_path / f"n{n}"
-        await seed(directory)
+        await seeded(directory)
         child = ctx.Process(target=_crash_at, args=(name, str(directory), n))
         child.start()
         await asyncio.to_thread(child.join)

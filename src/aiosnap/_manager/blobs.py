@@ -55,15 +55,18 @@ def referenced(storage: Storage, directory: str) -> set[str]:
 
 
 def _refs_of(storage: Storage, path: str) -> set[str]:
+    """The blobs the file at ``path`` refers to. A file gone meanwhile, not aiosnap's,
+    or whose header fails its checks refers to none; a read that fails (OSError) fails
+    the collection: that file's references are unknown."""
     try:
         f = storage.open_read(path)
-    except (CheckpointError, OSError):
+    except CheckpointError:
         return set()
     try:
         if not written_by_aiosnap(f):
             return set()
         header = read_header(f)
-    except (CheckpointError, OSError):
+    except CheckpointError:
         return set()
     finally:
         f.close()
@@ -71,7 +74,17 @@ def _refs_of(storage: Storage, path: str) -> set[str]:
 
 
 def collect(storage: Storage, directory: str) -> list[str]:
-    """Delete the blobs of ``directory`` that nothing refers to; their paths. Blocking."""
+    """Delete the blobs of ``directory`` that nothing refers to; their paths. A failed
+    read or delete ends the collection early, with a warning: what is left is collected
+    the next time. Blocking."""
+    try:
+        return _collect(storage, directory)
+    except OSError as exc:
+        logger.warning("%s: unreferenced blobs were not all removed (%r); the next prune is", directory, exc)
+        return []
+
+
+def _collect(storage: Storage, directory: str) -> list[str]:
     folder = storage.join(directory, BLOB_DIR)
     entry = storage.stat(folder)
     if entry is None or not entry.is_dir:
