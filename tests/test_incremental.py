@@ -266,3 +266,21 @@ async def test_options_that_need_incremental_are_refused_without_it(tmp_path: Pa
     with pytest.raises(ValueError, match="reserved|aiosnap's own"):
         async with aiosnap.ThreadWriter() as writer:
             await writer(BLOBS, str(tmp_path), {"x": 1})
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: aiosnap.ProcessWriter(incremental=True),
+        lambda: aiosnap.ThreadQueueWriter(incremental=True, capture="lazy"),
+    ],
+    ids=["process", "lazy"],
+)
+async def test_incremental_saves_from_a_worker_process_or_a_lazy_capture(tmp_path: Path, make: Any) -> None:
+    base = make_base()
+    async with make() as writer:
+        for step in (1, 2):
+            await (await writer(f"s{step}", str(tmp_path), lora_state(step, base))).wait()
+    assert len(blobs(tmp_path)) == 3 + 2
+    for step in (1, 2):
+        assert_equal(await aiosnap.load(str(tmp_path / f"s{step}")), lora_state(step, base))
