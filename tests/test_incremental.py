@@ -125,6 +125,12 @@ def test_standalone_copies_are_plain_files_that_load_bit_equal(
     with safe_open(str(tmp_path / "copy"), "pt") as f:
         assert sorted(f.keys()) == ["adapter", "base.layer0", "base.layer1", "base.layer2", "small"]
     assert_equal(aiosnap.load_sync(str(tmp_path / "copy")), lora_state(1, base))
+    code, out, err = cli(capsys, "inspect", "--json", src)
+    assert code == 0, err
+    shown = {e["path"]: e.get("blob") for e in json.loads(out)["entries"]}
+    refs = hostile.parse(Path(src).read_bytes()).meta["refs"]
+    assert shown == {"small": None, "step": None} | {name: d["blob"] for name, d in refs.items()}
+    assert json.loads(out)["stored"]["bytes"] == aiosnap.verify_sync(src).bytes
     code, _, err = cli(capsys, "convert", "--standalone", src, str(tmp_path / "cli"))
     assert code == 0, err
     assert (tmp_path / "cli").read_bytes() == (tmp_path / "copy").read_bytes()
