@@ -290,3 +290,26 @@ async def test_incremental_saves_from_a_worker_process_or_a_lazy_capture(tmp_pat
     assert len(blobs(tmp_path)) == 3 + 2
     for step in (1, 2):
         assert_equal(await aiosnap.load(str(tmp_path / f"s{step}")), lora_state(step, base))
+
+
+async def test_the_remote_tier_is_sent_only_the_blobs_it_lacks(tmp_path: Path) -> None:
+    base = make_base()
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    sent = []
+    async with aiosnap.CheckpointManager(
+        str(local), remote=str(remote), incremental=True, keep_remote=aiosnap.KeepLast(2)
+    ) as mgr:
+        for step in range(4):
+            handle = await mgr.save(step, lora_state(step, base))
+            await handle.wait()
+            assert handle.upload is not None
+            sent.append((await handle.upload.wait()).bytes)
+        assert await mgr.remote_steps() == [2, 3]
+    adapter = 2 * ROWS * 64 * 4
+    file_sizes = [(remote / f"snapshot_iter_{s}").stat().st_size for s in (2, 3)]
+    assert sent[0] > 3 * adapter * 2  # the base and the first adapter
+    assert sent[2:] == [adapter + file_sizes[0], adapter + file_sizes[1]]  # then one new blob each
+    assert len(blobs(remote)) == 3 + 2  # the remote's retention collected the others
+    # The remote tier alone restores each checkpoint it holds.
+    for step in (2, 3):
+        assert_equal(await aiosnap.load(str(remote / f"snapshot_iter_{step}")), lora_state(step, base))

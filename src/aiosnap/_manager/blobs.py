@@ -86,9 +86,8 @@ def collect(storage: Storage, directory: str) -> list[str]:
 
 def _collect(storage: Storage, directory: str) -> list[str]:
     folder = storage.join(directory, BLOB_DIR)
-    entry = storage.stat(folder)
-    if entry is None or not entry.is_dir:
-        return []
+    if not any(e.is_dir and e.name == BLOB_DIR for e in storage.list(directory)):
+        return []  # no blobs (an object store lists a folder as a common prefix)
     PINS.begin()
     try:
         blobs = [e.name for e in storage.list(folder) if e.is_file and blob_of(e.name) is not None]

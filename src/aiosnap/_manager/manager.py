@@ -274,12 +274,9 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
             compression=compression,
             compression_level=compression_level,
         )
-        if getattr(self._writer, "incremental", False) and (
-            remote is not None or self._group.world_size is not None
-        ):
+        if getattr(self._writer, "incremental", False) and self._group.world_size is not None:
             raise ValueError(
-                "incremental checkpoints are written by a process on its own to a local or single-tier "
-                "directory: not yet in a process group or with a remote tier"
+                "incremental checkpoints are written by a process on its own, not yet in a group"
             )
         self._trigger: Trigger | None = EveryNSteps(save_every) if isinstance(save_every, int) else save_every
         #: This process's rank in the group (or as given, on its own).
