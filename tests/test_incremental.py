@@ -313,3 +313,35 @@ async def test_the_remote_tier_is_sent_only_the_blobs_it_lacks(tmp_path: Path) -
     # The remote tier alone restores each checkpoint it holds.
     for step in (2, 3):
         assert_equal(await aiosnap.load(str(remote / f"snapshot_iter_{step}")), lora_state(step, base))
+
+
+async def test_incremental_checkpoints_on_an_object_store_and_as_its_remote_tier(
+    s3: Any, tmp_path: Path
+) -> None:
+    from aiosnap.storage import from_url
+
+    base = make_base()
+    url = f"s3://{s3.bucket()}/run"
+    storage = from_url(url, **s3.options)
+    async with aiosnap.ThreadWriter(incremental=True, storage=storage) as writer:
+        for step in (1, 2):
+            await (await writer(f"s{step}", url, lora_state(step, base))).wait()
+    assert len(storage.list(f"{url}/{BLOBS}")) == 3 + 2
+    for step in (1, 2):
+        loaded = await aiosnap.load(f"{url}/s{step}", storage=storage)
+        assert_equal(loaded, lora_state(step, base))
+    remote = f"s3://{s3.bucket()}/tier"
+    async with aiosnap.CheckpointManager(
+        str(tmp_path),
+        remote=remote,
+        remote_storage=from_url(remote, **s3.options),
+        incremental=True,
+        keep_remote=aiosnap.KeepLast(1),
+    ) as mgr:
+        for step in range(3):
+            handle = await mgr.save(step, lora_state(step, base))
+            assert handle.upload is not None
+            await handle.upload.wait()
+    far = from_url(remote, **s3.options)
+    assert len(far.list(f"{remote}/{BLOBS}")) == 3 + 1  # the remote's retention collected
+    assert_equal(await aiosnap.load(f"{remote}/snapshot_iter_2", storage=far), lora_state(2, base))
