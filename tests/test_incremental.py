@@ -345,3 +345,12 @@ async def test_incremental_checkpoints_on_an_object_store_and_as_its_remote_tier
     far = from_url(remote, **s3.options)
     assert len(far.list(f"{remote}/{BLOBS}")) == 3 + 1  # the remote's retention collected
     assert_equal(await aiosnap.load(f"{remote}/snapshot_iter_2", storage=far), lora_state(2, base))
+
+
+async def test_a_directory_of_step_directories_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "snapshot_iter_0").mkdir()
+    (tmp_path / "snapshot_iter_0" / "aiosnap-manifest.json").write_text("{}")
+    with pytest.raises(ValueError, match="step directories"):
+        async with aiosnap.CheckpointManager(str(tmp_path), incremental=True):
+            pass
+    assert not (tmp_path / BLOBS).exists()

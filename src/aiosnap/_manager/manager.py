@@ -306,6 +306,11 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
         writer_open = False
         try:
             await self._site.connect()
+            if getattr(self._writer, "incremental", False) and self._site.steps_are_dirs:
+                raise ValueError(
+                    f"{self.directory} holds step directories (a group's checkpoints): incremental saves "
+                    "write one file per step, not yet step directories"
+                )
             await self._site.open(tg)
             if self._tier is not None:
                 await self._tier.connect(steps_are_dirs=self._site.steps_are_dirs)
