@@ -86,10 +86,10 @@ def collect(storage: Storage, directory: str) -> list[str]:
 
 def _collect(storage: Storage, directory: str) -> list[str]:
     folder = storage.join(directory, BLOB_DIR)
-    if not any(e.is_dir and e.name == BLOB_DIR for e in storage.list(directory)):
-        return []  # no blobs (an object store lists a folder as a common prefix)
-    PINS.begin()
+    PINS.begin()  # before anything is listed: a pin from now on keeps its blob
     try:
+        if not any(e.is_dir and e.name == BLOB_DIR for e in storage.list(directory)):
+            return []  # no blobs (an object store lists a folder as a common prefix)
         blobs = [e.name for e in storage.list(folder) if e.is_file and blob_of(e.name) is not None]
         if not blobs:
             return []
