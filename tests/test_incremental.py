@@ -21,6 +21,7 @@ from safetensors import safe_open
 
 import aiosnap
 from aiosnap._format.codec import read_header
+from aiosnap._load.refs import follow
 from aiosnap._manager.blobs import collect
 from aiosnap._manager.catalog import INDEX_NAME
 from aiosnap._save.incremental import MIN_BLOB, PINS
@@ -245,16 +246,28 @@ def test_the_collector_never_deletes_a_blob_pinned_while_it_ran(tmp_path: Path) 
 
 async def test_zstd_blobs_are_recorded_compressed_and_checked(tmp_path: Path) -> None:
     pytest.importorskip("zstandard")
-    state = {"zeros": torch.zeros(4 * ROWS, 64), "step": 3}
+    periodic = (torch.arange(4 * ROWS * 64) % 7).float().reshape(4 * ROWS, 64)
+    state = {"periodic": periodic, "step": 3}
     async with aiosnap.ThreadWriter(incremental=True, compression="zstd", compression_level=3) as writer:
         stats = await (await writer("a", str(tmp_path), state)).wait()
     (blob,) = (tmp_path / BLOBS).iterdir()
-    assert blob.name.endswith(".zst") and blob.stat().st_size < state["zeros"].nbytes // 100
+    assert blob.name.endswith(".zst") and blob.stat().st_size < periodic.nbytes // 20
     assert stats.bytes == (tmp_path / "a").stat().st_size + blob.stat().st_size
-    document = hostile.parse((tmp_path / "a").read_bytes()).meta["refs"]["zeros"]
+    document = hostile.parse((tmp_path / "a").read_bytes()).meta["refs"]["periodic"]
     assert document["compression"] == "zstd" and document["stored"] == blob.stat().st_size
     assert_equal(await aiosnap.load(str(tmp_path / "a")), state)
     await aiosnap.verify(str(tmp_path / "a"))
+    # A ranged read of a compressed entry (not front to back) slices its decompressed bytes.
+    storage = LocalStorage()
+    f = storage.open_read(str(tmp_path / "a"))
+    reader, header = follow(storage, f, read_header(f))
+    try:
+        info = header.tensors["periodic"]
+        part = bytearray(1000)
+        reader.readinto(header.data_start + info.start + 4100, memoryview(part))
+        assert part == periodic.numpy().tobytes()[4100:5100]
+    finally:
+        reader.close()
     blob.write_bytes(blob.read_bytes()[:-4] + b"\0\0\0\0")
     with pytest.raises(aiosnap.CorruptCheckpointError, match=str(tmp_path / "a")):
         await aiosnap.load(str(tmp_path / "a"))

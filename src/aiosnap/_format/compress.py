@@ -59,3 +59,33 @@ def decompress(packed: bytearray, nbytes: int, compression: str, owner: str, pat
     if len(plain) != nbytes:
         raise CorruptCheckpointError(owner, f"the blob {path} does not hold {nbytes} bytes")
     return memoryview(plain)
+
+
+class Stream:
+    """A blob's frame decompressed front to back straight into the caller's buffers (a
+    load's destination), checked to hold exactly ``nbytes`` bytes."""
+
+    def __init__(self, packed: bytearray, nbytes: int, compression: str, owner: str, path: str) -> None:
+        if compression != "zstd":
+            raise CorruptCheckpointError(owner, f"the blob {path}: unknown compression {compression!r}")
+        self._zstd, self.owner, self.path = _zstd(), owner, path
+        try:
+            size = self._zstd.get_frame_parameters(packed).content_size
+        except self._zstd.ZstdError as exc:
+            raise CorruptCheckpointError(
+                owner, f"the blob {path} is not a valid zstd frame ({exc})"
+            ) from None
+        if size != nbytes:
+            raise CorruptCheckpointError(owner, f"the blob {path} does not hold {nbytes} bytes")
+        self._reader = self._zstd.ZstdDecompressor().stream_reader(packed)
+
+    def readinto(self, buf: memoryview) -> None:
+        done = 0
+        try:
+            while done < len(buf):
+                n = self._reader.readinto(buf[done:])
+                if not n:
+                    raise CorruptCheckpointError(self.owner, f"the blob {self.path} ends early")
+                done += n
+        except self._zstd.ZstdError as exc:
+            raise CorruptCheckpointError(self.owner, f"the blob {self.path}: {exc}") from None

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 from .._base.errors import CorruptCheckpointError
 from .._format.codec import Header, Ref
+from .._format.compress import Stream, decompress
 from .._save.incremental import blob_dir, blob_file
 from .._storage.protocol import ALIGN, Reader, Storage
 
@@ -62,6 +63,8 @@ class _Blob:
         self.ref, self.owner = ref, owner
         self.reader: Reader | None = None
         self.plain: memoryview | None = None
+        self.stream: Stream | None = None
+        self.pos = 0  # where the stream is, in the entry's bytes
 
     def open(self) -> Reader:
         if self.reader is None:
@@ -74,9 +77,18 @@ class _Blob:
         return self.reader
 
     def read(self, offset: int, bufs: Sequence[memoryview]) -> None:
-        """Fill ``bufs`` from ``offset`` of the entry's bytes."""
+        """Fill ``bufs`` from ``offset`` of the entry's bytes. A compressed entry read front
+        to back (as a load reads it) is decompressed straight into them; any other read of
+        it slices a decompressed copy."""
         if self.ref.compression is None:
             self.open().read_batch([(offset, bufs)])
+            return
+        if self.plain is None and offset == self.pos:
+            if self.stream is None:
+                self.stream = Stream(self.packed(), self.nbytes, self.ref.compression, self.owner, self.path)
+            for buf in bufs:
+                self.stream.readinto(buf.cast("B"))
+                self.pos += buf.nbytes
             return
         plain = self.decompressed()
         for buf in bufs:
@@ -84,18 +96,22 @@ class _Blob:
             buf.cast("B")[:] = plain[offset : offset + n]
             offset += n
 
+    def packed(self) -> bytearray:
+        f = self.open()
+        packed = bytearray(f.size)
+        f.readinto(0, memoryview(packed))
+        return packed
+
     def decompressed(self) -> memoryview:
         if self.plain is None:
-            from .._format.compress import decompress
-
-            f = self.open()
-            packed = bytearray(f.size)
-            f.readinto(0, memoryview(packed))
-            self.plain = decompress(packed, self.nbytes, self.ref.compression or "", self.owner, self.path)
+            self.stream = None
+            self.plain = decompress(
+                self.packed(), self.nbytes, self.ref.compression or "", self.owner, self.path
+            )
         return self.plain
 
     def close(self) -> None:
-        reader, self.reader, self.plain = self.reader, None, None
+        reader, self.reader, self.plain, self.stream = self.reader, None, None, None
         if reader is not None:
             reader.close()
 
