@@ -257,6 +257,12 @@ async def test_zstd_blobs_are_recorded_compressed_and_checked(tmp_path: Path) ->
     assert document["compression"] == "zstd" and document["stored"] == blob.stat().st_size
     assert_equal(await aiosnap.load(str(tmp_path / "a")), state)
     await aiosnap.verify(str(tmp_path / "a"))
+    # A header claiming more than the frame holds is refused before anything is allocated.
+    parts = hostile.parse((tmp_path / "a").read_bytes())
+    parts.meta["refs"]["periodic"]["shape"] = [1 << 40, 64]
+    (tmp_path / "huge").write_bytes(hostile.render(parts))
+    with pytest.raises(aiosnap.CorruptCheckpointError, match="huge.*does not hold"):
+        await aiosnap.load(str(tmp_path / "huge"))
     # A ranged read of a compressed entry (not front to back) slices its decompressed bytes.
     storage = LocalStorage()
     f = storage.open_read(str(tmp_path / "a"))

@@ -13,6 +13,11 @@ from .._base.errors import CorruptCheckpointError
 
 #: zstd's levels: 1 (fastest) to 22.
 LEVELS = range(1, 23)
+#: The most bytes a zstd frame can hold per byte of it: a run-length block of 128 KiB is 4
+#: bytes (32768:1). A frame claiming more is refused before any memory is allocated.
+MAX_RATIO = 1 << 15
+#: Bytes of a frame that hold its header (and so its content size).
+FRAME_HEAD = 18
 
 
 def _zstd() -> Any:
@@ -41,6 +46,18 @@ def compress(data: memoryview, compression: str, level: int) -> bytes:
     assert compression == "zstd"
     packed: bytes = _zstd().ZstdCompressor(level=level, write_content_size=True).compress(data)
     return packed
+
+
+def check_frame(head: bytes, stored: int, nbytes: int, owner: str, path: str) -> None:
+    """Refuse a blob whose frame header (its first FRAME_HEAD bytes, ``stored`` bytes in
+    all) does not say it holds ``nbytes`` bytes, or that could not hold that many."""
+    zstd = _zstd()
+    try:
+        size = zstd.get_frame_parameters(head).content_size
+    except zstd.ZstdError as exc:
+        raise CorruptCheckpointError(owner, f"the blob {path} is not a valid zstd frame ({exc})") from None
+    if size != nbytes or nbytes > stored * MAX_RATIO + (1 << 17):
+        raise CorruptCheckpointError(owner, f"the blob {path} does not hold {nbytes} bytes")
 
 
 def decompress(packed: bytearray, nbytes: int, compression: str, owner: str, path: str) -> memoryview:

@@ -19,8 +19,8 @@ import dataclasses
 from collections.abc import Sequence
 
 from .._base.errors import CorruptCheckpointError
-from .._format.codec import Header, Ref
-from .._format.compress import Stream, decompress
+from .._format.codec import Header, Ref, TensorInfo
+from .._format.compress import FRAME_HEAD, Stream, check_frame, decompress
 from .._save.incremental import blob_dir, blob_file
 from .._storage.protocol import ALIGN, Reader, Storage
 
@@ -30,10 +30,24 @@ def follow(storage: Storage, f: Reader, header: Header) -> tuple[Reader, Header]
     none). The returned reader owns ``f`` (closing it closes ``f``)."""
     if not header.refs:
         return f, header
-    folder = blob_dir(storage, f.path)
     blobs: list[_Blob] = []
     tensors = dict(header.tensors)
     at = _aligned(f.size - header.data_start + 1)
+    try:
+        at = _place(storage, f, header, blobs, tensors, at)
+    except BaseException:
+        for blob in blobs:
+            blob.close()
+        raise
+    return _Referring(f, blobs, header.data_start + at), dataclasses.replace(header, tensors=tensors)
+
+
+def _place(
+    storage: Storage, f: Reader, header: Header, blobs: list[_Blob], tensors: dict[str, TensorInfo], at: int
+) -> int:
+    """Find and check each blob of ``header``; put its entry at ``at`` on in ``tensors``
+    (past the file's own bytes); where the next would go."""
+    folder = blob_dir(storage, f.path)
     for name, ref in header.refs.items():
         path = storage.join(folder, blob_file(ref.blob, ref.compression))
         entry = storage.stat(path)
@@ -44,10 +58,15 @@ def follow(storage: Storage, f: Reader, header: Header) -> tuple[Reader, Header]
                 f.path, f"entry {name!r} refers to the blob {path} as {ref.stored} bytes; it has {entry.size}"
             )
         nbytes = ref.info.nbytes
+        blob = _Blob(header.data_start + at, nbytes, storage, path, ref, f.path)
+        blobs.append(blob)
+        if ref.compression is not None:  # what it holds is in its frame's header
+            head = bytearray(min(FRAME_HEAD, ref.stored))
+            blob.open().readinto(0, memoryview(head))
+            check_frame(bytes(head), ref.stored, nbytes, f.path, path)
         tensors[name] = dataclasses.replace(ref.info, start=at, end=at + nbytes)
-        blobs.append(_Blob(header.data_start + at, nbytes, storage, path, ref, f.path))
         at = _aligned(at + nbytes + 1)
-    return _Referring(f, blobs, header.data_start + at), dataclasses.replace(header, tensors=tensors)
+    return at
 
 
 def _aligned(n: int) -> int:
