@@ -373,3 +373,21 @@ async def test_a_directory_of_step_directories_is_refused(tmp_path: Path) -> Non
         async with aiosnap.CheckpointManager(str(tmp_path), incremental=True):
             pass
     assert not (tmp_path / BLOBS).exists()
+
+
+async def _three_steps(directory: Path, base: dict[str, torch.Tensor]) -> None:
+    async with aiosnap.CheckpointManager(str(directory), incremental=True) as mgr:
+        for step in range(3):
+            await (await mgr.save(step, lora_state(step, base))).wait()
+
+
+def test_aiosnap_prune_collects_the_blobs_of_what_it_removed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = make_base()
+    asyncio.run(_three_steps(tmp_path, base))
+    assert len(blobs(tmp_path)) == 3 + 3
+    code, _, err = cli(capsys, "prune", str(tmp_path), "--keep-last", "1")
+    assert code == 0, err
+    assert len(blobs(tmp_path)) == 3 + 1
+    assert_equal(aiosnap.load_sync(str(tmp_path / "snapshot_iter_2")), lora_state(2, base))
