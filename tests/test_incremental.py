@@ -391,3 +391,16 @@ def test_aiosnap_prune_collects_the_blobs_of_what_it_removed(
     assert code == 0, err
     assert len(blobs(tmp_path)) == 3 + 1
     assert_equal(aiosnap.load_sync(str(tmp_path / "snapshot_iter_2")), lora_state(2, base))
+
+
+async def test_equal_entries_of_one_save_share_one_blob_written_once(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(5)
+    same = torch.randn(4 * ROWS, 64, generator=g)
+    state = {"a": same.clone(), "b": same.clone(), "c": torch.randn(4 * ROWS, 64, generator=g)}
+    async with aiosnap.ThreadWriter(incremental=True) as writer:
+        stats = await (await writer("x", str(tmp_path), state)).wait()
+    assert len(blobs(tmp_path)) == 2
+    assert stats.bytes == (tmp_path / "x").stat().st_size + 2 * same.nbytes
+    refs = hostile.parse((tmp_path / "x").read_bytes()).meta["refs"]
+    assert refs["a"]["blob"] == refs["b"]["blob"] != refs["c"]["blob"]
+    assert_equal(await aiosnap.load(str(tmp_path / "x")), state)

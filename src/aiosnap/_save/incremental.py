@@ -23,6 +23,7 @@ from __future__ import annotations
 import array
 import dataclasses
 import fnmatch
+import functools
 import json
 import operator
 import threading
@@ -31,6 +32,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from .._base import offload as _offload
 from .._base.checksums import content_hash
 from .._base.errors import CorruptCheckpointError
 from .._base.names import BLOB_DIR
@@ -173,19 +175,46 @@ def commit_incremental(
     t0 = time.perf_counter()
     out = _Outcome()
     try:
-        for info in sorted(header.tensors.values(), key=_START):
-            data = image[header.data_start + info.start : header.data_start + info.end]
-            if info.nbytes < MIN_BLOB or info.kind == "pickle":
-                out.kept.append(info)
-                continue
-            blob = _frozen_blob(folder, info, dedup, known) or content_hash(data)
-            PINS.pin(blob)
-            out.pinned.append(blob)
-            ref = _store(storage, folder, blob, data, info, dedup, out)
-            if ref is None:
-                out.kept.append(info)
-            else:
-                out.refs.append(ref)
+        slots: list[Ref | TensorInfo] = []
+        written: list[int] = []
+        new: dict[str, int] = {}  # blob -> the slot of the entry that writes it
+        again: list[tuple[int, int]] = []  # (slot, slot of the same bytes written by this save)
+        with _offload.side_thread() as side:
+            beside = False  # new blobs alternate between this thread and a helper
+            for info in sorted(header.tensors.values(), key=_START):
+                data = image[header.data_start + info.start : header.data_start + info.end]
+                if info.nbytes < MIN_BLOB or info.kind == "pickle":
+                    slots.append(info)
+                    continue
+                blob = _frozen_blob(folder, info, dedup, known) or content_hash(data)
+                PINS.pin(blob)
+                out.pinned.append(blob)
+                if blob in new:  # the same bytes twice in one save: written once
+                    again.append((len(slots), new[blob]))
+                    slots.append(info)
+                    continue
+                found = _found(storage, folder, blob, info, dedup.compression)
+                slots.append(found)
+                if found is not _MISSING:
+                    continue
+                new[blob] = at = len(slots) - 1
+                write = functools.partial(
+                    _write, storage, folder, blob, data, info, dedup, slots, at, written
+                )
+                if beside:
+                    side.wait()
+                    side.submit(write)
+                else:
+                    write()
+                beside = not beside
+            side.wait()  # its error raised here (the block's end would swallow it)
+        for at, first in again:
+            done = slots[first]
+            assert isinstance(done, Ref)
+            slots[at] = dataclasses.replace(done, info=_whole(slots[at]))
+        out.kept = [x for x in slots if isinstance(x, TensorInfo)]
+        out.refs = [x for x in slots if isinstance(x, Ref)]
+        out.blob_bytes = sum(written)
         blobs_s = time.perf_counter() - t0
         referring, size = _referring_image(header, out.kept, out.refs, image)
         times = write_image(storage, path, referring, size)
@@ -208,31 +237,46 @@ def _frozen_blob(folder: str, info: TensorInfo, dedup: Dedup, known: Known) -> s
     return last[2]
 
 
-def _store(
+#: A blob not there yet (``_found``): it is written, then its slot holds its reference.
+_MISSING = Ref(TensorInfo("", "tensor", "uint8", (0,), 0, 0, None), "", 0)
+
+
+def _found(storage: Storage, folder: str, blob: str, info: TensorInfo, kind: str | None) -> Ref | TensorInfo:
+    """The reference to the blob of ``info``'s bytes if it is there already; ``info`` to
+    keep it in the file where a blob of that name holds other bytes than these could be
+    (a hash collision, a damaged blob, or something not aiosnap's); else _MISSING."""
+    entry = storage.stat(storage.join(folder, blob_file(blob, kind)))
+    if entry is None:
+        return _MISSING
+    if not entry.is_file or (kind is None and entry.size != info.nbytes):
+        return info
+    return Ref(_whole(info), blob, entry.size, kind)
+
+
+def _whole(info: Ref | TensorInfo) -> TensorInfo:
+    """An entry as a blob holds it: its bytes from offset 0."""
+    assert isinstance(info, TensorInfo)
+    return dataclasses.replace(info, start=0, end=info.nbytes)
+
+
+def _write(
     storage: Storage,
     folder: str,
     blob: str,
     data: memoryview,
     info: TensorInfo,
     dedup: Dedup,
-    out: _Outcome,
-) -> Ref | None:
-    """The reference to ``data``'s blob, written first if it is not there; None where a
-    blob of that name holds other bytes than these could be (kept in the file)."""
+    slots: list[Ref | TensorInfo],
+    at: int,
+    written: list[int],
+) -> None:
+    """Commit the blob of ``data`` (compressed first, if asked), and put its reference in
+    ``slots[at]``, and its size in ``written``. Runs in the commit thread or its helper."""
     kind = dedup.compression
-    where = storage.join(folder, blob_file(blob, kind))
-    entry = storage.stat(where)
-    whole = dataclasses.replace(info, start=0, end=info.nbytes)
-    if entry is not None and entry.is_file:
-        if kind is None and entry.size != info.nbytes:
-            return None  # a hash collision, or a damaged blob: never referred to
-        return Ref(whole, blob, entry.size, kind)
-    if entry is not None:  # a directory or a link: not a blob aiosnap wrote
-        return None
     packed: memoryview | bytes = data if kind is None else compress(data, kind, dedup.level)
-    put(storage, where, packed)
-    out.blob_bytes += len(packed)
-    return Ref(whole, blob, len(packed), kind)
+    put(storage, storage.join(folder, blob_file(blob, kind)), packed)
+    slots[at] = Ref(_whole(info), blob, len(packed), kind)
+    written.append(len(packed))
 
 
 def _referring_image(
