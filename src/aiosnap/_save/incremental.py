@@ -72,6 +72,7 @@ class Dedup:
         if isinstance(self.frozen, str):
             raise ValueError("frozen must be a sequence of globs, not one string")
         check_compression(self.compression, self.level)
+        content_hash(b"")  # an ImportError naming the package now, not at the first commit
 
     def is_frozen(self, name: str) -> bool:
         return any(fnmatch.fnmatchcase(name, glob) for glob in self.frozen)
