@@ -288,7 +288,9 @@ def render(data: dict[str, Any]) -> str:
         "|---|---|---|---|---|",
         f"| bytes written per save after the first (median) | {later / MiB:.1f} MiB | "
         f"{statistics.median(full[1:] or full) / MiB:.1f} MiB | {later / total:.3f} of the state | <= 0.15 |",
-        f"| first save | {inc[0] / MiB:.1f} MiB | {full[0] / MiB:.1f} MiB | | |",
+        f"| first save: bytes, call -> durable | {inc[0] / MiB:.1f} MiB, "
+        f"{lora['durable']['incremental'][0] * 1e3:.0f} ms | {full[0] / MiB:.1f} MiB, "
+        f"{lora['durable']['full'][0] * 1e3:.0f} ms | | |",
         f"| space of {saves} checkpoints | {lora['space_incremental'] / MiB:.1f} MiB | "
         f"{lora['space_full'] / MiB:.1f} MiB | {lora['space_incremental'] / lora['space_budget']:.3f} x "
         f"(one full + {saves} x {changing / MiB:.1f} MiB changing) | <= 1.3 |",
