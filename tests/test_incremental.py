@@ -366,15 +366,6 @@ async def test_incremental_checkpoints_on_an_object_store_and_as_its_remote_tier
     assert_equal(await aiosnap.load(f"{remote}/snapshot_iter_2", storage=far), lora_state(2, base))
 
 
-async def test_a_directory_of_step_directories_is_refused(tmp_path: Path) -> None:
-    (tmp_path / "snapshot_iter_0").mkdir()
-    (tmp_path / "snapshot_iter_0" / "aiosnap-manifest.json").write_text("{}")
-    with pytest.raises(ValueError, match="step directories"):
-        async with aiosnap.CheckpointManager(str(tmp_path), incremental=True):
-            pass
-    assert not (tmp_path / BLOBS).exists()
-
-
 async def _three_steps(directory: Path, base: dict[str, torch.Tensor]) -> None:
     async with aiosnap.CheckpointManager(str(directory), incremental=True) as mgr:
         for step in range(3):
@@ -404,3 +395,57 @@ async def test_equal_entries_of_one_save_share_one_blob_written_once(tmp_path: P
     refs = hostile.parse((tmp_path / "x").read_bytes()).meta["refs"]
     assert refs["a"]["blob"] == refs["b"]["blob"] != refs["c"]["blob"]
     assert_equal(await aiosnap.load(str(tmp_path / "x")), state)
+
+
+# -- a group: each rank's blobs in a folder of its own ----------------------------------------
+def group_state(rank: int, step: int, frozen: Any) -> dict[str, Any]:
+    return {
+        "frozen": frozen,  # a DTensor, Shard(0): each rank's box a blob, the same every step
+        "model": {"w": torch.full((2 * ROWS, 64), float(step))},  # replicated: rank 0 stores it
+        "own": torch.full((2 * ROWS, 64), rank * 100 + step + 0.5),
+        "step": step,
+    }
+
+
+async def _group_incremental(rank: int, world: int, directory: str) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    whole = torch.randn(8 * ROWS, 64, generator=torch.Generator().manual_seed(0))
+    frozen = distribute_tensor(whole, mesh, [Shard(0)])
+    async with aiosnap.CheckpointManager(
+        directory, incremental=True, replicated=["model.*"], keep=aiosnap.KeepLast(2), timeout=60
+    ) as mgr:
+        for step in range(3):
+            await (await mgr.save(step, group_state(rank, step, frozen))).wait()
+        target = group_state(rank, 0, distribute_tensor(torch.zeros_like(whole), mesh, [Shard(0)]))
+        restored = await mgr.restore(target=target)
+    assert restored.step == 2
+    assert torch.equal(target["frozen"].full_tensor(), whole)
+    assert torch.equal(target["own"], torch.full((2 * ROWS, 64), rank * 100 + 2.5))
+    assert torch.equal(target["model"]["w"], torch.full((2 * ROWS, 64), 2.0))
+    return {"ok": True}
+
+
+def test_a_group_keeps_each_ranks_blobs_apart_and_restores_them(tmp_path: Path) -> None:
+    from .test_distributed import ok, run_ranks
+
+    results = run_ranks(2, _group_incremental, str(tmp_path))
+    ok(results, 2)
+    folders = sorted(os.listdir(tmp_path / BLOBS))
+    assert folders == ["rank_00000", "rank_00001"]
+    for rank_dir in folders:  # what a rank's last collection could not see gone yet
+        collect(LocalStorage(), str(tmp_path), rank_dir)
+    # rank 0: its box of frozen, the replicated w and its own tensor of the two steps kept;
+    # rank 1: its box, its own tensors
+    assert len(os.listdir(tmp_path / BLOBS / "rank_00000")) == 1 + 2 + 2
+    assert len(os.listdir(tmp_path / BLOBS / "rank_00001")) == 1 + 2
+    step = str(tmp_path / "snapshot_iter_2")
+    aiosnap.verify_sync(step)
+    whole = aiosnap.load_sync(step, keys=["frozen", "model"])
+    assert torch.equal(whole["frozen"], torch.randn(8 * ROWS, 64, generator=torch.Generator().manual_seed(0)))
+    # A rank's file refers to its own folder; the replicated entries are in rank 0's.
+    assert hostile.parse((tmp_path / "snapshot_iter_2" / "rank_00001").read_bytes()).meta["blob_dir"] == (
+        "rank_00001"
+    )

@@ -84,6 +84,9 @@ class Header:
     checksum: str | None = None
     #: Entries whose bytes are in a blob (an incremental save), by name.
     refs: dict[str, Ref] = field(default_factory=dict)
+    #: Where those blobs are: None, ``aiosnap-blobs/`` beside the file; a rank's folder
+    #: name (``rank_00001``), ``aiosnap-blobs/<it>/`` beside the file's step directory.
+    blob_dir: str | None = None
 
 
 #: Ways a blob's bytes may be stored (``Ref.compression``).
@@ -152,6 +155,7 @@ def header_template(
     external: list[TensorInfo] | None = None,
     laid: EntryPieces | None = None,
     refs: list[Ref] | None = None,
+    blob_dir: str | None = None,
 ) -> HeaderTemplate:
     """Lay out the header of these entries around the skeleton's JSON text; the
     checksums are filled in at the commit. ``laid``: ``entry_pieces(tensors)``, if
@@ -167,6 +171,8 @@ def header_template(
         tail += [',"external":{', ",".join(described), "}"]
     if refs:
         tail += [',"refs":{', ",".join(map(_ref_text, refs)), "}"]
+        if blob_dir is not None:
+            tail.append(f',"blob_dir":{json_string(blob_dir)}')
     last = (laid.last[:-1] if tensors else laid.last) + _escaped("".join(tail) + "}")
     return HeaderTemplate([*laid.pieces, last], laid.holes, laid.blocks, laid.entries)
 
@@ -444,7 +450,10 @@ class _Parser:
             raise self.fail(f"bad tree: {exc}") from None
         external = self.external(doc, tensors)
         refs = self.refs(doc, tensors, external)
-        return Header(data_start, tensors, doc.get("tree"), FORMAT_VERSION, external, meta[CRC_KEY], refs)
+        tree = doc.get("tree")
+        return Header(
+            data_start, tensors, tree, FORMAT_VERSION, external, meta[CRC_KEY], refs, self.blob_dir(doc)
+        )
 
     def entries_at(
         self, text: str, at: int, described: dict[str, Any], data_len: int
@@ -591,7 +600,8 @@ class _Parser:
         except ValueError as exc:
             raise self.fail(f"bad tree: {exc}") from None
         external = self.external(meta, tensors)
-        return Header(data_start, tensors, tree, version, external, refs=self.refs(meta, tensors, external))
+        refs = self.refs(meta, tensors, external)
+        return Header(data_start, tensors, tree, version, external, refs=refs, blob_dir=self.blob_dir(meta))
 
     def external(self, meta: dict[str, Any], tensors: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
         described = meta.get("external", {})
@@ -640,6 +650,14 @@ class _Parser:
                 raise self.fail(f"referred entry {name!r}: bad stored size")
             refs[name] = Ref(info, d["blob"], stored, compression)
         return refs
+
+    def blob_dir(self, meta: dict[str, Any]) -> str | None:
+        """The rank folder of a step directory's blobs, if the file names one: only a
+        rank's folder name, so it never leads out of aiosnap's blob folder."""
+        where = meta.get("blob_dir")
+        if where is not None and (type(where) is not str or not _RANK_DIR.fullmatch(where)):
+            raise self.fail(f"aiosnap metadata: bad blob_dir {_short(where)}")
+        return where
 
     def shard(
         self, name: str, d: dict[str, Any], shape: list[int], kind: str
@@ -819,6 +837,8 @@ def _document(text: str) -> dict[str, Any] | None:
         doc["external"], pos = _json.loads_at(text, pos + 12)
     if text.startswith(',"refs":', pos):
         doc["refs"], pos = _json.loads_at(text, pos + 8)
+    if text.startswith(',"blob_dir":', pos):
+        doc["blob_dir"], pos = _json.loads_at(text, pos + 12)
     return doc if text[pos:] == "}" else None
 
 
@@ -912,6 +932,8 @@ def _is_hex(s: str) -> bool:
 
 
 _INT_ONLY = {int}
+#: A rank's blob folder in a directory of step directories (``Header.blob_dir``).
+_RANK_DIR = re.compile(r"rank_[0-9]{5}")
 _MISS: Any = object()
 _META_OPEN = '{"__metadata__":'
 _META_KEYS = frozenset((META_KEY, CRC_KEY))

@@ -47,7 +47,7 @@ def _place(
 ) -> int:
     """Find and check each blob of ``header``; put its entry at ``at`` on in ``tensors``
     (past the file's own bytes); where the next would go."""
-    folder = blob_dir(storage, f.path)
+    folder = blob_dir(storage, f.path, header.blob_dir)
     for name, ref in header.refs.items():
         path = storage.join(folder, blob_file(ref.blob, ref.compression))
         entry = storage.stat(path)

@@ -36,11 +36,11 @@ def blob_of(name: str) -> str | None:
     return None
 
 
-def referenced(storage: Storage, directory: str) -> set[str]:
+def referenced(storage: Storage, directory: str) -> set[tuple[str | None, str]]:
     """The blob files the checkpoints in ``directory`` (and in its step directories)
-    refer to. A file whose header cannot be read refers to nothing: it cannot be
-    restored either. Blocking."""
-    found: set[str] = set()
+    refer to, each with the rank folder it is in (None: the shared one). A file whose
+    header cannot be read refers to nothing: it cannot be restored either. Blocking."""
+    found: set[tuple[str | None, str]] = set()
     for entry in storage.list(directory):
         if entry.name.startswith(RESERVED_PREFIXES):  # the index, the lock, temp files, blobs
             continue
@@ -54,7 +54,7 @@ def referenced(storage: Storage, directory: str) -> set[str]:
     return found
 
 
-def _refs_of(storage: Storage, path: str) -> set[str]:
+def _refs_of(storage: Storage, path: str) -> set[tuple[str | None, str]]:
     """The blobs the file at ``path`` refers to. A file gone meanwhile, not aiosnap's,
     or whose header fails its checks refers to none; a read that fails (OSError) fails
     the collection: that file's references are unknown."""
@@ -70,30 +70,33 @@ def _refs_of(storage: Storage, path: str) -> set[str]:
         return set()
     finally:
         f.close()
-    return {blob_file(ref.blob, ref.compression) for ref in header.refs.values()}
+    return {(header.blob_dir, blob_file(ref.blob, ref.compression)) for ref in header.refs.values()}
 
 
-def collect(storage: Storage, directory: str) -> list[str]:
-    """Delete the blobs of ``directory`` that nothing refers to; their paths. A failed
-    read or delete ends the collection early, with a warning: what is left is collected
-    the next time. Blocking."""
+def collect(storage: Storage, directory: str, rank_dir: str | None = None) -> list[str]:
+    """Delete the blobs of ``directory`` that nothing refers to; their paths. ``rank_dir``:
+    those of one rank's folder (a group's; only that rank collects it, as only its own
+    saves write there). A failed read or delete ends the collection early, with a
+    warning: what is left is collected the next time. Blocking."""
     try:
-        return _collect(storage, directory)
+        return _collect(storage, directory, rank_dir)
     except OSError as exc:
         logger.warning("%s: unreferenced blobs were not all removed (%r); the next prune is", directory, exc)
         return []
 
 
-def _collect(storage: Storage, directory: str) -> list[str]:
-    folder = storage.join(directory, BLOB_DIR)
+def _collect(storage: Storage, directory: str, rank_dir: str | None) -> list[str]:
+    top = storage.join(directory, BLOB_DIR)
+    folder = top if rank_dir is None else storage.join(top, rank_dir)
     PINS.begin()  # before anything is listed: a pin from now on keeps its blob
     try:
-        if not any(e.is_dir and e.name == BLOB_DIR for e in storage.list(directory)):
+        parent, name = (directory, BLOB_DIR) if rank_dir is None else (top, rank_dir)
+        if not any(e.is_dir and e.name == name for e in storage.list(parent)):
             return []  # no blobs (an object store lists a folder as a common prefix)
         blobs = [e.name for e in storage.list(folder) if e.is_file and blob_of(e.name) is not None]
         if not blobs:
             return []
-        kept = referenced(storage, directory)
+        kept = {name for where, name in referenced(storage, directory) if where == rank_dir}
         gone = []
         for name in blobs:
             if name in kept:

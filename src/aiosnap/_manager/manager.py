@@ -39,7 +39,7 @@ from .._base.names import check_step, render, template
 from .._base.notice import notice
 from .._base.tasks import TaskGroupOwner
 from .._save.handle import Failures, Resolver, SaveFailure, SaveHandle, SaveStats, raise_first, skipped
-from .._save.writers import QueueWriter, Writer
+from .._save.writers import QueueWriter, Writer, _WriterBase
 from .._storage.protocol import Storage
 from .member import Attempt, restore_first
 from .records import CheckpointRecord
@@ -274,10 +274,6 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
             compression=compression,
             compression_level=compression_level,
         )
-        if getattr(self._writer, "incremental", False) and self._group.world_size is not None:
-            raise ValueError(
-                "incremental checkpoints are written by a process on its own, not yet in a group"
-            )
         self._trigger: Trigger | None = EveryNSteps(save_every) if isinstance(save_every, int) else save_every
         #: This process's rank in the group (or as given, on its own).
         self.rank = self._group.rank
@@ -307,13 +303,12 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
         try:
             await self._site.connect()
             if getattr(self._writer, "incremental", False) and self._site.steps_are_dirs:
-                raise ValueError(
-                    f"{self.directory} holds step directories (a group's checkpoints): incremental saves "
-                    "write one file per step, not yet step directories"
-                )
+                self._blobs_as_rank()
             await self._site.open(tg)
             if self._tier is not None:
                 await self._tier.connect(steps_are_dirs=self._site.steps_are_dirs)
+                # The remote tier's copies of this rank's blobs: collected by this rank too.
+                self._tier.site.member.blob_dir = self._site.member.blob_dir
             if not self.read_only:
                 await self._writer.__aenter__()
                 writer_open = True
@@ -339,6 +334,15 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
                 await self.aclose()
                 raise
         return self
+
+    def _blobs_as_rank(self) -> None:
+        """Incremental saves into step directories: each rank keeps its blobs in a folder
+        of its own, which it collects itself (see ``Member.blob_dir``)."""
+        if not isinstance(self._writer, _WriterBase):
+            raise ValueError("incremental saves into step directories need one of aiosnap's writers")
+        rank_dir = f"rank_{self.rank:05d}"
+        self._writer._blobs_as_rank(rank_dir)
+        self._site.member.blob_dir = rank_dir
 
     async def _catch_up(self) -> None:
         """Upload the newest local checkpoint if the remote tier lacks it, once it is open:

@@ -109,10 +109,10 @@ def copy_checkpoint(
     refers to (an incremental save's) that the far end lacks; ``bytes``: all that was
     sent. The blobs are pinned meanwhile, so the far end's collector keeps them until the
     file that refers to them is there. Blocking."""
-    blobs = _blobs_of(src, src_path)
+    blobs, rank_dir = _blobs_of(src, src_path)
     if not blobs:
         return copy_object(src, src_path, dst, dst_path, on_piece)
-    here, there = blob_dir(src, src_path), blob_dir(dst, dst_path)
+    here, there = blob_dir(src, src_path, rank_dir), blob_dir(dst, dst_path, rank_dir)
     sent = write_s = fsync_s = 0.0
     for blob, _ in blobs:
         PINS.pin(blob)
@@ -130,16 +130,17 @@ def copy_checkpoint(
     return CommitTimes(write_s + times.write_s, fsync_s + times.fsync_s, int(sent) + times.bytes)
 
 
-def _blobs_of(storage: Storage, path: str) -> list[tuple[str, str]]:
-    """(content hash, file name) of each blob the checkpoint file at ``path`` refers to."""
+def _blobs_of(storage: Storage, path: str) -> tuple[list[tuple[str, str]], str | None]:
+    """(content hash, file name) of each blob the checkpoint file at ``path`` refers to,
+    and the rank folder they are in (see ``blob_dir``)."""
     reader = storage.open_read(path)
     try:
         if not written_by_aiosnap(reader):
-            return []
-        refs = read_header(reader).refs.values()
+            return [], None
+        header = read_header(reader)
     finally:
         reader.close()
-    return sorted({(r.blob, blob_file(r.blob, r.compression)) for r in refs})
+    return sorted({(r.blob, blob_file(r.blob, r.compression)) for r in header.refs.values()}), header.blob_dir
 
 
 @dataclass(eq=False, slots=True)

@@ -54,9 +54,14 @@ def blob_file(blob: str, compression: str | None) -> str:
     return blob + SUFFIXES[compression]
 
 
-def blob_dir(storage: Storage, path: str) -> str:
-    """The blob folder of the checkpoint file at ``path``: beside it."""
-    return storage.join(storage.split(path)[0], BLOB_DIR)
+def blob_dir(storage: Storage, path: str, rank_dir: str | None = None) -> str:
+    """The blob folder of the checkpoint file at ``path``: beside it; or for a rank's file
+    of a step directory (``rank_dir``: the rank's folder name), that rank's folder beside
+    the step directory, which all the rank's steps share."""
+    directory = storage.split(path)[0]
+    if rank_dir is None:
+        return storage.join(directory, BLOB_DIR)
+    return storage.join(storage.split(directory)[0], BLOB_DIR, rank_dir)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +72,8 @@ class Dedup:
     frozen: tuple[str, ...] = ()
     compression: str | None = None
     level: int = 3
+    #: Saves of a rank into step directories: the rank's blob folder (see ``blob_dir``).
+    rank_dir: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.frozen, str):
@@ -172,7 +179,7 @@ def commit_incremental(
     if not staged.sealed:
         seal(image, staged.template, staged.spans)
     header = read_header(_ImageReader(path, image))
-    folder = blob_dir(storage, path)
+    folder = blob_dir(storage, path, dedup.rank_dir)
     t0 = time.perf_counter()
     out = _Outcome()
     try:
@@ -217,7 +224,7 @@ def commit_incremental(
         out.refs = [x for x in slots if isinstance(x, Ref)]
         out.blob_bytes = sum(written)
         blobs_s = time.perf_counter() - t0
-        referring, size = _referring_image(header, out.kept, out.refs, image)
+        referring, size = _referring_image(header, out.kept, out.refs, image, dedup.rank_dir)
         times = write_image(storage, path, referring, size)
     finally:
         PINS.unpin(out.pinned)
@@ -281,7 +288,7 @@ def _write(
 
 
 def _referring_image(
-    header: Header, kept: list[TensorInfo], refs: list[Ref], image: memoryview
+    header: Header, kept: list[TensorInfo], refs: list[Ref], image: memoryview, rank_dir: str | None
 ) -> tuple[memoryview, int]:
     """The file that holds ``kept`` entries (their bytes copied from ``image``) and
     refers to ``refs``, with the tree and external entries of ``header``."""
@@ -290,7 +297,8 @@ def _referring_image(
         placed.append(dataclasses.replace(info, start=pos, end=pos + info.nbytes))
         pos += info.nbytes
     tree = json.dumps(header.tree, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
-    template = header_template(placed, tree, list(header.external.values()) or None, refs=refs)
+    external = list(header.external.values()) or None
+    template = header_template(placed, tree, external, refs=refs, blob_dir=rank_dir)
     out = bytearray(template.size + pos)
     view = memoryview(out)
     for old, new in zip(kept, placed, strict=True):

@@ -22,6 +22,7 @@ call returned is a background failure, reported as a failed commit is.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import functools
 import inspect
 import logging
@@ -279,6 +280,12 @@ class _WriterBase(TaskGroupOwner, abc.ABC):
     def incremental(self) -> bool:
         """Whether saves store their large entries as shared blobs (``incremental=``)."""
         return self._dedup is not None
+
+    def _blobs_as_rank(self, rank_dir: str) -> None:
+        """For a manager whose steps are directories: keep the blobs in the rank's own
+        folder beside the step directories (see ``incremental.blob_dir``)."""
+        if self._dedup is not None:
+            self._dedup = dataclasses.replace(self._dedup, rank_dir=rank_dir)
 
     @property
     def worker_pid(self) -> int | None:
