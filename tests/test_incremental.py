@@ -181,6 +181,12 @@ async def test_hostile_references_are_refused_naming_the_file(tmp_path: Path) ->
     blob.unlink()
     with pytest.raises(aiosnap.CorruptCheckpointError, match=f"{path}.*adapter.*missing blob"):
         await aiosnap.load(str(path))
+    # A blob folder that is not a rank's folder name (a path out of aiosnap's) is refused.
+    parts.meta["blob_dir"] = "../../etc"
+    (tmp_path / "away").write_bytes(hostile.render(parts))
+    with pytest.raises(aiosnap.CorruptCheckpointError, match="away.*bad blob_dir"):
+        await aiosnap.load(str(tmp_path / "away"))
+    del parts.meta["blob_dir"]
     # A blob name that is not a content hash (a path out of the folder) is malformed.
     parts.meta["refs"]["adapter"]["blob"] = "../../etc/passwd"
     (tmp_path / "escape").write_bytes(hostile.render(parts))
