@@ -36,22 +36,23 @@ def blob_of(name: str) -> str | None:
     return None
 
 
-def referenced(storage: Storage, directory: str) -> set[tuple[str | None, str]]:
-    """The blob files the checkpoints in ``directory`` (and in its step directories)
-    refer to, each with the rank folder it is in (None: the shared one). A file whose
-    header cannot be read refers to nothing: it cannot be restored either. Blocking."""
+def referenced(storage: Storage, directory: str, rank_dir: str | None = None) -> set[str]:
+    """The blob files of one folder that the checkpoints in ``directory`` refer to: the
+    shared folder (``rank_dir`` None), which only the files beside it can refer to; or a
+    rank's folder, which only that rank's files in the step directories can (a rank's
+    file bears its folder's name). A file whose header cannot be read refers to nothing:
+    it cannot be restored either. Blocking."""
     found: set[tuple[str | None, str]] = set()
     for entry in storage.list(directory):
         if entry.name.startswith(RESERVED_PREFIXES):  # the index, the lock, temp files, blobs
             continue
         path = storage.join(directory, entry.name)
-        if entry.is_dir:
-            for inner in storage.list(path):
-                if inner.is_file and not inner.name.startswith(RESERVED_PREFIXES):
-                    found |= _refs_of(storage, storage.join(path, inner.name))
-        elif entry.is_file:
+        if entry.is_dir and rank_dir is not None:
+            if any(inner.is_file and inner.name == rank_dir for inner in storage.list(path)):
+                found |= _refs_of(storage, storage.join(path, rank_dir))
+        elif entry.is_file and rank_dir is None:
             found |= _refs_of(storage, path)
-    return found
+    return {name for where, name in found if where == rank_dir}
 
 
 def _refs_of(storage: Storage, path: str) -> set[tuple[str | None, str]]:
@@ -96,7 +97,7 @@ def _collect(storage: Storage, directory: str, rank_dir: str | None) -> list[str
         blobs = [e.name for e in storage.list(folder) if e.is_file and blob_of(e.name) is not None]
         if not blobs:
             return []
-        kept = {name for where, name in referenced(storage, directory) if where == rank_dir}
+        kept = referenced(storage, directory, rank_dir)
         gone = []
         for name in blobs:
             if name in kept:
