@@ -218,35 +218,39 @@ async def test_a_crash_at_every_call_leaves_the_old_or_the_new_checkpoint(tmp_pa
 
 
 # -- a group commit: 2 ranks on gloo --------------------------------------------------------------
-def group_state(step: int) -> dict[str, Any]:
-    """The same on both ranks (so one process restores it whole), a DTensor included."""
+def group_state(step: int, big: bool = False) -> dict[str, Any]:
+    """The same on both ranks (so one process restores it whole), a DTensor included;
+    ``big``: entries of blob size (incremental saves), each box of ``d`` too."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (2,))
+    d = torch.full((256 if big else 8, 128), float(step))
     return {
-        **state(step),
-        "d": distribute_tensor(torch.full((8, 128), float(step)), mesh, [Shard(0)], src_data_rank=None),
+        **state(step, 1 << 15 if big else 1024),
+        "d": distribute_tensor(d, mesh, [Shard(0)], src_data_rank=None),
     }
 
 
-async def _group_flow(rank: int, directory: str, storage: aiosnap.Storage | None) -> None:
+async def _group_flow(rank: int, directory: str, storage: aiosnap.Storage | None, big: bool = False) -> None:
     async with aiosnap.CheckpointManager(
         directory,
         storage=storage,
-        writer=aiosnap.QueueWriter(storage=storage),
+        writer=aiosnap.QueueWriter(storage=storage, incremental=big),
         keep=aiosnap.KeepLast(1),
         timeout=30,
     ) as mgr:
-        await (await mgr.save(2, group_state(2))).wait()
+        await (await mgr.save(2, group_state(2, big))).wait()
 
 
-async def _group_seed(directory: str) -> None:
-    async with aiosnap.CheckpointManager(directory, timeout=30) as mgr:
-        await (await mgr.save(1, group_state(1))).wait()
+async def _group_seed(directory: str, big: bool = False) -> None:
+    async with aiosnap.CheckpointManager(directory, timeout=30, incremental=big) as mgr:
+        await (await mgr.save(1, group_state(1, big))).wait()
 
 
-async def _group_faults(rank: int, world: int, root: str, victim: int, code: int, persistent: bool) -> Any:
+async def _group_faults(
+    rank: int, world: int, root: str, victim: int, code: int, persistent: bool, big: bool = False
+) -> Any:
     """Every call of the victim's group commit fails in turn; the other rank goes along.
     Runs until the victim makes fewer calls than the next n."""
     import torch.distributed as dist
@@ -255,10 +259,10 @@ async def _group_faults(rank: int, world: int, root: str, victim: int, code: int
     n = 1
     while True:
         directory = os.path.join(root, f"n{n}")
-        await _group_seed(directory)
+        await _group_seed(directory, big)
         injector = Injector(n if rank == victim else 0, code, persistent=persistent)
         try:
-            await _group_flow(rank, directory, aiosnap.LocalStorage(posix=HookedPosix(injector)))
+            await _group_flow(rank, directory, aiosnap.LocalStorage(posix=HookedPosix(injector)), big)
             outcomes.append(None)
         except Exception as exc:
             outcomes.append(f"{type(exc).__name__}: {exc}")
@@ -269,11 +273,15 @@ async def _group_faults(rank: int, world: int, root: str, victim: int, code: int
         n += 1
 
 
-def _faults_in_a_group_commit(tmp_path: Path, victim: int, code: str, persistent: bool) -> None:
-    results = run_ranks(2, _group_faults, str(tmp_path), victim, CODES[code], persistent, limit=600)
+def _faults_in_a_group_commit(
+    tmp_path: Path, victim: int, code: str, persistent: bool, big: bool = False
+) -> None:
+    results = run_ranks(2, _group_faults, str(tmp_path), victim, CODES[code], persistent, big, limit=600)
     assert sorted(results) == [0, 1], results
     calls = results[victim]["calls"]
     assert calls > 5, results
+    if big:  # the saves were incremental: each rank's blobs in a folder of its own
+        assert sorted(os.listdir(tmp_path / "n1" / "aiosnap-blobs")) == ["rank_00000", "rank_00001"]
     for n in range(1, calls + 1):
         for rank in (0, 1):
             outcome = results[rank]["outcomes"][n - 1]
@@ -295,6 +303,8 @@ async def _check_group_dir(directory: Path) -> None:
         assert_state(restored.state, restored.step)
         assert bool((restored.state["d"] == float(restored.step)).all())
         assert await mgr.steps() == [restored.step] or await mgr.steps() == [1, 2]
+        for step in await mgr.steps():  # each whole: no reference to a missing blob
+            await aiosnap.verify(str(directory / mgr.filename(step)))
 
 
 @pytest.mark.parametrize(
@@ -305,6 +315,15 @@ def test_a_fault_at_every_call_of_a_group_commit_keeps_a_whole_checkpoint(
     tmp_path: Path, victim: int, code: str, persistent: bool
 ) -> None:
     _faults_in_a_group_commit(tmp_path, victim, code, persistent)
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_fault_at_every_call_of_an_incremental_group_commit_keeps_every_blob_referred_to(
+    tmp_path: Path, victim: int
+) -> None:
+    # Each rank writes its blobs, then its file; rank 0 the manifest; retention drops step 1
+    # and each rank collects its own blob folder.
+    _faults_in_a_group_commit(tmp_path, victim, "ENOSPC", False, big=True)
 
 
 @pytest.mark.slow
