@@ -455,3 +455,45 @@ def test_a_group_keeps_each_ranks_blobs_apart_and_restores_them(tmp_path: Path) 
     assert hostile.parse((tmp_path / "snapshot_iter_2" / "rank_00001").read_bytes()).meta["blob_dir"] == (
         "rank_00001"
     )
+
+
+async def _tiered_group(rank: int, world: int, local: str, remote: str) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    whole = torch.randn(8 * ROWS, 64, generator=torch.Generator().manual_seed(0))
+    frozen = distribute_tensor(whole, mesh, [Shard(0)])
+    sent = []
+    async with aiosnap.CheckpointManager(
+        local,
+        remote=remote,
+        incremental=True,
+        replicated=["model.*"],
+        keep_remote=aiosnap.KeepLast(1),
+        timeout=60,
+    ) as mgr:
+        for step in range(3):
+            handle = await mgr.save(step, group_state(rank, step, frozen))
+            assert handle.upload is not None
+            sent.append((await handle.upload.wait()).bytes)
+    return {"sent": sent}
+
+
+def test_a_tiered_group_uploads_each_ranks_new_blobs_into_its_folder(tmp_path: Path) -> None:
+    from .test_distributed import ok, run_ranks
+
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    results = run_ranks(2, _tiered_group, str(local), str(remote))
+    ok(results, 2)
+    box = 4 * ROWS * 64 * 4
+    for rank, result in results.items():
+        first, *later = result["sent"]
+        assert all(first - n >= box for n in later), (rank, result)  # the box went once
+    # The remote's retention (KeepLast(1)) and each rank's collection there keep what step 2 needs.
+    for rank_dir in ("rank_00000", "rank_00001"):
+        collect(LocalStorage(), str(remote), rank_dir)
+    assert len(os.listdir(remote / BLOBS / "rank_00000")) == 1 + 1 + 1  # box, w, own
+    assert len(os.listdir(remote / BLOBS / "rank_00001")) == 1 + 1  # box, own
+    whole = aiosnap.load_sync(str(remote / "snapshot_iter_2"), keys=["frozen"])["frozen"]
+    assert torch.equal(whole, torch.randn(8 * ROWS, 64, generator=torch.Generator().manual_seed(0)))
