@@ -71,6 +71,7 @@ def bench(session: nox.Session) -> None:
         session.run("python", "benchmarks/bench_ranks.py", *quick, *publish)
         session.run("python", "benchmarks/bench_sharded.py", *quick, *publish)
         session.run("python", "benchmarks/bench_integrations.py", *quick, *publish)
+        session.run("python", "benchmarks/bench_incremental.py", *quick, *publish)
 
 
 @nox.session(venv_backend="none")

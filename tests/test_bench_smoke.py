@@ -87,3 +87,10 @@ def test_publishing_replaces_only_its_own_section(tmp_path: Path) -> None:
     assert page.startswith("# Benchmarks\n\nProse a person wrote.\n")
     assert "run 1" not in page and page.count("main table, run 2") == 1
     assert page.index("main table, run 2") < page.index("ranks table")  # kept in its place
+
+
+def test_incremental_benchmark_runs_small(tmp_path: Path) -> None:
+    out = run_bench("bench_incremental.py", tmp_path, "--size", "16MiB", "--saves", "3", "--rows", "20000")
+    data = json.loads((out / "incremental.json").read_text())
+    assert data["lora"]["restored_bit_equal"] and data["lora"]["restored_after_retention"]
+    assert "bytes written per save" in (out / "incremental.md").read_text()

@@ -38,6 +38,7 @@ def state(step: int, size: int = 1024) -> dict[str, Any]:
 
 def assert_state(loaded: Any, step: int) -> None:
     assert loaded["step"] == step and bool((loaded["x"] == float(step)).all()), "a torn checkpoint"
+    assert "shared" not in loaded or torch.equal(loaded["shared"], _SHARED), "a torn checkpoint"
 
 
 # -- the flows: each starts from a directory holding step 1, and writes step 2 --------------------
@@ -56,7 +57,39 @@ async def manager_commit(directory: Path, storage: aiosnap.Storage) -> None:
         await (await mgr.save(2, state(2))).wait()
 
 
-FLOWS: dict[str, Flow] = {"save": save_file, "pieces": save_in_pieces, "manager": manager_commit}
+#: A frozen tensor both steps of the incremental flow share (one blob), 128 KiB.
+_SHARED = torch.arange(1 << 15, dtype=torch.float32)
+
+
+def incremental_state(step: int) -> dict[str, Any]:
+    return {**state(step, 1 << 15), "shared": _SHARED}  # x: 128 KiB, a blob of its own
+
+
+async def incremental_commit(directory: Path, storage: aiosnap.Storage) -> None:
+    # Blobs first (x of step 2; the shared one is there), then the file, then retention
+    # drops step 1 and collects its blob of x.
+    async with aiosnap.CheckpointManager(
+        str(directory), keep=aiosnap.KeepLast(1), storage=storage, incremental=True
+    ) as mgr:
+        await (await mgr.save(2, incremental_state(2))).wait()
+
+
+FLOWS: dict[str, Flow] = {
+    "save": save_file,
+    "pieces": save_in_pieces,
+    "manager": manager_commit,
+    "incremental": incremental_commit,
+}
+
+
+async def seed_incremental(directory: Path) -> None:
+    directory.mkdir()
+    async with aiosnap.CheckpointManager(str(directory), incremental=True) as mgr:
+        await (await mgr.save(1, incremental_state(1))).wait()
+
+
+#: How a flow's directory is made, where it is not ``seed``'s.
+SEEDS: dict[str, Callable[[Path], Awaitable[None]]] = {"incremental": seed_incremental}
 
 
 async def seed(directory: Path) -> None:
@@ -108,6 +141,8 @@ async def reopen_and_restore(directory: Path, committed: bool) -> None:
         assert_state(restored.state, restored.step)
         on_disk = sorted(int(n.rsplit("_", 1)[1]) for n in os.listdir(directory) if n.startswith("snapshot"))
         assert await mgr.steps() == on_disk
+        for step in on_disk:  # each whole: no reference to a missing blob
+            await aiosnap.verify(str(directory / mgr.filename(step)))
     index = json.loads((directory / INDEX_NAME).read_text())
     assert [c["step"] for c in index["checkpoints"]] == on_disk
 
@@ -120,12 +155,13 @@ async def test_a_fault_at_every_call_keeps_a_whole_checkpoint(
 ) -> None:
     flow = FLOWS[name]
     counted = Injector()
-    await seed(tmp_path / "count")
+    seeded = SEEDS.get(name, seed)
+    await seeded(tmp_path / "count")
     assert await run(flow, tmp_path / "count", counted) is None
     assert counted.calls > 5
     for n in range(1, counted.calls + 1):
         directory = tmp_path / f"n{n}"
-        await seed(directory)
+        await seeded(directory)
         injector = Injector(n, CODES[code], persistent=persistent)
         error = await run(flow, directory, injector)
         assert injector.failed, f"call #{n} was never made"
@@ -162,12 +198,13 @@ def _ctx() -> Any:
 @pytest.mark.parametrize("name", sorted(FLOWS))
 async def test_a_crash_at_every_call_leaves_the_old_or_the_new_checkpoint(tmp_path: Path, name: str) -> None:
     counted = Injector()
-    await seed(tmp_path / "count")
+    seeded = SEEDS.get(name, seed)
+    await seeded(tmp_path / "count")
     assert await run(FLOWS[name], tmp_path / "count", counted) is None
     ctx = _ctx()
     for n in range(1, counted.calls + 1):
         directory = tmp_path / f"n{n}"
-        await seed(directory)
+        await seeded(directory)
         child = ctx.Process(target=_crash_at, args=(name, str(directory), n))
         child.start()
         await asyncio.to_thread(child.join)
@@ -181,35 +218,39 @@ async def test_a_crash_at_every_call_leaves_the_old_or_the_new_checkpoint(tmp_pa
 
 
 # -- a group commit: 2 ranks on gloo --------------------------------------------------------------
-def group_state(step: int) -> dict[str, Any]:
-    """The same on both ranks (so one process restores it whole), a DTensor included."""
+def group_state(step: int, big: bool = False) -> dict[str, Any]:
+    """The same on both ranks (so one process restores it whole), a DTensor included;
+    ``big``: entries of blob size (incremental saves), each box of ``d`` too."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (2,))
+    d = torch.full((256 if big else 8, 128), float(step))
     return {
-        **state(step),
-        "d": distribute_tensor(torch.full((8, 128), float(step)), mesh, [Shard(0)], src_data_rank=None),
+        **state(step, 1 << 15 if big else 1024),
+        "d": distribute_tensor(d, mesh, [Shard(0)], src_data_rank=None),
     }
 
 
-async def _group_flow(rank: int, directory: str, storage: aiosnap.Storage | None) -> None:
+async def _group_flow(rank: int, directory: str, storage: aiosnap.Storage | None, big: bool = False) -> None:
     async with aiosnap.CheckpointManager(
         directory,
         storage=storage,
-        writer=aiosnap.QueueWriter(storage=storage),
+        writer=aiosnap.QueueWriter(storage=storage, incremental=big),
         keep=aiosnap.KeepLast(1),
         timeout=30,
     ) as mgr:
-        await (await mgr.save(2, group_state(2))).wait()
+        await (await mgr.save(2, group_state(2, big))).wait()
 
 
-async def _group_seed(directory: str) -> None:
-    async with aiosnap.CheckpointManager(directory, timeout=30) as mgr:
-        await (await mgr.save(1, group_state(1))).wait()
+async def _group_seed(directory: str, big: bool = False) -> None:
+    async with aiosnap.CheckpointManager(directory, timeout=30, incremental=big) as mgr:
+        await (await mgr.save(1, group_state(1, big))).wait()
 
 
-async def _group_faults(rank: int, world: int, root: str, victim: int, code: int, persistent: bool) -> Any:
+async def _group_faults(
+    rank: int, world: int, root: str, victim: int, code: int, persistent: bool, big: bool = False
+) -> Any:
     """Every call of the victim's group commit fails in turn; the other rank goes along.
     Runs until the victim makes fewer calls than the next n."""
     import torch.distributed as dist
@@ -218,10 +259,10 @@ async def _group_faults(rank: int, world: int, root: str, victim: int, code: int
     n = 1
     while True:
         directory = os.path.join(root, f"n{n}")
-        await _group_seed(directory)
+        await _group_seed(directory, big)
         injector = Injector(n if rank == victim else 0, code, persistent=persistent)
         try:
-            await _group_flow(rank, directory, aiosnap.LocalStorage(posix=HookedPosix(injector)))
+            await _group_flow(rank, directory, aiosnap.LocalStorage(posix=HookedPosix(injector)), big)
             outcomes.append(None)
         except Exception as exc:
             outcomes.append(f"{type(exc).__name__}: {exc}")
@@ -232,11 +273,15 @@ async def _group_faults(rank: int, world: int, root: str, victim: int, code: int
         n += 1
 
 
-def _faults_in_a_group_commit(tmp_path: Path, victim: int, code: str, persistent: bool) -> None:
-    results = run_ranks(2, _group_faults, str(tmp_path), victim, CODES[code], persistent, limit=600)
+def _faults_in_a_group_commit(
+    tmp_path: Path, victim: int, code: str, persistent: bool, big: bool = False
+) -> None:
+    results = run_ranks(2, _group_faults, str(tmp_path), victim, CODES[code], persistent, big, limit=600)
     assert sorted(results) == [0, 1], results
     calls = results[victim]["calls"]
     assert calls > 5, results
+    if big:  # the saves were incremental: each rank's blobs in a folder of its own
+        assert sorted(os.listdir(tmp_path / "n1" / "aiosnap-blobs")) == ["rank_00000", "rank_00001"]
     for n in range(1, calls + 1):
         for rank in (0, 1):
             outcome = results[rank]["outcomes"][n - 1]
@@ -258,6 +303,8 @@ async def _check_group_dir(directory: Path) -> None:
         assert_state(restored.state, restored.step)
         assert bool((restored.state["d"] == float(restored.step)).all())
         assert await mgr.steps() == [restored.step] or await mgr.steps() == [1, 2]
+        for step in await mgr.steps():  # each whole: no reference to a missing blob
+            await aiosnap.verify(str(directory / mgr.filename(step)))
 
 
 @pytest.mark.parametrize(
@@ -268,6 +315,15 @@ def test_a_fault_at_every_call_of_a_group_commit_keeps_a_whole_checkpoint(
     tmp_path: Path, victim: int, code: str, persistent: bool
 ) -> None:
     _faults_in_a_group_commit(tmp_path, victim, code, persistent)
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_fault_at_every_call_of_an_incremental_group_commit_keeps_every_blob_referred_to(
+    tmp_path: Path, victim: int
+) -> None:
+    # Each rank writes its blobs, then its file; rank 0 the manifest; retention drops step 1
+    # and each rank collects its own blob folder.
+    _faults_in_a_group_commit(tmp_path, victim, "ENOSPC", False, big=True)
 
 
 @pytest.mark.slow

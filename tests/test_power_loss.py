@@ -21,6 +21,8 @@ async def _restore(root: str, directory: Path, crashed: object, *, committed: bo
     async with aiosnap.CheckpointManager(str(directory), storage=storage) as mgr:
         names = [n for n, _ in fs.scandir(str(directory))]
         assert not [n for n in names if n.startswith(aiosnap.TEMP_PREFIX)]
+        for step in await mgr.steps():  # each whole: no reference to a blob the disk lost
+            await aiosnap.verify(str(directory / mgr.filename(step)), storage=storage)
         restored = await mgr.restore()
         assert restored.step in ((2,) if committed else (1, 2)), restored.step
         assert_state(restored.state, restored.step)

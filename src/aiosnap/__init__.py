@@ -34,6 +34,7 @@ from ._api import load_into_sync as load_into_sync
 from ._api import load_sync as load_sync
 from ._api import save as save
 from ._api import save_sync as save_sync
+from ._api import standalone_sync as standalone_sync
 from ._api import verify_sync as verify_sync
 from ._base.errors import CheckpointError as CheckpointError
 from ._base.errors import CheckpointKeyError as CheckpointKeyError
@@ -60,6 +61,7 @@ from ._load.load import VerifyReport as VerifyReport
 from ._load.load import load as load
 from ._load.load import load_into as load_into
 from ._load.load import verify as verify
+from ._load.standalone import standalone as standalone
 from ._manager.manager import CheckpointManager as CheckpointManager
 from ._manager.manager import Restored as Restored
 from ._manager.records import CheckpointRecord as CheckpointRecord
@@ -174,6 +176,8 @@ __all__ = [
     "retention",
     "save",
     "save_sync",
+    "standalone",
+    "standalone_sync",
     "storage",
     "triggers",
     "verify",

@@ -20,6 +20,7 @@ from ._load.load import (
     verify_now,
 )
 from ._load.readers import MapLocation
+from ._load.standalone import standalone_now
 from ._load.verify import Progress
 from ._save.engine import SaveFun
 from ._save.handle import SaveStats
@@ -169,3 +170,8 @@ load_into_sync: Callable[..., Any] = _in_caller(load_into, _load_into_sync)
 """Blocking twin of `aiosnap.load_into`: same arguments; no event loop may be running."""
 verify_sync: Callable[..., VerifyReport] = _in_caller(verify, _verify_sync)
 """Blocking twin of `aiosnap.verify`: same arguments; no event loop may be running."""
+
+
+def standalone_sync(src: str, dst: str, *, storage: Storage | None = None) -> int:
+    """Blocking twin of ``standalone``: a self-contained copy of ``src`` at ``dst``."""
+    return standalone_now(src, dst, storage).bytes

@@ -50,3 +50,23 @@ def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
         len2 >>= 1
         k += 1
     return crc1 ^ crc2
+
+
+#: The content hash that names a blob (see docs/format.md, "Blobs").
+CONTENT_HASH = "xxh3-128"
+
+
+def content_hash(data: memoryview | bytes) -> str:
+    """The 128-bit xxh3 hash of ``data``, as the 32 lowercase hex digits that name its
+    blob. Releases the GIL; ~8-30 GB/s, faster than the crc32c the entry carries too."""
+    try:
+        import xxhash
+    except ImportError as exc:  # a dependency; this says what to do if it was left out
+        raise ImportError("incremental saves need the xxhash package: pip install xxhash") from exc
+    digest: str = xxhash.xxh3_128_hexdigest(data)
+    return digest
+
+
+def is_content_hash(name: object) -> bool:
+    """Whether ``name`` is a blob name: exactly 32 lowercase hex digits."""
+    return isinstance(name, str) and len(name) == 32 and not name.strip("0123456789abcdef")

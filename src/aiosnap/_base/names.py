@@ -3,7 +3,8 @@
 A checkpoint directory is shared ground: people, evaluation jobs and ``rsync`` put
 files there too. aiosnap writes only inside it, under names it can read back, and
 never under the names it keeps for itself: temp files and the lock (``.aiosnap``...),
-the index and the manifests (``aiosnap-index``..., ``aiosnap-manifest``...). A name
+the index and the manifests (``aiosnap-index``..., ``aiosnap-manifest``...), the blobs of
+incremental saves (``aiosnap-blobs/``). A name
 template renders every step to one path component that parses back to that step, so
 that what a save writes is what the next open finds. Pure functions, standard library
 only.
@@ -15,8 +16,12 @@ import numbers
 import re
 import string
 
-#: Names aiosnap keeps for itself: its temp files and lock, its index and manifests.
-RESERVED_PREFIXES = (".aiosnap", "aiosnap-index", "aiosnap-manifest")
+#: Names aiosnap keeps for itself: its temp files and lock, its index and manifests, the
+#: folder of an incremental checkpoint directory's blobs.
+RESERVED_PREFIXES = (".aiosnap", "aiosnap-index", "aiosnap-manifest", "aiosnap-blobs")
+#: The folder, beside the checkpoints that refer to them, where incremental saves keep
+#: their blobs (each named by its content hash).
+BLOB_DIR = "aiosnap-blobs"
 _FIELDS = ("step", "epoch", "rank")
 
 

@@ -35,6 +35,7 @@ from .._base.errors import (
 from .._format.codec import read_header, sniff
 from .._format.tree import format_path, walk_leaves
 from .._load.load import load_blocking
+from .._load.standalone import standalone_now
 from .._storage.backends import resolve
 from .._storage.local import LocalStorage
 from .._storage.protocol import write_with
@@ -83,11 +84,19 @@ def output_format(dst: str, to: Format | None) -> Format:
     )
 
 
-def convert(src: str, dst: str, to: Format | None, *, allow_pickle: bool, force: bool) -> Converted:
-    """Read ``src`` whole and write it to ``dst`` as ``to`` (see output_format). Blocking."""
+def convert(
+    src: str, dst: str, to: Format | None, *, allow_pickle: bool, force: bool, standalone: bool = False
+) -> Converted:
+    """Read ``src`` whole and write it to ``dst`` as ``to`` (see output_format). Blocking.
+    ``standalone``: copy an aiosnap file with the entries it refers to (an incremental
+    save's blobs) stored in it, byte for byte, checksums included."""
     target = output_format(dst, to)
+    if standalone and target != "aiosnap":
+        raise CheckpointError(f"--standalone writes an aiosnap file, not {_WHAT[target]}")
     place = locate(src)
     _refuse_existing(dst, target, force)
+    if standalone:
+        return _standalone(place, dst)
     state, source = read_state(place, allow_pickle)
     tensors = [v for _, v in walk_object(state) if isinstance(v, (torch.Tensor, np.ndarray))]
     done = Converted(source, target, len(tensors), sum(_nbytes(t) for t in tensors))
@@ -103,6 +112,20 @@ def convert(src: str, dst: str, to: Format | None, *, allow_pickle: bool, force:
     else:
         write_dcp(dst, state)
     return done
+
+
+def _standalone(place: Located, dst: str) -> Converted:
+    if place.kind != "file":
+        raise CheckpointError(f"{place.path}: --standalone copies one checkpoint file")
+    f = place.storage.open_read(place.path)
+    try:
+        header = read_header(f)
+    finally:
+        f.close()
+    times = standalone_now(place.path, dst, place.storage)
+    kept = len(header.tensors) + len(header.refs)
+    notes = [f"{len(header.refs)} entries copied in from blobs"] if header.refs else []
+    return Converted("aiosnap", "aiosnap", kept, times.bytes, notes)
 
 
 def _torch_save(state: Any, path: str) -> None:

@@ -25,6 +25,7 @@ from .._format.tree import (
     walk_leaves,
 )
 from .._load.load import load_blocking
+from .._save.incremental import blob_file
 from .._storage.protocol import Storage
 from .dirs import Located
 from .safetensors import TREE_KEY, saved_tree
@@ -44,6 +45,8 @@ class Entry:
     crc32c: str | None = None
     value: Any = None
     note: str = ""
+    #: The blob that holds its bytes (an incremental save's), as its file name.
+    blob: str | None = None
 
     @property
     def stored(self) -> bool:
@@ -54,6 +57,7 @@ class Entry:
         if self.stored:
             out |= {"dtype": self.dtype, "shape": list(self.shape or ()), "bytes": self.nbytes}
             out |= {"crc32c": self.crc32c} if self.crc32c else {}
+            out |= {"blob": self.blob} if self.blob else {}
         else:
             out["value"] = jsonable(self.value)
         return out | ({"note": self.note} if self.note else {})
@@ -143,8 +147,11 @@ def _header(storage: Storage, path: str) -> Header:
 
 
 def _data_section(headers: list[Header]) -> tuple[int, int]:
-    """(entries, bytes) of the files' data sections, as verify counts them."""
-    return sum(len(h.tensors) for h in headers), sum(t.nbytes for h in headers for t in h.tensors.values())
+    """(entries, bytes) of the files' data sections and the blobs they refer to, as
+    verify counts them."""
+    entries = sum(len(h.tensors) + len(h.refs) for h in headers)
+    nbytes = sum(t.nbytes for h in headers for t in h.tensors.values())
+    return entries, nbytes + sum(r.info.nbytes for h in headers for r in h.refs.values())
 
 
 def _describe_foreign(place: Located, kind: str, allow_pickle: bool) -> Described:
@@ -183,8 +190,12 @@ def header_entries(header: Header, manifest: Manifest | None = None, *, tree: An
 
 def _stored(header: Header, path: Path, kind: str, name: str, manifest: Manifest | None) -> Entry:
     info = header.tensors.get(name)
-    note = ""
-    if info is None:
+    note, blob = "", None
+    ref = header.refs.get(name)
+    if ref is not None:
+        info, blob = ref.info, blob_file(ref.blob, ref.compression)
+        note = f"in blob {blob}" + (f", {ref.stored} bytes compressed" if ref.compression else "")
+    elif info is None:
         info = header.external[name]
         note = "stored in another rank's file"
     crc = None if info.crc is None else f"{info.crc:08x}"
@@ -196,7 +207,7 @@ def _stored(header: Header, path: Path, kind: str, name: str, manifest: Manifest
     elif kind == "dtensor" and info.shard is not None:
         note = f"shard at {list(info.shard[1])} of {list(info.shard[0])}"
     nbytes = (itemsize(info.kind, info.dtype) or 0) * math.prod(shape)
-    return Entry(path, kind, info.dtype, shape, nbytes, crc, note=note)
+    return Entry(path, kind, info.dtype, shape, nbytes, crc, note=note, blob=blob)
 
 
 def _walk_tree(node: Any, path: Path) -> Iterator[tuple[Path, Any]]:

@@ -363,13 +363,27 @@ def convert_command(
     ] = None,
     allow_pickle: AllowPickle = False,
     force: Annotated[bool, typer.Option("--force", help="Replace DST if it exists.")] = False,
+    standalone: Annotated[
+        bool,
+        typer.Option(
+            "--standalone",
+            help="Copy an aiosnap file with the blobs it refers to (an incremental save's) stored in it.",
+        ),
+    ] = False,
 ) -> None:
     """Convert between aiosnap, safetensors, torch.save and torch.distributed.checkpoint.
 
     A step directory becomes one file. Safetensors output keeps the tree and the plain
     values in its metadata, so a round trip through it loses nothing; torch output is
     torch.save's own format."""
-    done = convert(src, dst, None if to is None else to.value, allow_pickle=allow_pickle, force=force)
+    done = convert(
+        src,
+        dst,
+        None if to is None else to.value,
+        allow_pickle=allow_pickle,
+        force=force,
+        standalone=standalone,
+    )
     views.out().print(
         f"{src} ({done.source}) -> {dst} ({done.target}): {done.tensors} tensor(s), {views.human(done.bytes)}"
     )

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._base import json as _json
-from .._base.checksums import crc32c
+from .._base.checksums import crc32c, is_content_hash
 from .._base.errors import CorruptCheckpointError, NotACheckpointError
 from .._base.offload import gc_paused, release, zip_dict
 from .._storage.protocol import Reader, ReaderFile
@@ -82,6 +82,27 @@ class Header:
     #: The header's own crc32c (hex): a summary of the whole file, since the header
     #: holds the checksum of every entry.
     checksum: str | None = None
+    #: Entries whose bytes are in a blob (an incremental save), by name.
+    refs: dict[str, Ref] = field(default_factory=dict)
+    #: Where those blobs are: None, ``aiosnap-blobs/`` beside the file; a rank's folder
+    #: name (``rank_00001``), ``aiosnap-blobs/<it>/`` beside the file's step directory.
+    blob_dir: str | None = None
+
+
+#: Ways a blob's bytes may be stored (``Ref.compression``).
+COMPRESSIONS = ("zstd",)
+
+
+@dataclass(frozen=True, slots=True)
+class Ref:
+    """An entry stored in a blob: what it is (``info``: offsets 0 to its byte count, its
+    crc32c of the bytes as loaded), the blob's name (its content hash), and how the blob
+    holds it: ``stored`` bytes, compressed by ``compression`` or raw (None)."""
+
+    info: TensorInfo
+    blob: str
+    stored: int
+    compression: str | None = None
 
 
 def tree_of(header: Header) -> Any:
@@ -133,6 +154,8 @@ def header_template(
     tree: str,
     external: list[TensorInfo] | None = None,
     laid: EntryPieces | None = None,
+    refs: list[Ref] | None = None,
+    blob_dir: str | None = None,
 ) -> HeaderTemplate:
     """Lay out the header of these entries around the skeleton's JSON text; the
     checksums are filled in at the commit. ``laid``: ``entry_pieces(tensors)``, if
@@ -146,8 +169,24 @@ def header_template(
             for t in external
         )
         tail += [',"external":{', ",".join(described), "}"]
+    if refs:
+        tail += [',"refs":{', ",".join(map(_ref_text, refs)), "}"]
+        if blob_dir is not None:
+            tail.append(f',"blob_dir":{json_string(blob_dir)}')
     last = (laid.last[:-1] if tensors else laid.last) + _escaped("".join(tail) + "}")
     return HeaderTemplate([*laid.pieces, last], laid.holes, laid.blocks, laid.entries)
+
+
+def _ref_text(ref: Ref) -> str:
+    """A referred entry's description (its checksums known already: a referring header is
+    laid out in the commit, after the entries were sealed)."""
+    t = ref.info
+    blocks = "" if t.blocks is None else f',"blocks":"{"".join(f"{b:08x}" for b in t.blocks)}"'
+    packed = "" if ref.compression is None else f',"compression":"{ref.compression}","stored":{ref.stored}'
+    return (
+        f'{json_string(t.name)}:{{"kind":"{t.kind}","dtype":{json_string(t.dtype)},"shape":{_int_list(t.shape)},'
+        f'{_shard_text(t)}"blob":"{ref.blob}","crc32c":"{t.crc or 0:08x}"{blocks}{packed}}}'
+    )
 
 
 def entry_pieces(tensors: list[TensorInfo]) -> EntryPieces:
@@ -410,7 +449,11 @@ class _Parser:
         except ValueError as exc:
             raise self.fail(f"bad tree: {exc}") from None
         external = self.external(doc, tensors)
-        return Header(data_start, tensors, doc.get("tree"), FORMAT_VERSION, external, meta[CRC_KEY])
+        refs = self.refs(doc, tensors, external)
+        tree = doc.get("tree")
+        return Header(
+            data_start, tensors, tree, FORMAT_VERSION, external, meta[CRC_KEY], refs, self.blob_dir(doc)
+        )
 
     def entries_at(
         self, text: str, at: int, described: dict[str, Any], data_len: int
@@ -556,7 +599,9 @@ class _Parser:
             _tree.check(tree)
         except ValueError as exc:
             raise self.fail(f"bad tree: {exc}") from None
-        return Header(data_start, tensors, tree, version, self.external(meta, tensors))
+        external = self.external(meta, tensors)
+        refs = self.refs(meta, tensors, external)
+        return Header(data_start, tensors, tree, version, external, refs=refs, blob_dir=self.blob_dir(meta))
 
     def external(self, meta: dict[str, Any], tensors: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
         described = meta.get("external", {})
@@ -577,6 +622,42 @@ class _Parser:
             shard = self.shard(name, d, shape, kind)
             external[name] = TensorInfo(name, kind, d["dtype"], tuple(shape), 0, 0, None, shard)
         return external
+
+    def refs(
+        self, meta: dict[str, Any], tensors: dict[str, TensorInfo], external: dict[str, TensorInfo]
+    ) -> dict[str, Ref]:
+        """The entries stored in blobs, each checked as a stored entry's description is
+        (its byte count from its shape, within MAX_EXTENT) and named by a content hash."""
+        described = meta.get("refs", {})
+        if not isinstance(described, dict):
+            raise self.fail("aiosnap metadata: refs are malformed")
+        refs = {}
+        for name, d in described.items():
+            if name in tensors or name in external:
+                raise self.fail(f"tensor {name!r} is both stored and referred to a blob")
+            if not isinstance(d, dict) or d.get("kind") not in KINDS or not isinstance(d.get("dtype"), str):
+                raise self.fail(f"referred entry {name!r}: malformed description")
+            kind, size = d["kind"], itemsize(d["kind"], d["dtype"])
+            shape: Any = d.get("shape")
+            extent = nbytes(shape, size) if size is not None and _ints(shape) else None
+            if extent is None or not is_content_hash(d.get("blob")):
+                raise self.fail(f"referred entry {name!r}: malformed description")
+            info = self.info(name, d, (*st_entry(kind, d["dtype"], tuple(shape), extent), 0, extent))
+            compression, stored = d.get("compression"), d.get("stored", extent)
+            if compression is not None and compression not in COMPRESSIONS:
+                raise self.fail(f"referred entry {name!r}: unknown compression {compression!r:.40}")
+            if type(stored) is not int or stored < 0 or (compression is None and stored != extent):
+                raise self.fail(f"referred entry {name!r}: bad stored size")
+            refs[name] = Ref(info, d["blob"], stored, compression)
+        return refs
+
+    def blob_dir(self, meta: dict[str, Any]) -> str | None:
+        """The rank folder of a step directory's blobs, if the file names one: only a
+        rank's folder name, so it never leads out of aiosnap's blob folder."""
+        where = meta.get("blob_dir")
+        if where is not None and (type(where) is not str or not _RANK_DIR.fullmatch(where)):
+            raise self.fail(f"aiosnap metadata: bad blob_dir {_short(where)}")
+        return where
 
     def shard(
         self, name: str, d: dict[str, Any], shape: list[int], kind: str
@@ -754,6 +835,10 @@ def _document(text: str) -> dict[str, Any] | None:
     doc = {"version": FORMAT_VERSION, "checksum": "crc32c", "tensors": tensors, "tree": tree}
     if text.startswith(',"external":', pos):
         doc["external"], pos = _json.loads_at(text, pos + 12)
+    if text.startswith(',"refs":', pos):
+        doc["refs"], pos = _json.loads_at(text, pos + 8)
+    if text.startswith(',"blob_dir":', pos):
+        doc["blob_dir"], pos = _json.loads_at(text, pos + 12)
     return doc if text[pos:] == "}" else None
 
 
@@ -847,6 +932,8 @@ def _is_hex(s: str) -> bool:
 
 
 _INT_ONLY = {int}
+#: A rank's blob folder in a directory of step directories (``Header.blob_dir``).
+_RANK_DIR = re.compile(r"rank_[0-9]{5}")
 _MISS: Any = object()
 _META_OPEN = '{"__metadata__":'
 _META_KEYS = frozenset((META_KEY, CRC_KEY))

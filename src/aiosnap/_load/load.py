@@ -43,6 +43,7 @@ from .._storage.backends import resolve
 from .._storage.protocol import Reader, ReaderFile, Storage, exists
 from .progress import counted
 from .readers import EntryReader, MapLocation, Shards
+from .refs import follow
 from .targets import Destinations, assign, find, held_paths, set_values
 from .verify import Progress, verify_blocking
 from .verify import VerifyReport as VerifyReport
@@ -247,7 +248,7 @@ def read_step(storage: Storage, step: Step, request: LoadRequest) -> Any:
         if i not in opened:
             f = storage.open_read(join(step.directory, m.files[i]))
             try:
-                opened[i] = (f, _read_checked(f, checksums))
+                opened[i] = f, _ = follow(storage, f, _read_checked(f, checksums))
             except BaseException:
                 f.close()
                 raise
@@ -302,7 +303,7 @@ def load_file(
             if target is not None:
                 assign(target, loaded, (), strict, dests)
             return loaded
-        header = _read_checked(files[0], checksums)
+        files[0], header = follow(storage, files[0], _read_checked(files[0], checksums))
         tree = tree_of(header)
         try:
             if keys is not None:
@@ -315,7 +316,8 @@ def load_file(
                         "entries; load the step directory, or pass replicas="
                     )
                 files.append(storage.open_read(replicas))
-                reader.add_replicas(files[1], _read_checked(files[1], checksums))
+                files[1], replicated = follow(storage, files[1], _read_checked(files[1], checksums))
+                reader.add_replicas(files[1], replicated)
             if target is not None:
                 # An entry of this file, or (with replicas) of theirs: with none, a lookup
                 # in its own table is the same, without a method call a tensor.

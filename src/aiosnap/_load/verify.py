@@ -16,6 +16,7 @@ from .._format.header import BLOCK
 from .._format.manifest import MANIFEST_NAME, Manifest, SavedTensor, holds_box, indexed, read_manifest
 from .._format.tree import format_path, walk_leaves
 from .._storage.protocol import Reader, ReaderFile, Storage, exists
+from .refs import follow
 
 #: verify() reads in pieces of this size, so it needs no memory for the tensors.
 _VERIFY_PIECE = 64 << 20
@@ -135,7 +136,8 @@ def _verify_file(
     ``checksum`` of a manifest is a step's: it must be an aiosnap file, never sniffed."""
     f = storage.open_read(path)
     start = tally.done
-    if tally.total is None:
+    alone = tally.total is None
+    if alone:
         tally.total = f.size
     try:
         foreign = sniff(f) if checksum is None else None
@@ -148,6 +150,9 @@ def _verify_file(
             raise CorruptCheckpointError(
                 path, f"header checksum {header.checksum} is not the committed {checksum}"
             )
+        f, header = follow(storage, f, header)  # every referred blob is verified as an entry
+        if alone:
+            tally.total = f.size
         tally.add(header.data_start)
         buf = np.empty(
             min(_VERIFY_PIECE, max(t.nbytes for t in header.tensors.values()) if header.tensors else 0),

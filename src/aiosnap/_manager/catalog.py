@@ -21,6 +21,7 @@ from .._base import offload as _offload
 from .._base.errors import CheckpointError, CheckpointNotFoundError, ForeignFileError, IndexWriteError
 from .._save.handle import SaveStats
 from .._storage.protocol import Storage, Version
+from .blobs import collect
 from .records import CheckpointRecord
 from .retention import RetentionPolicy, victims
 
@@ -178,6 +179,8 @@ class Catalog:
         for record in doomed.values():
             await self._steps.remove(record.file, record.bytes)
             logger.info("retention removed %s", record.file)
+        if doomed:
+            await self._collect()
         self._warn_strays(list(self._steps.strays))
         if failed is not None:
             raise IndexWriteError(self._storage.join(self._directory, INDEX_NAME), failed) from failed
@@ -203,7 +206,14 @@ class Catalog:
                 if not self._writable:
                     raise CheckpointError(f"{self._directory}: a read-only catalog removes nothing")
                 await self._prune()
+            elif not dry_run and self._writable:
+                await self._collect()  # blobs a crashed save left, which no checkpoint refers to
             return gone
+
+    async def _collect(self) -> None:
+        """Delete the blobs no checkpoint refers to any more (after the checkpoints that
+        did are gone: see ``_blobs``)."""
+        await _offload.run_io(collect, self._storage, self._directory)
 
     def _doomed(self) -> dict[int, str]:
         valid = [r for r in self.records.values() if r.corrupt is None]

@@ -33,6 +33,9 @@ from .step_dirs import StepDirs, file_report
 class Layout(Protocol):
     #: Whether a step is committed by a manifest (which rank 0 writes last).
     manifests: bool
+    #: The directory of the checkpoints, and its storage.
+    storage: Storage
+    directory: str
 
     @property
     def strays(self) -> list[str]:

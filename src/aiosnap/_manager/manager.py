@@ -39,7 +39,7 @@ from .._base.names import check_step, render, template
 from .._base.notice import notice
 from .._base.tasks import TaskGroupOwner
 from .._save.handle import Failures, Resolver, SaveFailure, SaveHandle, SaveStats, raise_first, skipped
-from .._save.writers import QueueWriter, Writer
+from .._save.writers import QueueWriter, Writer, _WriterBase
 from .._storage.protocol import Storage
 from .member import Attempt, restore_first
 from .records import CheckpointRecord
@@ -97,6 +97,30 @@ def _group_of(name: str, group: Any, rank: int, replicated: Sequence[str], timeo
     parent = None if group is None else group
     rank, size = coord.rank_and_size(parent)
     return Group(parent, rank, size, size, tuple(replicated), timeout)
+
+
+def _writer_of(
+    writer: Writer | None,
+    storage: Storage,
+    *,
+    incremental: bool,
+    frozen: Sequence[str],
+    compression: str | None,
+    compression_level: int,
+) -> Writer:
+    """The manager's writer: the one given, or a QueueWriter with the manager's options
+    (which a writer given must carry itself)."""
+    if writer is None:
+        return QueueWriter(
+            storage=storage,
+            incremental=incremental,
+            frozen=frozen,
+            compression=compression,
+            compression_level=compression_level,
+        )
+    if incremental or frozen or compression is not None:
+        raise ValueError("incremental=, frozen= and compression= go to the writer when one is given")
+    return writer
 
 
 @final
@@ -173,6 +197,11 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
         uploader: the UploadWriter of the remote tier (retries, waiting uploads).
         capture: ``"eager"`` (a save returns once its state is copied) or ``"lazy"`` (once
             its tree is walked; see below).
+        incremental: store entries of 64 KiB or more once, as blobs shared by the
+            checkpoints of the directory (see docs/manager.md, "Incremental checkpoints");
+            retention deletes a blob once no checkpoint refers to it.
+        frozen: globs of entry names that do not change (not hashed again).
+        compression: ``"zstd"`` compresses the blobs (``compression_level``, 1-22).
     """
 
     def __init__(
@@ -197,6 +226,10 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
         upload: Literal["every", "manual"] = "every",
         uploader: UploadWriter | None = None,
         capture: Literal["eager", "lazy"] = "eager",
+        incremental: bool = False,
+        frozen: Sequence[str] = (),
+        compression: str | None = None,
+        compression_level: int = 3,
     ) -> None:
         self._capture = _check_capture(capture)
         if upload not in ("every", "manual"):
@@ -233,7 +266,14 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
             self._tier = Tier(far, uploads, local=self._site.storage)
         self._upload_mode = upload
         self.read_only = read_only
-        self._writer: Writer = writer if writer is not None else QueueWriter(storage=self._site.storage)
+        self._writer: Writer = _writer_of(
+            writer,
+            self._site.storage,
+            incremental=incremental,
+            frozen=frozen,
+            compression=compression,
+            compression_level=compression_level,
+        )
         self._trigger: Trigger | None = EveryNSteps(save_every) if isinstance(save_every, int) else save_every
         #: This process's rank in the group (or as given, on its own).
         self.rank = self._group.rank
@@ -262,9 +302,13 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
         writer_open = False
         try:
             await self._site.connect()
+            if getattr(self._writer, "incremental", False) and self._site.steps_are_dirs:
+                self._blobs_as_rank()
             await self._site.open(tg)
             if self._tier is not None:
                 await self._tier.connect(steps_are_dirs=self._site.steps_are_dirs)
+                # The remote tier's copies of this rank's blobs: collected by this rank too.
+                self._tier.site.member.blob_dir = self._site.member.blob_dir
             if not self.read_only:
                 await self._writer.__aenter__()
                 writer_open = True
@@ -290,6 +334,15 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
                 await self.aclose()
                 raise
         return self
+
+    def _blobs_as_rank(self) -> None:
+        """Incremental saves into step directories: each rank keeps its blobs in a folder
+        of its own, which it collects itself (see ``Member.blob_dir``)."""
+        if not isinstance(self._writer, _WriterBase):
+            raise ValueError("incremental saves into step directories need one of aiosnap's writers")
+        rank_dir = f"rank_{self.rank:05d}"
+        self._writer._blobs_as_rank(rank_dir)
+        self._site.member.blob_dir = rank_dir
 
     async def _catch_up(self) -> None:
         """Upload the newest local checkpoint if the remote tier lacks it, once it is open:

@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, final
 
+from .._base import offload as _offload
 from .._base.errors import (
     CheckpointKeyError,
     CheckpointNotFoundError,
@@ -33,6 +34,7 @@ from .._dist.decisions import Refused, agree_on_config, commit, judge_restore
 from .._dist.messages import CommitVerdict, FileReport, LoadReport, OpenReport
 from .._format.manifest import replicated_matcher
 from .._save.handle import Resolver, SaveFailure, SaveHandle, SaveStats
+from .blobs import collect
 from .catalog import Catalog
 from .layouts import Layout
 from .records import CheckpointRecord
@@ -80,6 +82,10 @@ class Member:
         self.matches = replicated_matcher(self.replicated)
         #: Steps that saves in progress write to: never swept.
         self.busy: set[str] = set()
+        #: This rank's blob folder (incremental saves into step directories), which it
+        #: collects itself after each of its saves: only its own saves write there, and
+        #: only its process knows which of their blobs are in flight.
+        self.blob_dir: str | None = None
 
     async def open(
         self, config: OpenReport, prepare: Callable[[], Awaitable[None]], *, on_control: bool = False
@@ -168,6 +174,8 @@ class Member:
             if self.catalog is not None:
                 await self.catalog.add(record, stats[0], verdict.bytes)
                 await self.layout.sweep(record.step, self.busy)
+            if self.blob_dir is not None:
+                await _offload.run_io(collect, self.layout.storage, self.layout.directory, self.blob_dir)
         except RankFailedError as exc:
             if own:
                 # This member's write failed: one failure (the group's, chained from the

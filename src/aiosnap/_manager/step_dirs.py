@@ -11,6 +11,7 @@ catalog, only ever deleting what aiosnap wrote there.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -44,6 +45,9 @@ def file_report(storage: Storage, path: str, patterns: Sequence[str], rank: int,
     elsewhere), which must agree across ranks; the DTensor boxes it stored; and, when
     other ranks compare them (``leaves``), a digest of every other leaf. Blocking."""
     header, size = _header(storage, path)
+    if header.refs:  # described as stored entries: the report is of what the file holds, where
+        described = {**header.tensors, **{name: ref.info for name, ref in header.refs.items()}}
+        header = dataclasses.replace(header, tensors=described)
     matches = replicated_matcher(patterns)
     firsts: dict[str, str] = {}
     shards, digests = [], {}

@@ -41,9 +41,11 @@ from .._base.errors import (
 )
 from .._base.notice import notice
 from .._base.tasks import TaskGroupOwner
+from .._format.codec import read_header, written_by_aiosnap
 from .._format.tree import ExternalLeaves
 from .._save.engine import SaveFun
 from .._save.handle import Failures, Resolver, SaveFailure, SaveHandle, SaveStats, raise_first
+from .._save.incremental import PINS, blob_dir, blob_file
 from .._storage.backends import resolve
 from .._storage.protocol import CommitTimes, Storage
 
@@ -94,6 +96,51 @@ def copy_object(
     finally:
         reader.close()
     return CommitTimes(write_s + times.write_s, times.fsync_s, size)
+
+
+def copy_checkpoint(
+    src: Storage,
+    src_path: str,
+    dst: Storage,
+    dst_path: str,
+    on_piece: Callable[[int], object] | None = None,
+) -> CommitTimes:
+    """Copy a committed checkpoint file (``copy_object``), and before it the blobs it
+    refers to (an incremental save's) that the far end lacks; ``bytes``: all that was
+    sent. The blobs are pinned meanwhile, so the far end's collector keeps them until the
+    file that refers to them is there. Blocking."""
+    blobs, rank_dir = _blobs_of(src, src_path)
+    if not blobs:
+        return copy_object(src, src_path, dst, dst_path, on_piece)
+    here, there = blob_dir(src, src_path, rank_dir), blob_dir(dst, dst_path, rank_dir)
+    sent = write_s = fsync_s = 0.0
+    for blob, _ in blobs:
+        PINS.pin(blob)
+    try:
+        for _, name in blobs:
+            far = dst.join(there, name)
+            entry = dst.stat(far)
+            if entry is not None and entry.is_file:
+                continue  # content-addressed: the far end has these bytes already
+            times = copy_object(src, src.join(here, name), dst, far, on_piece)
+            sent, write_s, fsync_s = sent + times.bytes, write_s + times.write_s, fsync_s + times.fsync_s
+        times = copy_object(src, src_path, dst, dst_path, on_piece)
+    finally:
+        PINS.unpin(blob for blob, _ in blobs)
+    return CommitTimes(write_s + times.write_s, fsync_s + times.fsync_s, int(sent) + times.bytes)
+
+
+def _blobs_of(storage: Storage, path: str) -> tuple[list[tuple[str, str]], str | None]:
+    """(content hash, file name) of each blob the checkpoint file at ``path`` refers to,
+    and the rank folder they are in (see ``blob_dir``)."""
+    reader = storage.open_read(path)
+    try:
+        if not written_by_aiosnap(reader):
+            return [], None
+        header = read_header(reader)
+    finally:
+        reader.close()
+    return sorted({(r.blob, blob_file(r.blob, r.compression)) for r in header.refs.values()}), header.blob_dir
 
 
 @dataclass(eq=False, slots=True)
@@ -265,7 +312,9 @@ class UploadWriter(TaskGroupOwner):
         attempt = 0
         while True:
             try:
-                times = await _offload.run_io(copy_object, src, outcome.path, job.storage, dst, self._piece)
+                times = await _offload.run_io(
+                    copy_checkpoint, src, outcome.path, job.storage, dst, self._piece
+                )
                 break
             except (CheckpointNotFoundError, CorruptCheckpointError) as exc:  # the local file: no retry helps
                 job.resolver.fail(self._failures.add(dst, exc))

@@ -24,7 +24,8 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class SaveStats:
     """How one save went. Seconds are wall-clock; ``stall_s`` is what the caller waited;
-    ``bytes`` is the size of what was committed."""
+    ``bytes`` is the size of what was committed (an incremental save: its file and the
+    blobs it wrote, not those it shares with earlier saves)."""
 
     path: str
     bytes: int

@@ -22,11 +22,12 @@ call returned is a background failure, reported as a failed commit is.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import functools
 import inspect
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal, Protocol, Self, TypedDict, Unpack, final
@@ -48,6 +49,7 @@ from .device import DeviceCopier, default_copier
 from .engine import Engine, ProcessEngine, SaveFun, ThreadEngine
 from .guard import Guard
 from .handle import Capture, Failures, Resolver, SaveFailure, SaveHandle, SaveStats, raise_first
+from .incremental import Dedup, Known, commit_incremental
 from .pipeline import CaptureEnded, Pipe, commit_pipelined
 from .stage import Lazy, StagedImage, StageRequest, stage_or_plan, write_in_pieces
 
@@ -80,6 +82,13 @@ class WriterOptions(TypedDict, total=False):
     waits for them (see docs/concepts.md, "Lazy capture"); a call's own ``capture=``
     overrides it. ``device_copier``: what copies device tensors to host memory (by
     default, CUDA's side streams where CUDA is available; tests pass a fake device).
+    ``incremental``: store each entry of 64 KiB or more as a content-addressed blob in
+    ``aiosnap-blobs/`` beside the file, written only if no earlier save stored the same
+    bytes; the file refers to its blobs (see docs/format.md, "References and blobs").
+    Hashing runs in the commit, never in the caller's wait. ``frozen``: globs of entry
+    names (dotted tensor paths) that do not change: not hashed again while their
+    crc32c is unchanged. ``compression``: ``"zstd"`` stores blobs compressed
+    (``compression_level``, 1-22; needs ``incremental`` and the ``zstd`` extra).
     """
 
     storage: Storage | None
@@ -88,6 +97,10 @@ class WriterOptions(TypedDict, total=False):
     pipeline: bool
     capture: CaptureMode
     device_copier: DeviceCopier | None
+    incremental: bool
+    frozen: Sequence[str]
+    compression: str | None
+    compression_level: int
 
 
 class Writer(Protocol):
@@ -162,7 +175,16 @@ class _WriterBase(TaskGroupOwner, abc.ABC):
         pipeline: bool = True,
         capture: CaptureMode = "eager",
         device_copier: DeviceCopier | None = None,
+        incremental: bool = False,
+        frozen: Sequence[str] = (),
+        compression: str | None = None,
+        compression_level: int = 3,
     ) -> None:
+        if (frozen or compression is not None) and not incremental:
+            raise ValueError("frozen= and compression= need incremental=True (compressed entries are blobs)")
+        #: Incremental saves' options and what they stored (None: full saves).
+        self._dedup = Dedup(tuple(frozen), compression, compression_level) if incremental else None
+        self._known = Known()
         if offload not in ("thread", "process"):
             raise ValueError(f"offload must be 'thread' or 'process', not {offload!r}")
         _check_capture(capture)
@@ -253,6 +275,17 @@ class _WriterBase(TaskGroupOwner, abc.ABC):
         for the next saves), and how many captures wait for some to be released."""
         in_use, kept, kept_bytes, waiting = self._pool.usage()
         return StagingMemory(in_use, kept, kept_bytes, waiting)
+
+    @property
+    def incremental(self) -> bool:
+        """Whether saves store their large entries as shared blobs (``incremental=``)."""
+        return self._dedup is not None
+
+    def _blobs_as_rank(self, rank_dir: str) -> None:
+        """For a manager whose steps are directories: keep the blobs in the rank's own
+        folder beside the step directories (see ``incremental.blob_dir``)."""
+        if self._dedup is not None:
+            self._dedup = dataclasses.replace(self._dedup, rank_dir=rank_dir)
 
     @property
     def worker_pid(self) -> int | None:
@@ -363,7 +396,7 @@ class _WriterBase(TaskGroupOwner, abc.ABC):
 
     async def _capture_then(self, save: _Save, after: _After) -> None:
         begin = lazy = None
-        if self._pipeline and not self._engine.shared and save.savefun is None:
+        if self._pipeline and not self._engine.shared and save.savefun is None and self._dedup is None:
             begin = functools.partial(_offload.from_loop, self._begin_pipeline, save, after)
         if save.guard is not None:
             lazy = Lazy(functools.partial(_offload.from_loop, self._walked, save), save.guard)
@@ -518,6 +551,12 @@ class _WriterBase(TaskGroupOwner, abc.ABC):
                     if not save.pipe.is_started:  # cancelled before its thread ran
                         save.pipe.fail()
                     raise
+            elif self._dedup is not None and save.savefun is None:
+                assert save.staged is not None
+                # In a thread of this process whatever the engine: the arena is shared.
+                times = await _offload.run_io(
+                    commit_incremental, save.storage, save.handle.path, save.staged, self._dedup, self._known
+                )
             else:
                 assert save.staged is not None
                 times = await self._engine.commit(save.storage, save.handle.path, save.staged, save.savefun)
