@@ -47,6 +47,7 @@ import aiosnap
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _harness import publish
+from bench import machine
 
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parent
@@ -287,6 +288,8 @@ def render(data: dict[str, Any]) -> str:
     lines = [
         f"### Incremental: a LoRA-shaped state of {total / MiB:.0f} MiB (90% frozen), {saves} saves",
         "",
+        "Machine: " + ", ".join(f"{k} {v}" for k, v in data.get("machine", {}).items()),
+        "",
         "| what | incremental | full saves | ratio | target |",
         "|---|---|---|---|---|",
         f"| bytes written per save after the first (median) | {later / MiB:.1f} MiB | "
@@ -367,6 +370,7 @@ def main() -> None:
             "zstd": zstd_rows(min(nbytes, 96 * MiB), args.reps),
             "zstd_saves": asyncio.run(zstd_saves(scratch, min(nbytes, 96 * MiB))),
             "cpus": os.cpu_count(),
+            "machine": machine(),
         }
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
