@@ -146,9 +146,21 @@ async def test_a_remote_tier_that_dies_mid_run_is_waited_for_then_caught_up(
 _CLOSING = r"""
 import asyncio, faulthandler, signal, sys, torch, aiosnap
 faulthandler.register(signal.SIGUSR1)  # the test asks for every thread's stack if it hangs
+# Ctrl-C as a terminal delivers it: a SIGINT ignored or blocked by the process that started
+# this one (its state is inherited) is reported, then set as a shell sets it.
+blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+inherited = signal.getsignal(signal.SIGINT)
+print(f"SIGINT inherited: {inherited!r}, blocked: {blocked}", file=sys.stderr, flush=True)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from aiosnap.storage import from_url
 
+def dump_tasks():
+    for task in asyncio.all_tasks():
+        task.print_stack(file=sys.stderr)
+    sys.stderr.flush()
+
 async def main():
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR2, dump_tasks)
     url = sys.argv[2]
     storage = from_url(url, endpoint=sys.argv[3], access_key_id="testing", secret_access_key="testing",
                        region="us-east-1", client_options={"allow_http": True})
@@ -189,6 +201,7 @@ def test_ctrl_c_ends_a_close_that_waits_for_a_remote_tier_that_does_not_answer(t
         try:
             child.wait(timeout=INTERRUPT_BOUND)
         except subprocess.TimeoutExpired:
+            child.send_signal(signal.SIGUSR2)  # its tasks' stacks (if its loop still runs)
             child.send_signal(signal.SIGUSR1)  # its threads' stacks, for the failure's message
             dumped = time.monotonic() + 10
             while time.monotonic() < dumped and not any("most recent call first" in x for x in rest):

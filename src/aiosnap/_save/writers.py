@@ -551,6 +551,9 @@ class _WriterBase(TaskGroupOwner, abc.ABC):
                     if not save.pipe.is_started:  # cancelled before its thread ran
                         save.pipe.fail()
                     raise
+                # A lazy capture's staging thread seals the pipe itself: the commit may end
+                # before the loop has taken the capture's result (save.staged).
+                await save.capture.ended()
             elif self._dedup is not None and save.savefun is None:
                 assert save.staged is not None
                 # In a thread of this process whatever the engine: the arena is shared.
