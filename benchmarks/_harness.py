@@ -125,6 +125,17 @@ def file_store(path: Path) -> str:
     return f"file://{path}"
 
 
+def empty_dir(directory: Path) -> None:
+    """Remove what a measured save left in ``directory`` (files, and directories of files)."""
+    for p in directory.iterdir():
+        if p.is_dir():
+            for q in p.iterdir():
+                q.unlink()
+            p.rmdir()
+        else:
+            p.unlink()
+
+
 def o_direct_supported(directory: Path) -> bool:
     probe = directory / ".odirect-probe"
     try:

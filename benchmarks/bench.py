@@ -42,7 +42,7 @@ from aiosnap._cli.bench import cold_load
 from aiosnap._storage.posix import huge_pages_pay, thp_mode
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _harness import RssSampler, cold_start, loop_lag, o_direct_supported, publish
+from _harness import RssSampler, cold_start, empty_dir, loop_lag, o_direct_supported, publish
 from _peers import PEERS
 
 MiB = 1 << 20
@@ -358,19 +358,9 @@ async def measure_all(
                 result = await asyncio.to_thread(PEERS[name], state, directory, rss)
             result["rss_extra"], result["faulted"] = rss.peak_extra, rss.faulted
             results[name].append(result)
-            _clean(directory)
+            empty_dir(directory)
         print(f"  repetition {rep + 1}/{reps} done", flush=True)
     return results
-
-
-def _clean(directory: Path) -> None:
-    for p in directory.iterdir():
-        if p.is_dir():
-            for q in p.iterdir():
-                q.unlink()
-            p.rmdir()
-        else:
-            p.unlink()
 
 
 # -- the durable gap, lazy capture, a training loop -------------------------------------------
@@ -433,7 +423,7 @@ async def lazy_stalls(directory: Path, size: int, reps: int) -> dict[str, dict[s
                 stall = time.perf_counter() - t0
                 await handle.wait()
                 runs[mode].append((stall, time.perf_counter() - t0))
-    _clean(directory)
+    empty_dir(directory)
     out = {}
     for mode, pairs in runs.items():
         stalls = [s for s, _ in pairs]
@@ -481,7 +471,7 @@ async def training_loop(
                         await writer("ckpt", str(directory), state, capture=mode)  # type: ignore[arg-type]
                     await asyncio.sleep(0)
                 times[name].append(time.perf_counter() - t0)
-            _clean(directory)
+            empty_dir(directory)
     model, opt, _ = _mlp(width, depth)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     saves = steps // every
@@ -543,7 +533,7 @@ async def sweep_sizes(directory: Path, sizes: list[int], reps: int) -> list[dict
             r = await aiosnap_save(lambda: aiosnap.QueueWriter())(state, directory, RssSampler())
             totals.append(r["total"])
             stalls.append(r["stall"])
-            _clean(directory)
+            empty_dir(directory)
         rows.append(
             {
                 "bytes": nbytes,
@@ -591,7 +581,7 @@ async def sweep_counts(directory: Path, counts: list[int], reps: int) -> list[di
                 "load_into_max": max(intos),
             }
         )
-        _clean(directory)
+        empty_dir(directory)
         print(f"  {n} tensors done", flush=True)
     return rows
 
@@ -652,7 +642,7 @@ async def cold_loads(directory: Path, sizes: list[int], reps: int) -> list[dict[
                     "max": max(seconds),
                 }
             )
-        _clean(directory)
+        empty_dir(directory)
         print(f"  cold loads of {nbytes / MiB:.0f} MiB done", flush=True)
     return rows
 
@@ -879,7 +869,7 @@ async def main_async(args: argparse.Namespace) -> None:
         publish("main", table + "\n![chart](assets/benchmarks-latest.png)\n")
         for name, text in sections.items():
             publish(name, text)
-    _clean(directory)
+    empty_dir(directory)
     if not args.dir:
         directory.rmdir()
 

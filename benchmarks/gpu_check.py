@@ -46,7 +46,7 @@ from aiosnap._save.device import CudaCopier, DeviceCopier
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
-from _harness import o_direct_supported, publish  # noqa: E402
+from _harness import empty_dir, o_direct_supported, publish  # noqa: E402
 from _peers import cpu_stager, timed_async_save  # noqa: E402
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -419,25 +419,15 @@ async def run(args: argparse.Namespace, copier: DeviceCopier | None = None) -> d
         info["pinning"] = await check_pinning(setup, directory)
         print(f"host sync: {info['sync']}; pinning: {info['pinning']}", flush=True)
         info["raw_write"] = await asyncio.to_thread(raw_write, setup.nbytes, directory)
-        _clean(directory)
+        empty_dir(directory)
         info["saves"] = await save_times(setup, directory, args.reps)
-        _clean(directory)
+        empty_dir(directory)
         info["loop"] = await loop_times(setup, directory, args.steps, args.cycles)
     finally:
-        _clean(directory)
+        empty_dir(directory)
         if not args.dir:
             directory.rmdir()
     return info
-
-
-def _clean(directory: Path) -> None:
-    for p in directory.iterdir():
-        if p.is_dir():
-            for q in p.iterdir():
-                q.unlink()
-            p.rmdir()
-        else:
-            p.unlink()
 
 
 def parser() -> argparse.ArgumentParser:

@@ -194,7 +194,15 @@ def test_ctrl_c_ends_a_close_that_waits_for_a_remote_tier_that_does_not_answer(t
         # The rest of stderr is read as it comes: a child blocked writing to a full pipe
         # would not exit.
         rest: list[str] = []
-        reader = threading.Thread(target=lambda: rest.extend(child.stderr or ()), daemon=True)
+        dumped = threading.Event()  # faulthandler has reached its last thread
+
+        def read_rest() -> None:
+            for line in child.stderr or ():
+                rest.append(line)
+                if line.startswith("Current thread"):  # the last of the threads dumped
+                    dumped.set()
+
+        reader = threading.Thread(target=read_rest, daemon=True)
         reader.start()
         t0 = time.monotonic()
         child.send_signal(signal.SIGINT)
@@ -203,9 +211,7 @@ def test_ctrl_c_ends_a_close_that_waits_for_a_remote_tier_that_does_not_answer(t
         except subprocess.TimeoutExpired:
             child.send_signal(signal.SIGUSR2)  # its tasks' stacks (if its loop still runs)
             child.send_signal(signal.SIGUSR1)  # its threads' stacks, for the failure's message
-            dumped = time.monotonic() + 10
-            while time.monotonic() < dumped and not any("most recent call first" in x for x in rest):
-                time.sleep(0.05)  # only on the way to a failure: what the dump wrote so far
+            dumped.wait(timeout=10)
             child.kill()
             reader.join(timeout=10)
             pytest.fail("the close did not end after Ctrl-C:\n" + "".join(seen + rest)[-20000:])

@@ -163,15 +163,22 @@ class Tier:
             # turn is still taken, and voted down, as on every member.
             local = skipped(local.path)
         with _offload.remote_io():
-            return await self.site.submit(
-                self._tg,
-                record,
-                LocalCopy(self.local, local),
-                self.uploader.accept,
-                overwrite=True,
-                check=False,
-                report=self.uploader.report,
-            )
+            return await self._send(record, local, on_control=False)
+
+    async def _send(self, record: CheckpointRecord, local: SaveHandle, *, on_control: bool) -> SaveHandle:
+        """Submit the upload of ``local``'s file to the remote site. An upload replaces the
+        remote copy of its step, as the local save did: both are aiosnap's own."""
+        assert self._tg is not None
+        return await self.site.submit(
+            self._tg,
+            record,
+            LocalCopy(self.local, local),
+            self.uploader.accept,
+            overwrite=True,
+            check=False,
+            report=self.uploader.report,
+            on_control=on_control,
+        )
 
     def catch_up(self, record: CheckpointRecord, local: SaveHandle) -> None:
         """Once the remote directory is open, upload ``record``'s committed checkpoint if
@@ -191,22 +198,12 @@ class Tier:
             self.uploader.nudge()
 
     async def _catch_up_once_open(self, record: CheckpointRecord, local: SaveHandle) -> None:
-        assert self._tg is not None
         await self.site.opened.wait()
         steps = await self.site.member.ask("steps", self.site.catalog_steps, on_control=True)
         if record.step in steps:
             return
         logger.info("uploading step %d, which %s lacks", record.step, self.directory)
-        await self.site.submit(
-            self._tg,
-            record,
-            LocalCopy(self.local, local),
-            self.uploader.accept,
-            overwrite=True,
-            check=False,
-            report=self.uploader.report,
-            on_control=True,
-        )
+        await self._send(record, local, on_control=True)
 
     # -- reading -------------------------------------------------------------------------
     async def available(self) -> bool:
