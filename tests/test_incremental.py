@@ -497,3 +497,44 @@ def test_a_tiered_group_uploads_each_ranks_new_blobs_into_its_folder(tmp_path: P
     assert len(os.listdir(remote / BLOBS / "rank_00001")) == 1 + 1  # box, own
     whole = aiosnap.load_sync(str(remote / "snapshot_iter_2"), keys=["frozen"])["frozen"]
     assert torch.equal(whole, torch.randn(8 * ROWS, 64, generator=torch.Generator().manual_seed(0)))
+
+
+# -- shared ground: the blob folder ---------------------------------------------------------------
+@pytest.mark.parametrize("stray", ["symlink", "file"])
+async def test_a_blob_folder_that_is_not_a_directory_is_refused_and_left_alone(
+    tmp_path: Path, stray: str
+) -> None:
+    # A link in the blob folder's place would take the blobs outside the directory, into
+    # the user's; a file there is the user's too.
+    directory, user = tmp_path / "ckpt", tmp_path / "user"
+    directory.mkdir()
+    user.mkdir()
+    mine = user / ("0" * 32)  # named as aiosnap names a blob
+    mine.write_bytes(b"the user's")
+    if stray == "symlink":
+        (directory / "aiosnap-blobs").symlink_to(user, target_is_directory=True)
+    else:
+        (directory / "aiosnap-blobs").write_bytes(b"the user's")
+    async with aiosnap.CheckpointManager(str(directory), incremental=True) as mgr:
+        handle = await mgr.save(1, lora_state(1, make_base()))
+        with pytest.raises(aiosnap.ForeignFileError, match="aiosnap-blobs"):
+            await handle.wait()
+        assert await mgr.prune() == []
+    assert sorted(os.listdir(user)) == [mine.name] and mine.read_bytes() == b"the user's"
+    assert not (directory / "snapshot_iter_1").exists()
+    if stray == "file":
+        assert (directory / "aiosnap-blobs").read_bytes() == b"the user's"
+
+
+def test_prune_follows_no_link_put_in_the_blob_folder_place(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = make_base()
+    asyncio.run(_three_steps(tmp_path / "ckpt", base))
+    user = tmp_path / "user"
+    (tmp_path / "ckpt" / "aiosnap-blobs").rename(user)  # the user moved them, and left a link
+    (tmp_path / "ckpt" / "aiosnap-blobs").symlink_to(user, target_is_directory=True)
+    before = sorted(os.listdir(user))
+    code, _, err = cli(capsys, "prune", str(tmp_path / "ckpt"), "--keep-last", "1")
+    assert code == 0, err
+    assert sorted(os.listdir(user)) == before  # nothing deleted through the link

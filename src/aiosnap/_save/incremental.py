@@ -34,13 +34,13 @@ from dataclasses import dataclass, field
 
 from .._base import offload as _offload
 from .._base.checksums import content_hash
-from .._base.errors import CorruptCheckpointError
+from .._base.errors import CorruptCheckpointError, ForeignFileError
 from .._base.names import BLOB_DIR
 from .._format.codec import Header, Ref, TensorInfo, header_template, read_header
 from .._format.compress import check as check_compression
 from .._format.compress import compress
 from .._format.header import seal
-from .._storage.protocol import CommitTimes, Storage, put, write_image
+from .._storage.protocol import CommitTimes, Storage, describe, lstat, put, write_image
 from .stage import StagedImage
 
 #: Entries smaller than this stay in the file: a blob costs a file and its fsync.
@@ -180,6 +180,7 @@ def commit_incremental(
         seal(image, staged.template, staged.spans)
     header = read_header(_ImageReader(path, image))
     folder = blob_dir(storage, path, dedup.rank_dir)
+    check_blob_folder(storage, folder, dedup.rank_dir)
     t0 = time.perf_counter()
     out = _Outcome()
     try:
@@ -232,6 +233,17 @@ def commit_incremental(
         for ref in out.refs:
             known.last[folder, ref.info.name] = (ref.info.crc or 0, ref.info.nbytes, ref.blob)
     return CommitTimes(times.write_s + blobs_s, times.fsync_s, times.bytes + out.blob_bytes)
+
+
+def check_blob_folder(storage: Storage, folder: str, rank_dir: str | None) -> None:
+    """Refuse a blob folder (or, for a rank's, the folder above it) that is not a plain
+    directory: a symbolic link or a file in its place is a user's, and blobs written
+    through it would land outside the checkpoint directory (ForeignFileError)."""
+    places = [folder] if rank_dir is None else [storage.split(folder)[0], folder]
+    for place in places:
+        entry = lstat(storage, place)
+        if entry is not None and (entry.special or not entry.is_dir):
+            raise ForeignFileError(place, describe(entry))
 
 
 def _frozen_blob(folder: str, info: TensorInfo, dedup: Dedup, known: Known) -> str | None:
