@@ -425,7 +425,8 @@ def _dead(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rpartition(")")[2].split()[0] in ("Z", "X")
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
+        # reaped between open and read: /proc answers ESRCH to the read
         return True
 
 
