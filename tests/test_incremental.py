@@ -526,6 +526,30 @@ async def test_a_blob_folder_that_is_not_a_directory_is_refused_and_left_alone(
         assert (directory / "aiosnap-blobs").read_bytes() == b"the user's"
 
 
+async def test_a_link_in_the_remote_blob_folder_place_fails_the_upload_and_is_left_alone(
+    tmp_path: Path,
+) -> None:
+    # The remote tier's copy refuses it as the local save does, and at once: a user's link
+    # is no outage to wait out, so the upload fails (raised at flush) rather than retrying.
+    local, remote, user = tmp_path / "local", tmp_path / "remote", tmp_path / "user"
+    remote.mkdir()
+    user.mkdir()
+    (user / "notes").write_bytes(b"the user's")
+    (remote / BLOBS).symlink_to(user, target_is_directory=True)
+    mgr = aiosnap.CheckpointManager(str(local), remote=str(remote), incremental=True)
+    async with mgr:
+        handle = await mgr.save(1, lora_state(1, make_base()))
+        await handle.wait()  # the local save is whole
+        assert handle.upload is not None
+        with pytest.raises(aiosnap.ForeignFileError, match=BLOBS):
+            await mgr.flush()
+        with pytest.raises(aiosnap.ForeignFileError, match=BLOBS):
+            await handle.upload.wait()
+    assert os.listdir(user) == ["notes"] and (user / "notes").read_bytes() == b"the user's"
+    assert not (remote / "snapshot_iter_1").exists()
+    assert_equal(await aiosnap.load(str(local / "snapshot_iter_1")), lora_state(1, make_base()))
+
+
 def test_prune_follows_no_link_put_in_the_blob_folder_place(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

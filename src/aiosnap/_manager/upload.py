@@ -36,6 +36,7 @@ from .._base import offload as _offload
 from .._base.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    ForeignFileError,
     RemoteStorageError,
     WriterClosedError,
 )
@@ -45,7 +46,7 @@ from .._format.codec import read_header, written_by_aiosnap
 from .._format.tree import ExternalLeaves
 from .._save.engine import SaveFun
 from .._save.handle import Failures, Resolver, SaveFailure, SaveHandle, SaveStats, raise_first
-from .._save.incremental import PINS, blob_dir, blob_file
+from .._save.incremental import PINS, blob_dir, blob_file, check_blob_folder
 from .._storage.backends import resolve
 from .._storage.protocol import CommitTimes, Storage
 
@@ -113,6 +114,7 @@ def copy_checkpoint(
     if not blobs:
         return copy_object(src, src_path, dst, dst_path, on_piece)
     here, there = blob_dir(src, src_path, rank_dir), blob_dir(dst, dst_path, rank_dir)
+    check_blob_folder(dst, there, rank_dir)  # a user's link there would take the blobs out
     sent = write_s = fsync_s = 0.0
     for blob, _ in blobs:
         PINS.pin(blob)
@@ -316,7 +318,8 @@ class UploadWriter(TaskGroupOwner):
                     copy_checkpoint, src, outcome.path, job.storage, dst, self._piece
                 )
                 break
-            except (CheckpointNotFoundError, CorruptCheckpointError) as exc:  # the local file: no retry helps
+            except (CheckpointNotFoundError, CorruptCheckpointError, ForeignFileError) as exc:
+                # the local file, or a user's in the remote's blob folder: no retry helps
                 job.resolver.fail(self._failures.add(dst, exc))
                 return
             except OSError as exc:  # RemoteStorageError included: the network, the far end
