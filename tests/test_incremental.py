@@ -297,6 +297,8 @@ async def test_options_that_need_incremental_are_refused_without_it(tmp_path: Pa
     with pytest.raises(ValueError, match="reserved|aiosnap's own"):
         async with aiosnap.ThreadWriter() as writer:
             await writer(BLOBS, str(tmp_path), {"x": 1})
+    with pytest.raises(ValueError, match="rank_dir"):  # one folder inside aiosnap-blobs
+        aiosnap.ThreadWriter(incremental=True).keep_blobs_by_rank("../rank_00000")
 
 
 @pytest.mark.parametrize(

@@ -121,6 +121,11 @@ class GlooChannel:
         except Exception as exc:  # the group may be broken already; closing must not fail
             logger.debug("destroying the coordination group: %r", exc)
 
+    def break_off(self, error: RankFailedError) -> None:
+        """Refuse every later exchange with ``error`` (the first break is the one kept):
+        once an exchange was abandoned halfway, the ranks' messages no longer pair up."""
+        self._broken = self._broken or error
+
     # -- one exchange --------------------------------------------------------------------
     async def exchange(self, op: str, body: Any, decide: Decide) -> Any:
         if self._broken is not None:
@@ -258,9 +263,8 @@ class GlooTurn(Ordered):
             return await self.channel.exchange(self.op, body, decide)
         except anyio.get_cancelled_exc_class():
             # Abandoned halfway: the other ranks' messages no longer pair up with ours.
-            self.channel._broken = self.channel._broken or RankFailedError(
-                f"{self.op}: this rank abandoned an exchange", {self.channel.rank: "was cancelled"}
-            )
+            why = {self.channel.rank: "was cancelled"}
+            self.channel.break_off(RankFailedError(f"{self.op}: this rank abandoned an exchange", why))
             raise
 
     async def agree(self, work: Callable[[], Awaitable[Any]], decide: Decide) -> Any:

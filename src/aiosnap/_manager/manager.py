@@ -341,7 +341,7 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
         if not isinstance(self._writer, _WriterBase):
             raise ValueError("incremental saves into step directories need one of aiosnap's writers")
         rank_dir = f"rank_{self.rank:05d}"
-        self._writer._blobs_as_rank(rank_dir)
+        self._writer.keep_blobs_by_rank(rank_dir)
         self._site.member.blob_dir = rank_dir
 
     async def _catch_up(self) -> None:

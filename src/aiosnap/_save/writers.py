@@ -281,9 +281,13 @@ class _WriterBase(TaskGroupOwner, abc.ABC):
         """Whether saves store their large entries as shared blobs (``incremental=``)."""
         return self._dedup is not None
 
-    def _blobs_as_rank(self, rank_dir: str) -> None:
-        """For a manager whose steps are directories: keep the blobs in the rank's own
-        folder beside the step directories (see ``incremental.blob_dir``)."""
+    def keep_blobs_by_rank(self, rank_dir: str) -> None:
+        """Saves whose files lie in step directories (``step/rank file``): keep their blobs
+        in ``aiosnap-blobs/<rank_dir>`` beside the step directories, one folder that all of
+        this rank's steps share and that this rank alone writes and collects (the
+        CheckpointManager calls this for its step directories). A writer that is not
+        incremental ignores it."""
+        check_component(rank_dir, "rank_dir")
         if self._dedup is not None:
             self._dedup = dataclasses.replace(self._dedup, rank_dir=rank_dir)
 
@@ -374,12 +378,15 @@ class _WriterBase(TaskGroupOwner, abc.ABC):
         else:
             storage, path = resolve(filename, self._storage)
             check_component(storage.split(path)[1], "the file name of")
-        taken = Capture()
+
+        def abandon() -> None:
+            # A caller that stops waiting before the capture ended may be changing the state.
+            save.abandoned = True
+
+        taken = Capture(on_abandon=abandon)
         save = _Save(Resolver(path, taken), storage, target, savefun, t0, taken)
         if mode == "lazy":
             save.guard = Guard(self._copier)
-        # A caller that stops waiting before the capture ended may be changing the state.
-        taken._on_abandon = functools.partial(setattr, save, "abandoned", True)
         if self._copier is not None:
             # Current streams are per thread: take the caller's here, on the loop thread.
             save.producers = self._copier.producer_streams()
