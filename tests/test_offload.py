@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import aiosnap
+from aiosnap._base import offload as _offload
 
 GUARD = 120.0  # seconds: a deadlock bound, never a point to synchronise on
 
@@ -47,13 +48,16 @@ async def test_saves_and_loads_start_no_thread_once_the_helpers_exist(
         started.append(self.name)
         start(self)
 
+    warm = sum(t.name.startswith("aiosnap-side") for t in threading.enumerate())
     monkeypatch.setattr(threading.Thread, "start", counted)
     for _ in range(3):
         await aiosnap.save(path, state)
         assert _equal(await aiosnap.load(path), state)
     monkeypatch.undo()
-    assert [name for name in started if name.startswith("aiosnap-side")] == []
-    assert any(t.name.startswith("aiosnap-side") for t in threading.enumerate())
+    # The pool starts its threads as they are first needed, up to SIDE_THREADS: one the
+    # warm-up did not need may start (a job that finds the other finishing), no more.
+    side = [name for name in started if name.startswith("aiosnap-side")]
+    assert warm >= 1 and len(side) <= _offload.SIDE_THREADS - warm, (warm, side)
 
 
 def _load_in_child(path: str, digest: int, out: Any) -> None:

@@ -240,7 +240,9 @@ def test_ls_of_a_store_that_does_not_answer_says_so_within_seconds(tmp_path: Pat
         t0 = time.monotonic()
         line = child.stderr.readline()
         assert "has not answered" in line, line
-        assert time.monotonic() - t0 < OPEN_BOUND
+        # The notice comes SLOW_REMOTE (5 s) after the call; the bound also holds the
+        # child's start and imports, slow on a loaded machine. Without it: minutes.
+        assert time.monotonic() - t0 < 2 * OPEN_BOUND
     finally:
         child.kill()
         child.wait()

@@ -455,7 +455,12 @@ async def test_an_index_that_cannot_be_written_changes_nothing_retention_does(
 # -- 11. the lock dies with its holder, whatever its forked children do ---------------------------------
 _HOLDER = r"""
 import asyncio, os, sys, torch
+import torch.utils.data._utils.worker as worker
 import aiosnap
+
+# A worker checks every MP_STATUS_CHECK_INTERVAL (5 s) that its parent lives, and exits if
+# not: the test, however slow, must find them alive after the holder's death.
+worker.MP_STATUS_CHECK_INTERVAL = 3600.0
 
 class Data(torch.utils.data.Dataset):
     def __len__(self): return 64
@@ -497,6 +502,8 @@ def test_the_lock_is_released_when_its_holder_dies_though_its_dataloader_workers
                 return await mgr.steps()
 
         assert asyncio.run(reopen()) == []
+        for pid in workers:
+            os.kill(pid, 0)  # and the lock was free while they still held its descriptor
     finally:
         holder.kill()
         for pid in workers:

@@ -97,11 +97,15 @@ class DirectoryLockedError(CheckpointError, RuntimeError):
         message: Who holds it, as far as is known.
         retry_after: The seconds until the holder's lease goes stale if it stops renewing
             it; None for a lock the kernel drops when its holder dies.
+        expires: When the holder's lease goes stale, as the lease itself says (seconds
+            since the epoch, the holder's clock), if known: a later try that reads the
+            same value knows the lease was not renewed meanwhile.
     """
 
-    def __init__(self, message: str, retry_after: float | None = None) -> None:
+    def __init__(self, message: str, retry_after: float | None = None, expires: float | None = None) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+        self.expires = expires
 
 
 class ForeignFileError(CheckpointError, FileExistsError):

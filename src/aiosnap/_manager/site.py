@@ -214,7 +214,7 @@ class Site:
         another host) holds it until it goes stale: opening waits for that, up to
         ``lease_ttl``, and gives up at once if it sees the lease renewed (a live holder)."""
         patience = time.monotonic() + self.lease_ttl + 1.0  # clocks differ a little
-        stale_at: float | None = None
+        stale_at: float | None = None  # when the holder's lease goes stale, as last seen
         while True:
             try:
                 return await self._lease_once()
@@ -222,7 +222,10 @@ class Site:
                 if exc.retry_after is None:
                     raise
                 now = time.monotonic()
-                renewed = stale_at is not None and now + exc.retry_after > stale_at + 0.2
+                # The expiry the lease holds, where its backend says it: unchanged unless
+                # renewed. Else guessed from retry_after, which a slow thread hop skews.
+                mark, slack = (exc.expires, 0.0) if exc.expires is not None else (now + exc.retry_after, 1.0)
+                renewed = stale_at is not None and mark > stale_at + slack
                 if renewed or now >= patience:
                     raise
                 if stale_at is None:
@@ -232,7 +235,7 @@ class Site:
                         self.directory,
                         exc.retry_after,
                     )
-                stale_at = now + exc.retry_after
+                stale_at = mark
                 await anyio.sleep(min(max(exc.retry_after, 0.05), patience - now, 1.0))
 
     async def _lease_once(self) -> Lease:

@@ -25,6 +25,7 @@ import dataclasses
 import fnmatch
 import functools
 import json
+import mmap
 import operator
 import threading
 import time
@@ -311,7 +312,9 @@ def _referring_image(
     tree = json.dumps(header.tree, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
     external = list(header.external.values()) or None
     template = header_template(placed, tree, external, refs=refs, blob_dir=rank_dir)
-    out = bytearray(template.size + pos)
+    # Page-aligned, not malloc's: a file of whole pages is then written one way (O_DIRECT
+    # where the file system takes it) every time, not by where the heap put a bytearray.
+    out = mmap.mmap(-1, template.size + pos)
     view = memoryview(out)
     for old, new in zip(kept, placed, strict=True):
         src = header.data_start + old.start

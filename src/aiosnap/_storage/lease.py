@@ -99,6 +99,7 @@ class VersionedLease:
                 f"until {time.strftime('%H:%M:%S', time.localtime(expires))}); open it with "
                 "read_only=True to read while it trains",
                 retry_after=expires - time.time(),
+                expires=expires,
             )
         try:
             self._version = self._storage.replace_if(self.path, self._content(), version)
