@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 import tomllib
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -170,7 +171,7 @@ def test_ls_shows_steps_epochs_times_sizes_metrics_the_latest_and_corrupt_marks(
 
 
 def test_ls_json_and_the_remote_tier(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    remote = "memory://cli-tier/run"
+    remote = f"memory://cli-tier-{uuid.uuid4().hex}/run"  # fsspec's memory store is process-wide
     anyio.run(functools.partial(_save_run, tmp_path, [1, 2], remote=remote))
     (tmp_path / "ckpt-e2-s2").unlink()  # only the remote tier holds step 2 now
     code, out, _ = cli(capsys, "ls", str(tmp_path), "--remote", remote, "--json")
