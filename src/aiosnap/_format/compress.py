@@ -51,25 +51,31 @@ def compress(data: memoryview, compression: str, level: int) -> bytes:
 def check_frame(head: bytes, stored: int, nbytes: int, owner: str, path: str) -> None:
     """Refuse a blob whose frame header (its first FRAME_HEAD bytes, ``stored`` bytes in
     all) does not say it holds ``nbytes`` bytes, or that could not hold that many."""
+    _checked(head, nbytes, "zstd", owner, path)
+    if nbytes > stored * MAX_RATIO + (1 << 17):
+        raise CorruptCheckpointError(owner, f"the blob {path} does not hold {nbytes} bytes")
+
+
+def _checked(head: bytes | bytearray, nbytes: int, compression: str, owner: str, path: str) -> Any:
+    """zstd, once the frame that starts with ``head`` says it holds ``nbytes`` bytes;
+    CorruptCheckpointError (naming the checkpoint ``owner`` and the blob) if not."""
+    if compression != "zstd":
+        raise CorruptCheckpointError(owner, f"the blob {path}: unknown compression {compression!r}")
     zstd = _zstd()
     try:
         size = zstd.get_frame_parameters(head).content_size
     except zstd.ZstdError as exc:
         raise CorruptCheckpointError(owner, f"the blob {path} is not a valid zstd frame ({exc})") from None
-    if size != nbytes or nbytes > stored * MAX_RATIO + (1 << 17):
+    if size != nbytes:
         raise CorruptCheckpointError(owner, f"the blob {path} does not hold {nbytes} bytes")
+    return zstd
 
 
 def decompress(packed: bytearray, nbytes: int, compression: str, owner: str, path: str) -> memoryview:
     """The ``nbytes`` bytes of a blob's frame; CorruptCheckpointError (naming the
     checkpoint ``owner`` and the blob) if the frame is not one of exactly that many."""
-    if compression != "zstd":
-        raise CorruptCheckpointError(owner, f"the blob {path}: unknown compression {compression!r}")
-    zstd = _zstd()
+    zstd = _checked(packed, nbytes, compression, owner, path)
     try:
-        params = zstd.get_frame_parameters(packed)
-        if params.content_size != nbytes:
-            raise CorruptCheckpointError(owner, f"the blob {path} does not hold {nbytes} bytes")
         plain = zstd.ZstdDecompressor().decompress(packed, max_output_size=nbytes)
     except zstd.ZstdError as exc:
         raise CorruptCheckpointError(owner, f"the blob {path} is not a valid zstd frame ({exc})") from None
@@ -83,17 +89,7 @@ class Stream:
     load's destination), checked to hold exactly ``nbytes`` bytes."""
 
     def __init__(self, packed: bytearray, nbytes: int, compression: str, owner: str, path: str) -> None:
-        if compression != "zstd":
-            raise CorruptCheckpointError(owner, f"the blob {path}: unknown compression {compression!r}")
-        self._zstd, self.owner, self.path = _zstd(), owner, path
-        try:
-            size = self._zstd.get_frame_parameters(packed).content_size
-        except self._zstd.ZstdError as exc:
-            raise CorruptCheckpointError(
-                owner, f"the blob {path} is not a valid zstd frame ({exc})"
-            ) from None
-        if size != nbytes:
-            raise CorruptCheckpointError(owner, f"the blob {path} does not hold {nbytes} bytes")
+        self._zstd, self.owner, self.path = _checked(packed, nbytes, compression, owner, path), owner, path
         self._reader = self._zstd.ZstdDecompressor().stream_reader(packed)
 
     def readinto(self, buf: memoryview) -> None:
