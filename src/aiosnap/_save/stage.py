@@ -44,6 +44,8 @@ _CHUNK = 64 << 20
 #: A copy of at least this many bytes is split in two, its second half copied by a
 #: helper thread (``_split_copy``).
 _SPLIT_MIN = 4 << 20
+#: Why a capture stopped: its caller stopped waiting for it (``request.stop()``).
+GAVE_UP = "the save was cancelled: its caller gave it up during its capture"
 
 
 @dataclass(slots=True)
@@ -235,7 +237,7 @@ def _fill(
             if i in on_device or small.add(leaf, info):
                 continue
             if info.nbytes >= _SMALL and stop():
-                raise SaveCancelledError("the save was cancelled: its caller gave it up during its capture")
+                raise SaveCancelledError(GAVE_UP)
             mark.reach(data_start + info.start)
             flat = _flat_view(leaf) if pipe is not None and info.nbytes > _CHUNK else None
             if flat is None:
@@ -258,7 +260,7 @@ def _fill(
                 copier.wait(token)
         copier.finish()  # not a byte copied from a device is read before this
     if stop():  # before the pipe is sealed: a commit of it could not be stopped any more
-        raise SaveCancelledError("the save was cancelled: its caller gave it up during its capture")
+        raise SaveCancelledError(GAVE_UP)
     if pipe is not None:
         pipe.advance(layout.size)
 

@@ -51,7 +51,7 @@ from .guard import Guard
 from .handle import Capture, Failures, Resolver, SaveFailure, SaveHandle, SaveStats, raise_first
 from .incremental import Dedup, Known, commit_incremental
 from .pipeline import CaptureEnded, Pipe, commit_pipelined
-from .stage import Lazy, StagedImage, StageRequest, stage_or_plan, write_in_pieces
+from .stage import GAVE_UP, Lazy, StagedImage, StageRequest, stage_or_plan, write_in_pieces
 
 logger = logging.getLogger(__name__)
 
@@ -454,7 +454,7 @@ class _WriterBase(TaskGroupOwner, abc.ABC):
         """On the loop, asked by a lazy capture's staging thread: the tree is walked and
         the arena taken; guard the optimizers and let the caller return."""
         if save.abandoned:
-            raise SaveCancelledError("the save was cancelled: its caller gave it up during its capture")
+            raise SaveCancelledError(GAVE_UP)
         assert save.guard is not None
         save.guard.arm(optimizers)
         save.walked = True
