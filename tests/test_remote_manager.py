@@ -3,7 +3,9 @@ groups, dead endpoints and missing credentials; moto (S3) on 127.0.0.1."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -67,6 +69,48 @@ async def test_a_lease_left_by_a_manager_on_another_host_is_taken_once_stale(s3:
     async with aiosnap.CheckpointManager(url, storage=storage) as mgr:
         assert time.time() >= expires  # it waited for the lease to go stale
         assert (await mgr.restore()).step == 1
+
+
+class _Said(logging.Handler):
+    """Sets ``event`` when a record's message contains ``words`` (logged on the loop)."""
+
+    def __init__(self, words: str) -> None:
+        super().__init__()
+        self.words, self.event = words, asyncio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.words in record.getMessage():
+            self.event.set()
+
+
+async def test_a_lease_renewed_while_an_opener_waits_for_it_is_refused_at_once(s3: Any) -> None:
+    # The opener waits for a lease that may be a dead holder's; seeing it renewed (its
+    # expiry moved on, as the lease itself says) it gives up at once: the holder lives.
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/run"
+    storage = from_url(url, **s3.options)
+    first = time.time() + 30.0
+    owner = "elsewhere|pid:[1]|42|ab"
+    s3.client().put_object(
+        Bucket=bucket, Key="run/.aiosnap.lock", Body=json.dumps({"owner": owner, "expires": first}).encode()
+    )
+    said = _Said("may have died")
+    logging.getLogger("aiosnap").addHandler(said)
+    try:
+
+        async def renew() -> None:
+            await said.event.wait()  # the opener found the lease and waits for it
+            renewed = json.dumps({"owner": owner, "expires": time.time() + 60.0}).encode()
+            s3.client().put_object(Bucket=bucket, Key="run/.aiosnap.lock", Body=renewed)
+
+        renewal = asyncio.create_task(renew())
+        with pytest.raises(aiosnap.DirectoryLockedError, match="in use by another"):
+            async with aiosnap.CheckpointManager(url, storage=storage, lease_ttl=60.0):
+                pass
+        await renewal
+    finally:
+        logging.getLogger("aiosnap").removeHandler(said)
+    assert time.time() < first  # refused before the first lease could have gone stale
 
 
 async def test_an_index_changed_behind_the_managers_back_is_not_overwritten(s3: Any) -> None:
