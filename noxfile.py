@@ -79,9 +79,10 @@ def gpu(session: nox.Session) -> None:
     """The CUDA path on a machine with a GPU, in the environment nox runs from, which must
     have a CUDA build of torch and the test extra installed (the CPU wheel constraints.txt
     pins has no CUDA, and such machines may have no network): the tests marked cuda, the
-    host-sync and pinning checks, and the GPU benchmark (benchmarks/gpu_check.py; under 8
-    minutes on one H100). `-- --publish` puts its table into docs/benchmarks.md;
-    `-- --dry-run` runs every part on the CPU."""
+    host-sync and pinning checks, and the GPU benchmark (benchmarks/gpu_check.py; 3.3
+    minutes at 3 GiB on one H200, whose image lacked only crc32c and pytest-asyncio: carry
+    their wheels). `-- --publish` puts its table into docs/benchmarks.md; `-- --dry-run`
+    runs every part on the CPU; the whole pytest log is kept in benchmarks/results/."""
     session.run("python", "benchmarks/gpu_check.py", *session.posargs, external=True)
 
 

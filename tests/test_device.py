@@ -109,19 +109,24 @@ def _cuda_step(state: dict[str, Any], x: torch.Tensor) -> None:
 
 
 def _cpu_copy(state: dict[str, Any]) -> dict[str, Any]:
-    model = {k: v.cpu() for k, v in state["model"].state_dict().items()}
+    # A copy even of what is on the CPU already (AdamW's `step`), where .cpu() is the tensor
+    # itself and the next step would change the expected value with the live one.
+    model = {k: v.to("cpu", copy=True) for k, v in state["model"].state_dict().items()}
     opt = state["optimizer"].state_dict()
-    moments = {i: {k: v.cpu() for k, v in s.items()} for i, s in opt["state"].items()}
+    moments = {i: {k: v.to("cpu", copy=True) for k, v in s.items()} for i, s in opt["state"].items()}
     return {"model": model, "moments": moments}
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("capture", ["lazy", "eager"])
-async def test_a_gpu_state_is_saved_as_it_was_at_the_call(capture: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("capture", "device_staging"), [("lazy", False), ("eager", False), ("lazy", True)])
+async def test_a_gpu_state_is_saved_as_it_was_at_the_call(
+    capture: str, device_staging: bool, tmp_path: Path
+) -> None:
     state, x = _cuda_training_state()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):  # the training stream is not the default one
-        async with aiosnap.QueueWriter(capture=capture) as writer:  # type: ignore[arg-type]
+        options = {"capture": capture, "device_staging": device_staging}
+        async with aiosnap.QueueWriter(**options) as writer:  # type: ignore[arg-type]
             for i in range(3):
                 want = _cpu_copy(state)
                 handle = await writer(f"c{i}", str(tmp_path), state)
@@ -138,9 +143,12 @@ async def test_a_gpu_state_is_saved_as_it_was_at_the_call(capture: str, tmp_path
 
 
 @pytest.mark.cuda
-async def test_save_calls_and_the_steps_after_them_never_wait_for_the_gpu(tmp_path: Path) -> None:
+@pytest.mark.parametrize("device_staging", [False, True])
+async def test_save_calls_and_the_steps_after_them_never_wait_for_the_gpu(
+    device_staging: bool, tmp_path: Path
+) -> None:
     state, x = _cuda_training_state()
-    async with aiosnap.QueueWriter() as writer:
+    async with aiosnap.QueueWriter(device_staging=device_staging) as writer:
         await (await writer("warm", str(tmp_path), state)).wait()  # the arena exists, pinned
         for capture in ("lazy", "eager"):
             torch.cuda.set_sync_debug_mode("error")  # a host synchronisation raises
@@ -192,3 +200,32 @@ async def test_gpu_tensors_through_the_worker_process(tmp_path: Path) -> None:
     loaded = await aiosnap.load(str(tmp_path / "c"), map_location="cuda")
     for k, v in want["model"].items():
         assert loaded["model"][k].is_cuda and torch.equal(loaded["model"][k].cpu(), v), k
+
+
+def test_device_staging_is_an_option_of_the_default_copier(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="device_staging= applies to the default CUDA copier"):
+        aiosnap.QueueWriter(device_staging=True, device_copier=FakeDevice([]))  # type: ignore[arg-type]
+    writer = aiosnap.QueueWriter(device_staging=True)  # on a machine without CUDA: nothing to stage
+    assert (writer._copier is None) == (not torch.cuda.is_available())
+
+
+@pytest.mark.cuda
+async def test_device_staging_saves_the_call_s_values_when_the_step_runs_at_once(tmp_path: Path) -> None:
+    """The guard's fence marks the device-to-device copies alone, so the step's kernels may
+    run while the transfer to the host goes on: it must read the spare, never the weights."""
+    torch.manual_seed(0)
+    weights = torch.nn.Parameter(torch.randn(64 << 20, device="cuda"))  # 256 MiB
+    opt = torch.optim.SGD([weights], lr=1.0)
+    weights.grad = torch.ones_like(weights)
+    want = weights.detach().to("cpu", copy=True)
+    async with aiosnap.QueueWriter(capture="lazy", device_staging=True) as writer:
+        handle = await writer("c", str(tmp_path), {"w": weights, "opt": opt})
+        for _ in range(3):
+            opt.step()  # the first is held until the copies are queued
+        await handle.wait()
+    loaded = await aiosnap.load(str(tmp_path / "c"))
+    assert torch.equal(loaded["w"], want)
+    stepped = want.clone()
+    for _ in range(3):
+        stepped.sub_(1.0)  # the same IEEE operations as SGD's on the GPU: the same bits
+    assert torch.equal(weights.detach().cpu(), stepped)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -56,8 +57,14 @@ def _fake_setup() -> gpu_check.Setup:
 async def test_pinning_is_checked_through_a_device_copier(tmp_path: Path) -> None:
     setup = _fake_setup()
     assert (await gpu_check.check_pinning(setup, tmp_path)).startswith("passed (1 arena")
-    times = await gpu_check.save_times(setup, tmp_path, reps=1)  # the device path, lazy too
-    assert all(len(runs) == 1 for runs in times.values())
+    peers = gpu_check.dcp_peers(setup, tmp_path)
+    try:
+        times = await gpu_check.save_times(setup, peers, tmp_path, reps=1)  # the device path, lazy too
+    finally:
+        for dcp in peers.values():
+            dcp.close()
+    assert not any(dcp.failed for dcp in peers.values())
+    assert all(len(runs) == 1 for runs in times.values()) and len(times) == 5
 
 
 async def test_the_pinning_check_catches_an_arena_left_pinned(
@@ -67,3 +74,59 @@ async def test_the_pinning_check_catches_an_arena_left_pinned(
 
     monkeypatch.setattr(ArenaPool, "_free_arena", lambda self, arena: arena.close())  # no unpin
     assert "still pinned after close" in await gpu_check.check_pinning(_fake_setup(), tmp_path)
+
+
+async def test_a_stager_that_fails_its_reuse_gets_a_fresh_one_per_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch 2.11's DefaultStager empties itself after each stage and fails the next."""
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    stage, used = DefaultStager.stage, set()
+
+    def once(self: Any, state: Any, **kwargs: Any) -> Any:
+        if id(self) in used:
+            raise KeyError(type)
+        used.add(id(self))
+        return stage(self, state, **kwargs)
+
+    monkeypatch.setattr(DefaultStager, "stage", once)
+    setup = gpu_check.make_setup(2 << 20, torch.device("cpu"))
+    dcp = gpu_check.Dcp(setup, tmp_path, pinned=True)
+    try:
+        assert all(dcp.timed(f"s{i}") is not None for i in range(3))
+    finally:
+        dcp.close()
+    assert dcp.failed is None and dcp.fresh and "failed its second save (KeyError" in str(dcp.note)
+    assert len(used) == 3  # a new stager for each save after the failed reuse
+
+
+async def test_a_failing_dcp_leaves_aiosnaps_rows_and_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    calls = []
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        calls.append(kwargs["checkpoint_id"])
+        raise OSError("no space left")
+
+    monkeypatch.setattr(dcp, "async_save", broken)
+    setup = gpu_check.make_setup(2 << 20, torch.device("cpu"))
+    peers = gpu_check.dcp_peers(setup, tmp_path)
+    try:
+        times = await gpu_check.save_times(setup, peers, tmp_path, reps=2)
+        loop = await gpu_check.loop_times(setup, peers, tmp_path, steps=1, cycles=1)
+    finally:
+        for runner in peers.values():
+            runner.close()
+    assert len(calls) == 2  # each way tried once, then skipped
+    assert all(runner.failed == "OSError: no space left" for runner in peers.values())
+    assert all(times[name] == [] and name not in loop for name in peers)
+    assert len(times["aiosnap lazy"]) == 2 and "aiosnap lazy" in loop
+    info = {"saves": times, "loop": loop, "raw_write": 0.01, "bytes": setup.nbytes}
+    info["dcp"] = {name: {"failed": r.failed, "note": r.note} for name, r in peers.items()}
+    info |= {k: "x" for k in ("gpu", "torch", "date", "reps", "tests", "sync", "pinning", "steps", "cycles")}
+    table = gpu_check.render(info)
+    assert "DCP async_save, default: FAILED, OSError: no space left." in table and "| aiosnap lazy |" in table

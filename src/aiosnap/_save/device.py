@@ -12,6 +12,13 @@ read: with a pipelined commit, one copy at a time, in file order, so the disk wr
 the first tensors while the device still copies the later ones. A lazily captured
 save's guard orders the optimizer's step after the copies on the device (``fence``,
 ``order_after``), with no host synchronisation.
+
+With ``device_staging``, each tensor is first copied into a spare buffer on its own
+device, on the side stream, and the device-to-host copy of that buffer runs on a second
+stream: the fence marks the device copies alone, so a lazily captured save holds the
+optimizer's step for a device-to-device copy (HBM speed) instead of the whole transfer
+over PCIe (on an H200, measured: 3.75 GiB in ~75 ms over PCIe). It costs as much device
+memory again as the state's device tensors, held until each one's host copy ends.
 """
 
 from __future__ import annotations
@@ -78,10 +85,13 @@ def host_view(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch
 
 
 class CudaCopier:
-    """The real thing: one side stream per device, one event per started batch."""
+    """The real thing: one side stream per device, one event per started copy.
+    ``device_staging``: copy into a spare device buffer first (see the module's text)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, device_staging: bool = False) -> None:
+        self.device_staging = device_staging
         self._streams: dict[torch.device, Any] = {}
+        self._down: dict[torch.device, Any] = {}  # device staging: the device-to-host copies
         self._events: list[Any] = []
         self._pinned: set[int] = set()
 
@@ -122,12 +132,22 @@ class CudaCopier:
             torch.cuda.cudart().cudaHostUnregister(address)  # type: ignore[no-untyped-call]
 
     def start(self, src: torch.Tensor, dst: torch.Tensor, producers: Any) -> object:
-        side = self._streams.get(src.device)
-        if side is None:
-            side = self._streams[src.device] = torch.cuda.Stream(src.device)  # type: ignore[no-untyped-call]
+        side = _stream(self._streams, src.device)
         side.wait_event(producers[src.device][1])
+        if self.device_staging:
+            with torch.cuda.stream(side):
+                spare = torch.empty(src.shape, dtype=src.dtype, device=src.device)
+                spare.copy_(src, non_blocking=True)
+            src.record_stream(side)
+            copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            copied.record(side)
+            side = _stream(self._down, src.device)
+            side.wait_event(copied)
+            src = spare
         with torch.cuda.stream(side):
             dst.copy_(src, non_blocking=True)
+        # The caching allocator must not hand the source (or the spare) out again before
+        # the copy that reads it has run.
         src.record_stream(side)
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record(side)
@@ -143,8 +163,10 @@ class CudaCopier:
             event.synchronize()
 
     def fence(self) -> dict[torch.device, Any]:
+        # With device staging, the side streams hold the device copies alone: the caller's
+        # work waits for those, not for the transfers to the host.
         marks = {}
-        for device, side in self._streams.items():
+        for device, side in list(self._streams.items()):
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(side)
             marks[device] = event
@@ -161,5 +183,12 @@ class CudaCopier:
             producers[device][0].wait_event(event)
 
 
-def default_copier() -> DeviceCopier | None:
-    return CudaCopier() if torch.cuda.is_available() else None
+def _stream(streams: dict[torch.device, Any], device: torch.device) -> Any:
+    stream = streams.get(device)
+    if stream is None:
+        stream = streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    return stream
+
+
+def default_copier(*, device_staging: bool = False) -> DeviceCopier | None:
+    return CudaCopier(device_staging=device_staging) if torch.cuda.is_available() else None

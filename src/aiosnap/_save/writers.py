@@ -82,6 +82,10 @@ class WriterOptions(TypedDict, total=False):
     waits for them (see docs/concepts.md, "Lazy capture"); a call's own ``capture=``
     overrides it. ``device_copier``: what copies device tensors to host memory (by
     default, CUDA's side streams where CUDA is available; tests pass a fake device).
+    ``device_staging``: copy CUDA tensors into a spare buffer on their GPU first, then to
+    the host from there: a lazy capture then holds ``optimizer.step()`` for a
+    device-to-device copy rather than the transfer over PCIe, at the cost of as much GPU
+    memory again as the state's CUDA tensors during the transfer (see docs/concepts.md).
     ``incremental``: store each entry of 64 KiB or more as a content-addressed blob in
     ``aiosnap-blobs/`` beside the file, written only if no earlier save stored the same
     bytes; the file refers to its blobs (see docs/format.md, "References and blobs").
@@ -97,6 +101,7 @@ class WriterOptions(TypedDict, total=False):
     pipeline: bool
     capture: CaptureMode
     device_copier: DeviceCopier | None
+    device_staging: bool
     incremental: bool
     frozen: Sequence[str]
     compression: str | None
@@ -175,6 +180,7 @@ class _WriterBase(TaskGroupOwner, abc.ABC):
         pipeline: bool = True,
         capture: CaptureMode = "eager",
         device_copier: DeviceCopier | None = None,
+        device_staging: bool = False,
         incremental: bool = False,
         frozen: Sequence[str] = (),
         compression: str | None = None,
@@ -204,7 +210,11 @@ class _WriterBase(TaskGroupOwner, abc.ABC):
         self._hooks: list[PostSaveHook] = []
         self._capture_lock = anyio.Lock()
         self._plans = PlanCache()  # used under the capture lock
-        self._copier = device_copier if device_copier is not None else default_copier()
+        if device_copier is not None and device_staging:
+            raise ValueError("device_staging= applies to the default CUDA copier, not to a device_copier")
+        self._copier = (
+            device_copier if device_copier is not None else default_copier(device_staging=device_staging)
+        )
         self.capture: CaptureMode = capture
 
     # -- lifecycle ---------------------------------------------------------------------
