@@ -3,9 +3,13 @@ GradScaler, an AsyncLoader and RNGState, saved at two steps): inspect and diff a
 golden files at 80 columns, with --keys/--exclude/--depth/--expand/--wide; inspect and
 verify agreeing on counts; convert to torch.save and through safetensors and back
 without loss; the help. Golden files: see ``test_cli.GOLDEN`` (``AIOSNAP_REGOLDEN=1``
-rewrites them). The state is seeded and its updates are fixed gradients, so the files hold
-what torch 2.13.0's CPU AdamW computes from them (checksums, differences): another torch
-version may round its last bits otherwise, and then needs the files rewritten."""
+rewrites them).
+
+A golden holds only what every machine computes alike. The state's structure comes from
+real steps (AdamW's state, the scheduler's and the scaler's values, the loader's and the
+generators' states), but its float tensors are then set to constructed values: the same
+AdamW update rounds its last bits differently on an Intel and an AMD CPU (other vector
+kernels), and a golden of the trained values failed on the other machine."""
 
 from __future__ import annotations
 
@@ -37,9 +41,26 @@ class Tiny(torch.nn.Module):
         self.head = torch.nn.Linear(16, 3)
 
 
+def _ramp(t: torch.Tensor, offset: int) -> torch.Tensor:
+    """Values any machine computes alike: ``offset + k / 1024`` for the k-th element, each
+    exact in float32 (integers and a power of two: no rounding anywhere)."""
+    ramp = torch.arange(t.numel(), dtype=torch.float64).reshape(t.shape) / 1024 + offset
+    return ramp.to(t.dtype)
+
+
+def _set_constructed(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+    """Every float tensor of the model and of AdamW's moments set to a ramp (AdamW's
+    ``step`` counts are whole numbers, alike everywhere, and stay)."""
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.copy_(_ramp(p, i + step))
+            for j, moment in enumerate((optimizer.state[p]["exp_avg"], optimizer.state[p]["exp_avg_sq"])):
+                moment.copy_(_ramp(moment, 2 * i + j + step))
+
+
 def _train_state(directory: Path) -> None:
-    """Two checkpoints of one run. The updates are fixed gradients, not a forward pass,
-    so that the values (and the golden files) do not depend on the CPU's kernels."""
+    """Two checkpoints of one run: real steps for the state's structure, then constructed
+    values in its float tensors (see the module's text)."""
     random.seed(0)
     np.random.seed(0)
     torch.manual_seed(0)
@@ -58,6 +79,7 @@ def _train_state(directory: Path) -> None:
         scaler.step(optimizer)
         scaler.update()
         scheduler.step()
+        _set_constructed(model, optimizer, step)
         [random.random() for _ in range(700)]  # an augmentation's draws: Python's MT state turns over
         state["step"] = step
         aiosnap.save_sync(str(directory / f"step{step}"), state)
