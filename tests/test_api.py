@@ -23,6 +23,7 @@ def test_all_is_sorted_and_complete() -> None:
 
 def test_every_error_is_a_checkpoint_error_and_its_nearest_builtin() -> None:
     pairs = {
+        aiosnap.CaptureError: RuntimeError,
         aiosnap.CheckpointNotFoundError: FileNotFoundError,
         aiosnap.ConflictError: RuntimeError,
         aiosnap.CorruptCheckpointError: ValueError,

@@ -36,6 +36,7 @@ from ._api import save as save
 from ._api import save_sync as save_sync
 from ._api import standalone_sync as standalone_sync
 from ._api import verify_sync as verify_sync
+from ._base.errors import CaptureError as CaptureError
 from ._base.errors import CheckpointError as CheckpointError
 from ._base.errors import CheckpointKeyError as CheckpointKeyError
 from ._base.errors import CheckpointNotFoundError as CheckpointNotFoundError
@@ -112,6 +113,7 @@ __all__ = [
     "AnyTrigger",
     "AsyncLoader",
     "AtSteps",
+    "CaptureError",
     "CheckpointError",
     "CheckpointKeyError",
     "CheckpointManager",

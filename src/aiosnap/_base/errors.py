@@ -1,6 +1,7 @@
 """The one exception hierarchy of aiosnap.
 
     CheckpointError
+    ├── CaptureError              (also RuntimeError)   a lazy capture saw a tensor change under it
     ├── CheckpointNotFoundError   (also FileNotFoundError)
     ├── ConflictError             (also RuntimeError)
     ├── CorruptCheckpointError    (also ValueError)
@@ -31,6 +32,24 @@ from __future__ import annotations
 
 class CheckpointError(Exception):
     """Base class of every error aiosnap raises itself."""
+
+
+class CaptureError(CheckpointError, RuntimeError):
+    """A lazily captured tensor was changed in place after the save call and before its
+    copy ended, by a path the capture could not hold back (another thread, NumPy, a raw
+    pointer): the save would mix values of two moments, so it fails instead.
+
+    Args:
+        entry: The entry's dotted path in the state.
+    """
+
+    def __init__(self, entry: str, detail: str) -> None:
+        super().__init__(
+            f"{entry} changed in place after the save call and before its copy ended ({detail}): the "
+            "save would mix values from two moments, so it failed. Change it only after `await "
+            "handle.wait_captured()`, on the event loop's thread, or save with capture='eager'"
+        )
+        self.entry = entry
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):

@@ -93,6 +93,12 @@ def is_stateful(obj: object) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
+def _wraps_optimizer(obj: object) -> bool:
+    """An optimizer wrapper that is no ``Optimizer`` (Accelerate's, Lightning's, a
+    trainer's own): it holds the optimizer as ``.optimizer``."""
+    return callable(getattr(getattr(obj, "optimizer", None), "register_step_pre_hook", None))
+
+
 def format_path(parts: tuple[object, ...]) -> str:
     return ".".join(map(str, parts)) if parts else "<root>"
 
@@ -157,7 +163,7 @@ class _Capture:
         if isinstance(obj, (dict, list)) or type(obj) in (tuple, torch.Size):
             return self.container(obj, path)
         if is_stateful(obj):
-            if isinstance(obj, torch.optim.Optimizer):
+            if isinstance(obj, torch.optim.Optimizer) or _wraps_optimizer(obj):
                 self.snapshot.optimizers.append(obj)
             return self.node(obj.state_dict(), path)  # type: ignore[attr-defined]
         return self.other(obj, path)

@@ -170,8 +170,9 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
     both hold that step.
 
     ``capture="lazy"`` makes ``save`` return once the state's tree is walked, its
-    tensors copied in the background while the optimizers' steps wait for them (see
-    the writers' ``capture``); ``save(capture=...)`` overrides it per call. A writer
+    tensors copied in the background (see the writers' ``capture``). Which capture a
+    save gets: the call's ``save(capture=...)``, else the manager's ``capture=``, else
+    the writer's own default (``QueueWriter(capture="lazy")``), else eager; a writer
     without a ``capture`` option saves eagerly.
 
     Args:
@@ -196,7 +197,7 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
         upload: ``"every"`` committed save is uploaded, or ``"manual"`` (``upload()``).
         uploader: the UploadWriter of the remote tier (retries, waiting uploads).
         capture: ``"eager"`` (a save returns once its state is copied) or ``"lazy"`` (once
-            its tree is walked; see below).
+            its tree is walked; see below); None takes the writer's default.
         incremental: store entries of 64 KiB or more once, as blobs shared by the
             checkpoints of the directory (see docs/manager.md, "Incremental checkpoints");
             retention deletes a blob once no checkpoint refers to it.
@@ -225,13 +226,13 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
         keep_remote: RetentionPolicy | None = None,
         upload: Literal["every", "manual"] = "every",
         uploader: UploadWriter | None = None,
-        capture: Literal["eager", "lazy"] = "eager",
+        capture: Literal["eager", "lazy"] | None = None,
         incremental: bool = False,
         frozen: Sequence[str] = (),
         compression: str | None = None,
         compression_level: int = 3,
     ) -> None:
-        self._capture = _check_capture(capture)
+        self._capture = None if capture is None else _check_capture(capture)
         if upload not in ("every", "manual"):
             raise ValueError(f"upload must be 'every' or 'manual', not {upload!r}")
         if remote is None and (remote_storage is not None or keep_remote is not None or uploader is not None):
@@ -463,6 +464,13 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
     def _raise_pending(self, *, accepted: str | None = None) -> None:
         raise_first(self.take_failures(), accepted=accepted)
 
+    def _default_capture(self) -> str:
+        """The manager's ``capture=``, else its writer's default, else eager."""
+        if self._capture is not None:
+            return self._capture
+        writers = getattr(self._writer, "capture", "eager")
+        return writers if writers in ("eager", "lazy") else "eager"
+
     def _accepting(self, capture: str) -> Accept:
         """The writer's side of a save made with ``capture``."""
 
@@ -519,7 +527,7 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
         save was accepted. ``capture`` overrides the manager's (a lazy save returns once
         its tree is walked: ``handle.wait_captured()`` says when its tensors are copied).
         """
-        mode = self._capture if capture is None else _check_capture(capture)
+        mode = _check_capture(capture) if capture is not None else self._default_capture()
         if self._state != "open":
             raise WriterClosedError("the manager is not open: use `async with manager:`")
         if self.read_only:

@@ -22,6 +22,7 @@ import threading
 from typing import Any
 
 from .device import DeviceCopier
+from .window import take_off_finished
 
 
 class Guard:
@@ -87,6 +88,7 @@ class Guard:
         hooks, self._hooks = self._hooks, []
         for hook in hooks:
             hook.remove()
+        take_off_finished()  # on the loop's thread: the save's copy-on-write window
 
 
 def _innermost(optimizer: Any) -> Any:

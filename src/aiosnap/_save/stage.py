@@ -11,7 +11,6 @@ Everything here blocks: it runs in a worker thread through ``_offload``.
 from __future__ import annotations
 
 import array
-import ctypes
 import itertools
 import json
 import operator
@@ -30,20 +29,32 @@ from .._format import dtypes as _dtypes
 from .._format.codec import TensorInfo
 from .._format.header import ALIGN, EntryCrc, HeaderTemplate, seal
 from .._format.plans import Plan, PlanCache, plan
-from .._format.tree import Leaf, capture
+from .._format.tree import capture
 from .._storage.protocol import Upload
 from .arena import Arena, ArenaPool
-from .device import DeviceCopier, as_copyable, host_view
+from .copies import (
+    SMALL,
+    SPLIT_MIN,
+    SmallCopy,
+    copy_leaf,
+    flat_bytes,
+    flat_view,
+    memmove_small,
+    split_copy,
+    start_copy,
+    start_device_copies,
+)
+from .device import DeviceCopier
 from .guard import Guard
+from .lazy import LazyCopies
 from .pipeline import PIECE, Pipe
+from .window import Window
+from .window import warm as warm_window
 
-_SMALL = 256 << 10
 #: A huge leaf is copied in chunks of this size when its commit is pipelined (glibc's
 #: memcpy slows down on pieces much below 64 MiB, see the BRIEF).
 _CHUNK = 64 << 20
-#: A copy of at least this many bytes is split in two, its second half copied by a
-#: helper thread (``_split_copy``).
-_SPLIT_MIN = 4 << 20
+_SPLIT_MIN = SPLIT_MIN  # the tests' name for it
 #: Why a capture stopped: its caller stopped waiting for it (``request.stop()``).
 GAVE_UP = "the save was cancelled: its caller gave it up during its capture"
 
@@ -80,13 +91,14 @@ class StagedImage:
 
 @dataclass(frozen=True, slots=True)
 class Lazy:
-    """A lazy capture's hand-offs, for the staging thread. ``walked(optimizers)`` is
-    called on the event loop (which is free then: the caller waits for it) once the tree
-    is walked, the small leaves copied and the arena taken; the caller then returns, and
-    the rest is copied with no help from the loop. ``guard`` holds the optimizers' steps
-    until the copies are done."""
+    """A lazy capture's hand-offs, for the staging thread. ``walked(optimizers, window)``
+    is called on the event loop (which is free then: the caller waits for it) once the
+    tree is walked, the small leaves and the arrays copied, the device copies queued and
+    the arena taken; it puts ``window`` on the loop's thread (``window.py``) and the caller
+    returns; the rest is copied with no help from the loop. ``guard`` holds the optimizers'
+    steps until the copies are done."""
 
-    walked: Callable[[list[Any]], None]
+    walked: Callable[[list[Any], Window], None]
     guard: Guard
 
 
@@ -136,6 +148,7 @@ def stage(layout: Plan, request: StageRequest, optimizers: Sequence[Any] = ()) -
     t0 = time.perf_counter()
     lazy = request.lazy
     pipe: Pipe | None = None
+    copies: LazyCopies | None = None
     try:
         arena = request.pool.acquire(layout.size)
         try:
@@ -145,18 +158,24 @@ def stage(layout: Plan, request: StageRequest, optimizers: Sequence[Any] = ()) -
             todo: Sequence[int] = range(len(layout.leaves))
             started: dict[int, object] = {}
             if lazy is not None:
-                todo, started = _copy_small(layout, arena, request.copier, request.producers)
+                todo, started = _before_return(layout, arena, request)
+                copies = LazyCopies(layout, arena, todo, request.copier)
+                warm_window()  # once per process, here rather than in the caller's next step
                 if pipe is not None:
                     pipe.wait_started()  # started by the loop, which the caller may hold next
-                lazy.walked(list(optimizers))
-            _fill(layout, arena, request, pipe, todo, started)
+                lazy.walked(list(optimizers), copies.window)
+            _fill(layout, arena, request, pipe, todo, started, copies)
         except BaseException:
+            if copies is not None:
+                copies.close()  # no writer copies into the arena once it may be reused
             if pipe is None:
                 request.pool.release(arena)
             elif lazy is not None:
                 pipe.fail()  # the commit aborts now, not once the loop is back
             raise
     finally:
+        if copies is not None:
+            copies.close()
         if lazy is not None:
             lazy.guard.release()
     infos = layout.tensors
@@ -184,28 +203,28 @@ def _seal_pipe(staged: StagedImage, pipe: Pipe) -> None:
     pipe.seal()
 
 
-def _copy_small(
-    layout: Plan, arena: Arena, copier: DeviceCopier | None, producers: Any
-) -> tuple[list[int], dict[int, object]]:
-    """A lazy capture's first part, before its call returns: the leaves under _SMALL
-    bytes (a BatchNorm's running statistics, which the next forward changes in place).
-    Device ones are copied asynchronously, and the caller's streams wait for those copies
-    on the device, so its next forward runs after them. Returns the indices of the leaves
-    left to copy, and the device copies started (their tokens, by leaf index)."""
-    data_start = layout.data_start
-    small, rest = _SmallCopy(arena, data_start), []
+def _before_return(layout: Plan, arena: Arena, request: StageRequest) -> tuple[list[int], dict[int, object]]:
+    """A lazy capture's first part, before its call returns: the leaves under SMALL
+    bytes (a BatchNorm's running statistics, which the next forward changes in place),
+    and every array and pickle (a write through NumPy is seen by no one) are copied.
+    Small device leaves are copied asynchronously, and the caller's streams wait for those
+    copies on the device, so its next forward runs after them (a write to a large one
+    waits on the device for its copy: ``window.py``). Returns the indices of the tensor
+    leaves left to copy and the device copies started (their tokens, by leaf index)."""
+    copier, producers, data_start = request.copier, request.producers, layout.data_start
+    small, rest = SmallCopy(arena, data_start), []
     started: dict[int, object] = {}
     with _offload.side_thread() as side:
         for i, (leaf, info) in enumerate(zip(layout.leaves, layout.tensors, strict=True)):
             on_device = copier is not None and leaf.kind == "tensor" and copier.is_device(leaf.value)
-            if info.nbytes >= _SMALL:
+            if info.nbytes >= SMALL and leaf.kind == "tensor":
                 rest.append(i)
             elif on_device:
                 assert copier is not None
                 at = data_start + info.start
-                started[i] = _start_copy(copier, arena, leaf, at, info.nbytes, producers, not started)
+                started[i] = start_copy(copier, arena, leaf, at, info.nbytes, producers, not started)
             elif not small.add(leaf, info):
-                _copy(leaf, arena, data_start + info.start, info.nbytes, side)
+                copy_leaf(leaf, arena, data_start + info.start, info.nbytes, side)
     if started:
         assert copier is not None
         copier.hold_producers(producers, copier.fence())
@@ -219,34 +238,34 @@ def _fill(
     pipe: Pipe | None,
     todo: Sequence[int],
     started: dict[int, object],
+    copies: LazyCopies | None = None,
 ) -> None:
     """Copy the leaves ``todo`` lists to their places, front to back, raising ``pipe``'s
     watermark a piece at a time. Device copies start first and run meanwhile (with those
     ``started`` already): the watermark waits below the first device leaf until the host
     leaves are staged, then follows the device copies as each one lands.
-    ``request.stop()`` is asked before each large host copy."""
+    ``request.stop()`` is asked before each large host copy. A lazy capture's ``copies``
+    say which host leaves a writer copied first (skipped here), and check each one copied
+    here, and each device leaf, against its version at the walk."""
     leaves, infos, data_start = layout.leaves, layout.tensors, layout.data_start
     copier, stop = request.copier, request.stop
-    on_device = {**started, **_start_device_copies(layout, todo, arena, copier, request.producers)}
+    on_device = {**started, **start_device_copies(layout, todo, arena, copier, request.producers)}
+    if copies is not None:
+        copies.device_queued(copier.fence() if on_device and copier is not None else None)
     hold = data_start + min(infos[i].start for i in on_device) if on_device else layout.size
     mark = _Mark(pipe, hold)
-    small = _SmallCopy(arena, data_start)
+    small = SmallCopy(arena, data_start)
     with _offload.side_thread() as side:
         for i in todo:
-            leaf, info = leaves[i], infos[i]
-            if i in on_device or small.add(leaf, info):
+            if i in on_device or small.add(leaves[i], infos[i]):
                 continue
-            if info.nbytes >= _SMALL and stop():
-                raise SaveCancelledError(GAVE_UP)
-            mark.reach(data_start + info.start)
-            flat = _flat_view(leaf) if pipe is not None and info.nbytes > _CHUNK else None
-            if flat is None:
-                _copy(leaf, arena, data_start + info.start, info.nbytes, side)
-                continue
-            for lo in range(0, info.nbytes, _CHUNK):  # a watermark step per chunk of a huge leaf
-                at, n = data_start + info.start + lo, min(_CHUNK, info.nbytes - lo)
-                _split_copy(arena.array[at : at + n], flat[lo : lo + n], side)
-                mark.reach(at + n)
+            if copies is None:
+                _copy_one(layout, arena, i, pipe, mark, stop, side)
+            elif copies.take(i):
+                try:
+                    _copy_one(layout, arena, i, pipe, mark, stop, side)
+                finally:
+                    copies.release(i)
     if request.lazy is not None:
         # The host copies are done and the device copies queued: a step may go on (its
         # device work after those copies).
@@ -259,10 +278,37 @@ def _fill(
                 pipe.advance(data_start + infos[i].start)
                 copier.wait(token)
         copier.finish()  # not a byte copied from a device is read before this
+    if copies is not None:
+        copies.check_device([i for i in todo if i in on_device])
+        copies.raise_late()
     if stop():  # before the pipe is sealed: a commit of it could not be stopped any more
         raise SaveCancelledError(GAVE_UP)
     if pipe is not None:
         pipe.advance(layout.size)
+
+
+def _copy_one(
+    layout: Plan,
+    arena: Arena,
+    i: int,
+    pipe: Pipe | None,
+    mark: _Mark,
+    stop: Callable[[], bool],
+    side: _offload.Side,
+) -> None:
+    """Copy host leaf ``i`` to its place, raising the watermark as it goes."""
+    leaf, info, data_start = layout.leaves[i], layout.tensors[i], layout.data_start
+    if info.nbytes >= SMALL and stop():
+        raise SaveCancelledError(GAVE_UP)
+    mark.reach(data_start + info.start)
+    flat = flat_view(leaf) if pipe is not None and info.nbytes > _CHUNK else None
+    if flat is None:
+        copy_leaf(leaf, arena, data_start + info.start, info.nbytes, side)
+        return
+    for lo in range(0, info.nbytes, _CHUNK):  # a watermark step per chunk of a huge leaf
+        at, n = data_start + info.start + lo, min(_CHUNK, info.nbytes - lo)
+        split_copy(arena.array[at : at + n], flat[lo : lo + n], side)
+        mark.reach(at + n)
 
 
 class _Mark:
@@ -277,15 +323,6 @@ class _Mark:
         if self.pipe is not None and pos - self.last >= PIECE:
             self.pipe.advance(pos)
             self.last = pos
-
-
-def _flat_view(leaf: Leaf) -> np.ndarray[Any, np.dtype[np.uint8]] | None:
-    """A CPU tensor's bytes as a flat array, if that needs no copy; else None."""
-    t = leaf.value
-    if leaf.kind != "tensor" or t.device.type != "cpu" or t.is_conj() or t.is_neg() or not t.is_contiguous():
-        return None
-    flat: np.ndarray[Any, np.dtype[np.uint8]] = t.detach().reshape(-1).view(torch.uint8).numpy()
-    return flat
 
 
 def stage_or_plan(target: object, request: StageRequest) -> StagedImage | Plan:
@@ -354,12 +391,12 @@ def _stream(
     with _offload.side_thread() as side:
         for i, (leaf, info) in enumerate(zip(layout.leaves, layout.tensors, strict=True)):
             buffer, crc = buffers[turn], EntryCrc(blocks[i])
-            if info.nbytes <= size - filled and _memmove_small(leaf, buffer, filled, info.nbytes):
+            if info.nbytes <= size - filled and memmove_small(leaf, buffer, filled, info.nbytes):
                 crc.update(buffer.view(filled, filled + info.nbytes))
                 filled += info.nbytes
                 crcs += crc.values()
                 continue
-            flat, lo = _flat_bytes(leaf), 0
+            flat, lo = flat_bytes(leaf), 0
             while lo < info.nbytes:
                 n = min(info.nbytes - lo, size - filled)
                 buffer.array[filled : filled + n] = flat[lo : lo + n]
@@ -379,155 +416,21 @@ def _stream(
     return crcs
 
 
-def _memmove_small(leaf: Leaf, buffer: Arena, at: int, nbytes: int) -> bool:
-    """Copy a small contiguous host tensor into ``buffer`` by one ``memmove`` (see
-    ``_SmallCopy``); False if it needs the general copy."""
-    t = leaf.value
-    if leaf.kind != "tensor" or not 0 < nbytes < _SMALL or t.nbytes != nbytes:
-        return False
-    if not t.is_cpu or not t.is_contiguous() or t.is_conj() or t.is_neg():
-        return False
-    _memmove(buffer.array.ctypes.data + at, t.data_ptr(), nbytes)
-    return True
-
-
 def _checksums(layout: Plan, stop: Callable[[], bool]) -> list[int]:
     """The checksums of every entry, read where the leaves lie (no copy)."""
     crcs: list[int] = []
     for i, (leaf, info) in enumerate(zip(layout.leaves, layout.tensors, strict=True)):
         if stop():
             raise SaveCancelledError("the caller gave the save up during a save in pieces")
-        crc, flat = EntryCrc(layout.template.blocks[i]), _flat_bytes(leaf)
+        crc, flat = EntryCrc(layout.template.blocks[i]), flat_bytes(leaf)
         for lo in range(0, info.nbytes, _CHUNK):
             crc.update(flat[lo : lo + _CHUNK].data)
         crcs += crc.values()
     return crcs
 
 
-def _flat_bytes(leaf: Leaf) -> np.ndarray[Any, np.dtype[np.uint8]]:
-    value = leaf.value
-    if leaf.kind == "pickle":
-        return np.frombuffer(value, dtype=np.uint8)
-    if leaf.kind == "tensor":
-        t = value.detach().cpu().resolve_conj().resolve_neg().contiguous()
-        raw: np.ndarray[Any, np.dtype[np.uint8]] = as_copyable(t).reshape(-1).view(torch.uint8).numpy()
-        return raw
-    file_dtype = _dtypes.numpy_file_dtype(value.dtype)
-    flat: np.ndarray[Any, np.dtype[np.uint8]] = np.ascontiguousarray(value, dtype=file_dtype).reshape(-1)
-    return flat.view(np.uint8)
-
-
-def _start_device_copies(
-    layout: Plan, todo: Sequence[int], arena: Arena, copier: DeviceCopier | None, producers: Any
-) -> dict[int, object]:
-    """Start the copy of every device leaf of ``todo``; the token of each, by leaf index."""
-    if copier is None:
-        return {}
-    started: dict[int, object] = {}
-    leaves, infos, data_start = layout.leaves, layout.tensors, layout.data_start
-    for i in todo:
-        leaf, info = leaves[i], infos[i]
-        if leaf.kind == "tensor" and info.nbytes and copier.is_device(leaf.value):
-            at = data_start + info.start
-            started[i] = _start_copy(copier, arena, leaf, at, info.nbytes, producers, not started)
-    return started
-
-
-def _start_copy(
-    copier: DeviceCopier, arena: Arena, leaf: Leaf, start: int, nbytes: int, producers: Any, first: bool
-) -> object:
-    """Start the copy of a device leaf to ``arena[start:start + nbytes]``; the ``first``
-    of a save pins the arena (a copier pins an arena only once)."""
-    if first:
-        copier.pin(arena.array)
-    dst, src = host_view(arena.tensor[start : start + nbytes], leaf.value.detach())
-    return copier.start(src, dst, producers)
-
-
-_memmove = ctypes.memmove
 _SPANS = 8192
 _START_END = operator.attrgetter("start", "end")
-
-
-class _SmallCopy:
-    """Small contiguous host tensors, each copied into the arena by one ``memmove``
-    from its data pointer: per tensor, a NumPy view costs ~1.5 us more, and a torch
-    ``copy_`` into an arena slice ~20. Each call releases the GIL."""
-
-    def __init__(self, arena: Arena, data_start: int) -> None:
-        self.base = arena.array.ctypes.data + data_start
-
-    def add(self, leaf: Leaf, info: TensorInfo) -> bool:
-        """Copy ``leaf`` if it is a small tensor whose bytes lie contiguous in host
-        memory, as they go to the file; False if it needs the general copy."""
-        t, n = leaf.value, info.end - info.start
-        if leaf.kind != "tensor" or not 0 < n < _SMALL:
-            return False
-        # is_cpu, not device.type: 0.04 us against 0.25, per tensor.
-        if not t.is_cpu or not t.is_contiguous() or t.is_conj() or t.is_neg():
-            return False
-        if t.nbytes != n:  # resized since the plan: the general copy fails
-            return False
-        _memmove(self.base + info.start, t.data_ptr(), n)
-        return True
-
-
-def _split_copy(
-    dst: np.ndarray[Any, np.dtype[np.uint8]], src: np.ndarray[Any, np.dtype[np.uint8]], side: _offload.Side
-) -> None:
-    """``np.copyto(dst, src)`` of flat bytes, the second half on the helper thread.
-
-    On some machines one memcpy is bound by its core, not by memory: on the 2-core Xeon
-    of the benchmarks, 16 MiB pieces copy at 6.4 GB/s on one thread and 11 on two, which
-    DCP's stager (torch's copy_ on the intra-op threads) gets too. Where memory is the
-    bound, the split costs one thread hop per copy of MiBs. Returns once both halves are
-    copied, whatever failed."""
-    if dst.nbytes < _SPLIT_MIN:
-        np.copyto(dst, src)
-        return
-    half = dst.nbytes // 2 // ALIGN * ALIGN
-    side.submit(np.copyto, dst[half:], src[half:])
-    try:
-        np.copyto(dst[:half], src[:half])
-    finally:
-        side.wait()
-
-
-def _copy(leaf: Leaf, arena: Arena, start: int, nbytes: int, side: _offload.Side) -> None:
-    if nbytes == 0:
-        return
-    value = leaf.value
-    dst = arena.array[start : start + nbytes]
-    if leaf.kind == "pickle":
-        dst[:] = np.frombuffer(value, dtype=np.uint8)
-    elif leaf.kind == "tensor":
-        _copy_tensor(value, dst, arena, start, side)
-    else:
-        file_dtype = _dtypes.numpy_file_dtype(value.dtype)
-        assert file_dtype is not None
-        np.copyto(dst.view(file_dtype).reshape(value.shape), value)
-
-
-def _copy_tensor(
-    t: torch.Tensor, dst: np.ndarray[Any, np.dtype[np.uint8]], arena: Arena, start: int, side: _offload.Side
-) -> None:
-    src = t.detach() if t.requires_grad else t
-    if src.device.type != "cpu":
-        src = src.to("cpu")
-    if src.is_conj() or src.is_neg():
-        src = src.resolve_conj().resolve_neg()
-    if src.is_contiguous():
-        flat = src.reshape(-1).view(torch.uint8)
-        if dst.size < _SMALL:
-            # Small tensors: fewest Python-level steps (per-tensor overhead dominates).
-            arena.tensor[start : start + dst.size].copy_(flat)
-        else:
-            # Large tensors: NumPy's memcpy beats Tensor.copy_ by ~2x here (see BRIEF).
-            _split_copy(dst, flat.numpy(), side)
-    else:
-        # Copy as same-width integers: copy_ has no kernel for dtypes such as int1 or uint3.
-        out, src = host_view(torch.from_numpy(dst), src)
-        out.copy_(src)
 
 
 def tensor_view(image: memoryview, data_start: int, info: TensorInfo) -> object:

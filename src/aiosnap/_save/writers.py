@@ -52,6 +52,8 @@ from .handle import Capture, Failures, Resolver, SaveFailure, SaveHandle, SaveSt
 from .incremental import Dedup, Known, commit_incremental
 from .pipeline import CaptureEnded, Pipe, commit_pipelined
 from .stage import GAVE_UP, Lazy, StagedImage, StageRequest, stage_or_plan, write_in_pieces
+from .window import Window, take_off_finished
+from .window import warm as warm_window
 
 logger = logging.getLogger(__name__)
 
@@ -225,6 +227,8 @@ class _WriterBase(TaskGroupOwner, abc.ABC):
         self._state = "open"
         try:
             await self._engine.start()
+            if self.capture == "lazy":
+                await _offload.run_cpu(warm_window)  # not in the first lazy save's stall
             self._on_open(tg)
         except BaseException:
             self._state = "closed"
@@ -347,9 +351,10 @@ class _WriterBase(TaskGroupOwner, abc.ABC):
         ``capture="lazy"`` (or the writer's ``capture``) returns once the tree is walked,
         its plain values taken (a list appended to later is saved as it was), and copies
         the tensors in the background: ``optimizer.step()`` of each optimizer in
-        ``target`` waits for them, and anything else that changes a tensor in place
-        must ``await handle.wait_captured()`` first. ``capture="eager"`` overrides a
-        lazy default.
+        ``target`` waits for them, and any other in-place write on the caller's thread
+        copies the tensor it writes first (the copy-on-write window, docs/concepts.md);
+        a change on another thread fails the save (``CaptureError``) unless it waits for
+        ``handle.wait_captured()``. ``capture="eager"`` overrides a lazy default.
 
         If an earlier background save failed and that was not reported yet, the call
         raises that failure -- after it has accepted its own save, which goes on.
@@ -374,6 +379,7 @@ class _WriterBase(TaskGroupOwner, abc.ABC):
         change it) or ``handle.wait_captured()`` before it changes ``target``. Earlier
         failures are not raised here (``flush()``, ``take_failures()``)."""
         t0 = time.perf_counter()
+        take_off_finished()  # a boundary: the last lazy save's window, if its copies ended
         mode = self.capture if capture is None else _check_capture(capture)
         if self._state != "open":
             raise WriterClosedError(
@@ -460,13 +466,15 @@ class _WriterBase(TaskGroupOwner, abc.ABC):
             return
         await after(save)
 
-    def _walked(self, save: _Save, optimizers: list[Any]) -> None:
+    def _walked(self, save: _Save, optimizers: list[Any], window: Window) -> None:
         """On the loop, asked by a lazy capture's staging thread: the tree is walked and
-        the arena taken; guard the optimizers and let the caller return."""
+        the arena taken; guard the optimizers, open the copy-on-write window on the loop's
+        thread, and let the caller return."""
         if save.abandoned:
             raise SaveCancelledError(GAVE_UP)
         assert save.guard is not None
         save.guard.arm(optimizers)
+        window.put_on()
         save.walked = True
         save.stall_s = time.perf_counter() - save.t0
         save.capture.walked()
