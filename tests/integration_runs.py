@@ -5,16 +5,25 @@ stdout, one line each, every step's loss (as ``float.hex``: compared bit for bit
 save call that returned and the step it resumed from. The parent SIGKILLs it once it has
 read the report of the save chosen for the run: the kill lands right after a save call
 returned, while its commit may still be in flight, on any machine, without a clock.
+
+A child that calls ``pause_at_file_ops(root)`` also reports each rename, fsync, directory
+fsync, unlink and rmdir aiosnap is about to make under ``root``, and waits for the
+parent's answer before making it: the parent SIGKILLs it there (``kill_before``), so a
+kill lands before exactly the system call chosen, every time.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiosnap
 
@@ -31,20 +40,70 @@ def loss(step: int, value: float) -> None:
     report("loss", step, float(value).hex())
 
 
+Op = tuple[str, str, str]
+"""A system call a paused child was about to make: (kind, path, a rename's source or "")."""
+
+
+def pause_at_file_ops(root: str) -> None:
+    """From a child: before each rename, fsync, directory fsync, unlink and rmdir that any
+    ``aiosnap.storage.Posix`` makes under ``root`` from now on, report it (``op``) and
+    wait for the parent's go-ahead on stdin."""
+    from aiosnap.storage import Posix
+
+    lock = threading.Lock()  # one call reported and answered at a time
+    paths: dict[int, str] = {}
+    root = os.path.abspath(root)
+
+    def pause(kind: str, path: str, source: str = "") -> None:
+        if path == root or path.startswith(root + os.sep):
+            with lock:
+                print(MARK + "op " + json.dumps([kind, path, source]), flush=True)
+                if not sys.stdin.readline():
+                    os._exit(3)  # the parent is gone: make nothing more
+
+    def hooked(method: Callable[..., Any], kind: str, where: Callable[..., tuple[str, str]]) -> Any:
+        def call(self: Posix, *args: Any) -> Any:
+            pause(kind, *where(*args))
+            return method(self, *args)
+
+        return call
+
+    original_open, original_close = Posix.open, Posix.close
+
+    def open_(self: Posix, path: str, flags: int, mode: int = 0o644) -> int:
+        fd = original_open(self, path, flags, mode)
+        paths[fd] = os.path.abspath(path)
+        return fd
+
+    def close(self: Posix, fd: int) -> None:
+        paths.pop(fd, None)
+        original_close(self, fd)
+
+    Posix.open = open_  # type: ignore[method-assign]
+    Posix.close = close  # type: ignore[method-assign]
+    Posix.fsync = hooked(Posix.fsync, "fsync", lambda fd: (paths.get(fd, ""), ""))  # type: ignore[method-assign]
+    Posix.rename = hooked(Posix.rename, "rename", lambda src, dst: (os.path.abspath(dst), src))  # type: ignore[method-assign]
+    Posix.fsync_dir = hooked(Posix.fsync_dir, "dirsync", lambda p: (os.path.abspath(p), ""))  # type: ignore[method-assign]
+    Posix.unlink = hooked(Posix.unlink, "unlink", lambda p: (os.path.abspath(p), ""))  # type: ignore[method-assign]
+    Posix.rmdir = hooked(Posix.rmdir, "rmdir", lambda p: (os.path.abspath(p), ""))  # type: ignore[method-assign]
+
+
 @dataclass
 class Run:
     """What a child reported."""
 
     losses: dict[int, str] = field(default_factory=dict)
     saves: list[str] = field(default_factory=list)
+    ops: list[Op] = field(default_factory=list)
     other: dict[str, list[str]] = field(default_factory=dict)
     killed: bool = False
 
 
 class Child:
-    """A child running ``module.function(*args)``, started at once."""
+    """A child running ``module.function(*args)``, started at once. ``paused``: it may
+    call ``pause_at_file_ops`` (its stdin is a pipe from the parent)."""
 
-    def __init__(self, function: str, *args: object, log: Path) -> None:
+    def __init__(self, function: str, *args: object, log: Path, paused: bool = False) -> None:
         module, name = function.rsplit(".", 1)
         code = f"import sys; from {module} import {name}; {name}(*sys.argv[1:])"
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONHASHSEED": "0"}
@@ -55,15 +114,19 @@ class Child:
             [sys.executable, "-c", code, *map(str, args)],
             cwd=ROOT,
             env=env,
+            stdin=subprocess.PIPE if paused else None,
             stdout=subprocess.PIPE,
             stderr=self._stderr,
             text=True,
             start_new_session=True,
         )
 
-    def finish(self, *, kill_after_save: int | None = None) -> Run:
+    def finish(
+        self, *, kill_after_save: int | None = None, kill_before: Callable[[list[Op]], bool] | None = None
+    ) -> Run:
         """Read the child's reports until it exits, or until its ``kill_after_save``-th
-        save call returned: then SIGKILL it."""
+        save call returned, or until ``kill_before(ops)`` is true of the calls it reported
+        (the last one about to be made): then SIGKILL it."""
         run = Run()
         assert self.proc.stdout is not None
         try:
@@ -71,7 +134,17 @@ class Child:
                 if not line.startswith(MARK):
                     continue
                 kind, *values = line[len(MARK) :].split()
-                if kind == "loss":
+                if kind == "op":
+                    op, path, source = json.loads(line[len(MARK) + len("op ") :])
+                    run.ops.append((op, path, source))
+                    if kill_before is not None and kill_before(run.ops):
+                        os.killpg(self.proc.pid, signal.SIGKILL)
+                        run.killed = True
+                        break
+                    assert self.proc.stdin is not None, "a child that pauses needs Child(paused=True)"
+                    self.proc.stdin.write("go\n")
+                    self.proc.stdin.flush()
+                elif kind == "loss":
                     run.losses[int(values[0])] = values[1]
                 elif kind == "saved":
                     run.saves.append(" ".join(values))
@@ -83,6 +156,8 @@ class Child:
                     run.other.setdefault(kind, []).extend(values)
         finally:
             self.proc.stdout.close()
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
             self.proc.wait()
             self._stderr.close()
             try:
@@ -92,6 +167,65 @@ class Child:
         if not run.killed:
             assert self.proc.returncode == 0, f"the run failed:\n{self.log.read_text()[-6000:]}"
         return run
+
+
+@dataclass
+class Killed:
+    """One run of ``kill_points``: its folder, and the calls it made (``made``) before the
+    one it was killed before (``at``; None for the run left to finish)."""
+
+    case: Path
+    made: list[Op]
+    at: Op | None
+
+    def renamed_into(self, final: Path) -> bool:
+        """Whether a folder was renamed to ``final`` (the new checkpoint put in place)."""
+        return any(kind == "rename" and path == str(final) for kind, path, _ in self.made)
+
+
+#: The kill points of a publish that replaces ``final``, by name: before the old folder is
+#: moved aside, between that rename and the one that puts the new in place, and right after.
+POINTS = ("aside", "between", "after")
+
+
+def _named(point: str, final: str) -> Callable[[list[Op]], bool]:
+    def at(ops: list[Op]) -> bool:
+        kind, path, source = ops[-1]
+        if point == "aside":
+            return kind == "rename" and source == final
+        if point == "between":
+            return kind == "rename" and path == final
+        return len(ops) > 1 and ops[-2][:2] == ("rename", final)
+
+    return at
+
+
+def kill_points(
+    function: str, cases: Path, final: str, point: str, prepare: Callable[[Path], list[object]]
+) -> Iterator[Killed]:
+    """Run ``function(*prepare(case))`` in a paused child in a fresh folder ``case`` under
+    ``cases``, killed at ``point`` (one of POINTS, about the folder ``case / final``); or,
+    for ``point="every"``, once to the end and then once killed before each call that run
+    made. Yields each run, once it is over."""
+    cases.mkdir(parents=True, exist_ok=True)
+
+    def run(name: str, kill: Callable[[list[Op]], bool] | None) -> Killed:
+        case = cases / name
+        child = Child(function, *prepare(case), log=cases / f"{name}.log", paused=True)
+        done = child.finish(kill_before=kill)
+        if not done.killed:
+            return Killed(case, done.ops, None)
+        return Killed(case, done.ops[:-1], done.ops[-1])
+
+    if point != "every":
+        killed = run(point, _named(point, str(cases / point / final)))
+        assert killed.at is not None, f"the run never reached the point {point!r}: {killed.made}"
+        yield killed
+        return
+    whole = run("whole", None)
+    yield whole
+    for n in range(1, len(whole.made) + 1):
+        yield run(f"kill{n}", lambda ops, n=n: len(ops) == n)
 
 
 def assert_resumed_exactly(reference: Run, resumed: Run, last_step: int) -> int:

@@ -1,12 +1,15 @@
 """aiosnap.integrations.accelerate against the real Accelerate: a killed run resumes with
 ``load_state()`` with the same losses, bit for bit (dropout included: the RNG states come
 back); ``load_state`` restores the naming counter; ``total_limit`` deletes only after the
-new folder is durable, and only aiosnap's; a damaged newest checkpoint is skipped."""
+new folder is durable, and only aiosnap's; a damaged newest checkpoint is skipped; a
+``save_state`` into an existing folder, killed at a rename or fsync of its publish, leaves
+a folder ``load_state`` reads and the next save keeps."""
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +25,9 @@ from tests.integration_runs import (
     Child,
     assert_aiosnap_checkpoint,
     assert_resumed_exactly,
+    kill_points,
     loss,
+    pause_at_file_ops,
     report,
     temp_entries,
 )
@@ -160,3 +165,80 @@ def test_end_training_raises_a_failed_save(tmp_path: Path) -> None:
         accelerator.end_training()
     assert os.listdir(taken) == ["notes.txt"]
     assert temp_entries(tmp_path) == []
+
+
+def _plain(value: float) -> tuple[AiosnapAccelerator, Any]:
+    """An accelerator without automatic naming and a model whose every weight is ``value``
+    (a constructed value: which save a folder holds is read off it)."""
+    accelerator = AiosnapAccelerator(cpu=True)
+    model = accelerator.prepare(torch.nn.Linear(4, 1))
+    _fill(model, value)
+    return accelerator, model
+
+
+def _fill(model: Any, value: float) -> None:
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.fill_(value)
+
+
+def _holds(model: Any) -> float:
+    values = torch.cat([p.detach().flatten() for p in model.parameters()]).unique()
+    assert len(values) == 1, values
+    return float(values[0])
+
+
+def resave_child(folder: str) -> None:
+    """Saves ``folder`` (every weight 1), then saves it again (every weight 2), each system
+    call of the second save paused for the parent."""
+    torch.set_num_threads(1)
+    accelerator, model = _plain(1.0)
+    accelerator.save_state(folder)
+    accelerator.flush()
+    pause_at_file_ops(os.path.dirname(folder))
+    _fill(model, 2.0)
+    accelerator.save_state(folder)
+    accelerator.end_training()
+
+
+def _after_the_kill(case: Path, expected: float) -> None:
+    """What the killed re-save left: ``load_state`` reads a whole folder, the old or the
+    new (``expected``); a later process's first save beside it (its sweep) keeps it; the
+    next save into it replaces it and leaves no temp folder."""
+    loaded = shutil.copytree(case, case.with_name(case.name + "-load"), symlinks=True)
+    accelerator, model = _plain(0.0)
+    accelerator.load_state(str(loaded / "latest"))  # before any save: the load path's own repair
+    assert _holds(model) == expected
+    accelerator.end_training()
+    saved = shutil.copytree(case, case.with_name(case.name + "-save"), symlinks=True)
+    accelerator, model = _plain(3.0)
+    accelerator.save_state(str(saved / "best"))  # sweeps the folder's parent first
+    accelerator.flush()
+    accelerator.load_state(str(saved / "latest"))
+    assert _holds(model) == expected
+    _fill(model, 3.0)
+    accelerator.save_state(str(saved / "latest"))
+    accelerator.end_training()
+    accelerator, model = _plain(0.0)
+    accelerator.load_state(str(saved / "latest"))
+    assert _holds(model) == 3.0
+    accelerator.end_training()
+    assert sorted(os.listdir(saved)) == ["best", "latest"] and temp_entries(saved) == []
+
+
+# "aside" (before the old folder moves) and every other call: in the slow run.
+@pytest.mark.parametrize("point", ["between", "after", pytest.param("every", marks=pytest.mark.slow)])
+def test_save_state_into_an_existing_folder_killed_at_its_publish(tmp_path: Path, point: str) -> None:
+    # A real child, SIGKILLed before a rename or fsync of its second save_state("latest").
+    def prepare(case: Path) -> list[object]:
+        return [case / "latest"]
+
+    runs = kill_points("tests.test_integration_accelerate.resave_child", tmp_path, "latest", point, prepare)
+    for n, run in enumerate(runs):
+        if n == 0 and point == "every":  # the run left to finish: what the others are killed before
+            assert {"fsync", "dirsync", "rename"} <= {kind for kind, _, _ in run.made}, run.made
+        try:
+            _after_the_kill(run.case, 2.0 if run.renamed_into(run.case / "latest") else 1.0)
+        except AssertionError as exc:
+            exc.add_note(f"killed before {run.at} (calls made: {run.made})")
+            raise

@@ -1,12 +1,15 @@
 """aiosnap.integrations.transformers against the real Trainer (a tiny BERT built here, no
 download): a killed run resumes with ``train(resume_from_checkpoint=True)`` with the same
 losses, bit for bit; each ``checkpoint-N`` appears whole; ``save_total_limit`` rotates
-after the commit and only aiosnap's directories; a failed save is raised by ``train``."""
+after the commit and only aiosnap's directories; a failed save is raised by ``train``; a
+re-save of an existing ``checkpoint-N``, killed at a rename or fsync of its publish, leaves
+a directory the Trainer resumes from and its next ``train()`` keeps."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +31,9 @@ from tests.integration_runs import (
     Child,
     assert_aiosnap_checkpoint,
     assert_resumed_exactly,
+    kill_points,
     loss,
+    pause_at_file_ops,
     report,
     temp_entries,
 )
@@ -64,7 +69,9 @@ class _Report(TrainerCallback):
         report("saved", state.global_step)  # fires right after the save call returned
 
 
-def _trainer(out: str, epochs: int = EPOCHS, **options: Any) -> AiosnapTrainer:
+def _trainer(
+    out: str, epochs: int = EPOCHS, callbacks: tuple[TrainerCallback, ...] = (), **options: Any
+) -> AiosnapTrainer:
     torch.manual_seed(0)
     config = BertConfig(
         vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=37
@@ -83,7 +90,10 @@ def _trainer(out: str, epochs: int = EPOCHS, **options: Any) -> AiosnapTrainer:
         **options,
     )
     return AiosnapTrainer(
-        model=BertForSequenceClassification(config), args=args, train_dataset=_Data(), callbacks=[_Report()]
+        model=BertForSequenceClassification(config),
+        args=args,
+        train_dataset=_Data(),
+        callbacks=[_Report(), *callbacks],
     )
 
 
@@ -140,3 +150,77 @@ def test_a_failed_save_is_raised_by_train_and_leaves_no_temp_directory(tmp_path:
     for name in _checkpoints(tmp_path):
         if name != "checkpoint-4":
             assert_aiosnap_checkpoint(tmp_path / name / STATE_NAME)
+
+
+class _Fill(TrainerCallback):
+    """Sets the classifier's bias to ``value`` after every step: a constructed value that
+    tells which save a checkpoint holds."""
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        with torch.no_grad():
+            model.classifier.bias.fill_(self.value)
+
+
+class _Resumed(TrainerCallback):
+    """The step and the classifier's bias a run started from."""
+
+    step = -1
+    bias: torch.Tensor
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        self.step, self.bias = state.global_step, model.classifier.bias.detach().clone()
+
+    def holds(self) -> float:
+        values = self.bias.unique()
+        assert len(values) == 1, values
+        return float(values[0])
+
+
+def resave_child(out: str) -> None:
+    """Trains 4 steps and saves checkpoint-4 (bias 1); trains again from the start in the
+    same folder and saves checkpoint-4 again (bias 2), each system call of that run paused
+    for the parent."""
+    torch.set_num_threads(1)
+    _trainer(out, max_steps=EVERY, callbacks=(_Fill(1.0),)).train()
+    pause_at_file_ops(out)
+    _trainer(out, max_steps=EVERY, callbacks=(_Fill(2.0),)).train()
+
+
+def _after_the_kill(case: Path, expected: float) -> None:
+    """What the killed re-save left: the Trainer resumes from a whole checkpoint-4, the old
+    or the new (``expected``), named explicitly (the load path's own repair, before any
+    save) or found by ``resume_from_checkpoint=True`` after the next ``train()``'s sweep,
+    which keeps it; that run's next save leaves no temp directory."""
+    named = shutil.copytree(case, case.with_name(case.name + "-named"), symlinks=True)
+    resumed = _Resumed()
+    elsewhere = str(case.with_name(case.name + "-elsewhere"))
+    _trainer(elsewhere, max_steps=EVERY, callbacks=(resumed,)).train(str(named / "checkpoint-4"))
+    assert (resumed.step, resumed.holds()) == (EVERY, expected)
+    found = shutil.copytree(case, case.with_name(case.name + "-found"), symlinks=True)
+    resumed = _Resumed()
+    _trainer(str(found), max_steps=2 * EVERY, callbacks=(resumed,)).train(resume_from_checkpoint=True)
+    assert (resumed.step, resumed.holds()) == (EVERY, expected)
+    assert _checkpoints(found) == ["checkpoint-4", "checkpoint-8"] and temp_entries(found) == []
+
+
+# "aside" (before the old folder moves) and every other call: in the slow run.
+@pytest.mark.parametrize("point", ["between", "after", pytest.param("every", marks=pytest.mark.slow)])
+def test_a_resave_of_checkpoint_n_killed_at_its_publish(tmp_path: Path, point: str) -> None:
+    # A real child, SIGKILLed before a rename or fsync of its second save of checkpoint-4.
+    def prepare(case: Path) -> list[object]:
+        return [case]
+
+    runs = kill_points(
+        "tests.test_integration_transformers.resave_child", tmp_path, "checkpoint-4", point, prepare
+    )
+    for n, run in enumerate(runs):
+        if n == 0 and point == "every":  # the run left to finish: what the others are killed before
+            assert {"fsync", "dirsync", "rename"} <= {kind for kind, _, _ in run.made}, run.made
+        try:
+            _after_the_kill(run.case, 2.0 if run.renamed_into(run.case / "checkpoint-4") else 1.0)
+        except AssertionError as exc:
+            exc.add_note(f"killed before {run.at} (calls made: {run.made})")
+            raise

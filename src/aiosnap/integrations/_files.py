@@ -1,5 +1,6 @@
 """File and directory operations the integrations share: recognising aiosnap's own
-checkpoints, removing only those, and publishing a checkpoint directory atomically.
+checkpoints, removing only those, and publishing a checkpoint directory atomically (and
+repairing a publish cut short, see ``publish_dir``).
 
 Every function here blocks; the bridge runs them in worker threads of its loop.
 """
@@ -14,7 +15,7 @@ import struct
 
 import crc32c
 
-from aiosnap.storage import TEMP_PREFIX, LocalStorage, Posix
+from aiosnap.storage import TEMP_PREFIX, LocalStorage
 
 logger = logging.getLogger(__name__)
 
@@ -22,8 +23,17 @@ logger = logging.getLogger(__name__)
 #: prefix and the header with these 8 hex digits read as ``00000000``.
 _CRC_FIELD = re.compile(rb'"aiosnap_crc32c":"([0-9a-f]{8})"')
 _MAX_HEADER = 1 << 30
+#: The local disk every function here goes through (a child process in the tests swaps
+#: its system calls for ones that stop before each call).
 _local = LocalStorage()
-_posix = Posix()
+
+#: The roles of the integrations' temp directories: a new checkpoint being filled (swept
+#: if cut short), an old one moved aside by a publish that replaces it (put back if the
+#: new one never arrived), one being deleted (swept).
+NEW, OLD, REMOVED = "new", "old", "removed"
+_DIR_TEMP = re.compile(
+    rf"^{re.escape(TEMP_PREFIX)}(?P<role>{NEW}|{OLD}|{REMOVED})-[0-9a-f]{{12}}-(?P<name>.+)$", re.DOTALL
+)
 
 
 def is_aiosnap_file(path: str) -> bool:
@@ -68,10 +78,11 @@ def remove_file(path: str) -> bool:
     return True
 
 
-def remove_dir(path: str, marker: str, *, storage: LocalStorage = _local) -> bool:
+def remove_dir(path: str, marker: str, *, storage: LocalStorage | None = None) -> bool:
     """Delete the checkpoint directory ``path`` if an integration wrote it (it holds the
     aiosnap file ``marker``); else leave it, with a warning. ``storage``: the local disk
     to do it through (tests give one whose system calls fail or stop midway)."""
+    storage = _local if storage is None else storage
     if not os.path.lexists(path):
         return False
     if os.path.islink(path) or not is_aiosnap_dir(path, marker):
@@ -81,35 +92,95 @@ def remove_dir(path: str, marker: str, *, storage: LocalStorage = _local) -> boo
     # leaves a temp directory, which the next start sweeps, never a checkpoint's name
     # without its marker (which nothing would recognise as aiosnap's any more).
     parent, name = os.path.split(path)
-    doomed = os.path.join(parent, f"{TEMP_PREFIX}removed-{name}.{secrets.token_hex(6)}")
+    doomed = os.path.join(parent, _temp_name(REMOVED, name))
     storage.posix.rename(path, doomed)
     storage.posix.fsync_dir(parent or ".")
     storage.delete_tree(doomed)
     return True
 
 
-def sweep_temps(directory: str) -> list[str]:
-    """Remove what interrupted commits left directly in ``directory``: temp files and temp
-    directories, whose names start with ``aiosnap.TEMP_PREFIX``; return their paths."""
+def sweep_temps(directory: str, marker: str | None = None) -> list[str]:
+    """Remove what interrupted commits left directly in ``directory`` (temp files and temp
+    directories, whose names start with ``aiosnap.TEMP_PREFIX``) and return their paths;
+    first put back the checkpoint directories a publish cut short had moved aside
+    (``repair_publishes``). An old directory whose name holds a checkpoint again goes only
+    where that checkpoint is an integration's (it holds the aiosnap file ``marker``)."""
     try:
         names = [n for n in os.listdir(directory) if n.startswith(TEMP_PREFIX)]
     except (FileNotFoundError, NotADirectoryError):
         return []
-    swept = [os.path.join(directory, n) for n in names]
-    for path in swept:
+    restored = repair_publishes(directory) if names else []
+    swept = []
+    for name in names:
+        path = os.path.join(directory, name)
+        temp = _DIR_TEMP.match(name)
+        if path in restored:
+            continue
+        if temp is not None and temp["role"] == OLD and not _superseded(directory, temp["name"], marker):
+            continue  # an old checkpoint still needed, or one nobody can tell is: kept
         if os.path.isdir(path) and not os.path.islink(path):
             _local.delete_tree(path)
         else:
             _local.delete(path)
+        swept.append(path)
     if swept:
         logger.info("removed %d temp file(s) of interrupted commits in %s", len(swept), directory)
     return swept
 
 
+def repair_publishes(directory: str, name: str | None = None) -> list[str]:
+    """Put back every checkpoint directory in ``directory`` (or only ``name``) that a
+    ``publish_dir`` cut short between its two renames left aside: its name is missing
+    (or an empty directory) and exactly one old directory of that name stands beside it.
+    Returns the temp paths it renamed. Deletes nothing; ``sweep_temps`` does."""
+    try:
+        entries = os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    asides: dict[str, list[str]] = {}
+    for entry in sorted(entries):
+        match = _DIR_TEMP.match(entry)
+        if match is not None and match["role"] == OLD and name in (None, match["name"]):
+            asides.setdefault(match["name"], []).append(os.path.join(directory, entry))
+    restored = []
+    for final_name, paths in asides.items():
+        final = os.path.join(directory, final_name)
+        if os.path.lexists(final) and not _is_empty_dir(final):
+            continue  # the new checkpoint is in place (or something else stands there)
+        if len(paths) > 1:
+            logger.warning(
+                "not restoring %s: %d old directories of it (%s), which one is its last is unknown",
+                final,
+                len(paths),
+                ", ".join(paths),
+            )
+            continue
+        logger.warning("restoring %s from %s: a save that was replacing it was cut short", final, paths[0])
+        _local.posix.rename(paths[0], final)  # replaces an empty directory in one step
+        _local.posix.fsync_dir(directory or ".")  # durable before a sweep deletes the new one
+        restored.append(paths[0])
+    return restored
+
+
+def _superseded(directory: str, name: str, marker: str | None) -> bool:
+    """Whether an old directory of checkpoint ``name`` may go: the name holds one of the
+    integrations' checkpoints again (a new one put in place, or the old one restored)."""
+    final = os.path.join(directory, name)
+    if marker is not None and not os.path.islink(final) and is_aiosnap_dir(final, marker):
+        return True
+    if os.path.lexists(final):
+        logger.warning(
+            "keeping the old directories of %s (%s*): aiosnap did not write what stands there now",
+            final,
+            os.path.join(directory, f"{TEMP_PREFIX}{OLD}-"),
+        )
+    return False
+
+
 def temp_dir(parent: str, name: str) -> str:
     """Create and return a fresh temp directory for checkpoint ``name`` inside ``parent``."""
     os.makedirs(parent, exist_ok=True)
-    path = os.path.join(parent, f"{TEMP_PREFIX}{name}.{secrets.token_hex(6)}")
+    path = os.path.join(parent, _temp_name(NEW, name))
     os.mkdir(path)
     return path
 
@@ -137,11 +208,15 @@ def publish_dir(tmp: str, final: str, marker: str) -> None:
     rename, then the parent directory fsynced.
 
     A ``final`` that already exists is replaced only if it is empty or an integration
-    wrote it; it is moved aside first (a crash between the two renames leaves neither
-    name half-written: only a temp directory, swept at the next start).
+    wrote it. It is renamed aside first, to an old directory of its name (``old-``), and
+    deleted once the new one is in place and durable. A process killed between the two
+    renames leaves the old checkpoint there and no ``final``: ``repair_publishes`` (run by
+    the loaders, the sweep and the next publish of ``final``) renames it back. So at every
+    instant ``final`` holds the old checkpoint or the new one, or is put back to the old.
     """
+    parent, name = os.path.split(final)
+    repair_publishes(parent, name)  # a publish of the same name cut short: its old one back
     _sync_tree(tmp)
-    parent = os.path.dirname(final)
     aside = None
     if os.path.lexists(final):
         if not (_is_empty_dir(final) or is_aiosnap_dir(final, marker)):
@@ -149,30 +224,36 @@ def publish_dir(tmp: str, final: str, marker: str) -> None:
                 f"{final} exists and aiosnap did not write it: not replaced (the new checkpoint was "
                 "discarded; move that directory away or save under another name)"
             )
-        aside = os.path.join(
-            parent, f"{TEMP_PREFIX}replaced-{os.path.basename(final)}.{secrets.token_hex(6)}"
-        )
-        _posix.rename(final, aside)
+        aside = os.path.join(parent, _temp_name(OLD, name))
+        _local.posix.rename(final, aside)
     try:
-        _posix.rename(tmp, final)
+        _local.posix.rename(tmp, final)
     except BaseException:
         if aside is not None:
-            _posix.rename(aside, final)  # the previous checkpoint stays where it was
+            _local.posix.rename(aside, final)  # the previous checkpoint stays where it was
         raise
-    _posix.fsync_dir(parent or ".")
+    _local.posix.fsync_dir(parent or ".")
     if aside is not None:
         _local.delete_tree(aside)
 
 
 def _sync_tree(path: str) -> None:
+    posix = _local.posix
     for root, _dirs, files in os.walk(path):
         for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            fd = posix.open(os.path.join(root, name), os.O_RDONLY)
             try:
-                os.fsync(fd)
+                posix.fsync(fd)
             finally:
-                os.close(fd)
-        _posix.fsync_dir(root)
+                posix.close(fd)
+        posix.fsync_dir(root)
+
+
+def _temp_name(role: str, name: str) -> str:
+    """The temp name of a directory of checkpoint ``name`` in ``role``: the role and a
+    random token in fixed places, the checkpoint's name last, whole, so each is read back
+    without doubt (``_DIR_TEMP``) whatever the checkpoint's name holds."""
+    return f"{TEMP_PREFIX}{role}-{secrets.token_hex(6)}-{name}"
 
 
 def _is_empty_dir(path: str) -> bool:

@@ -6,7 +6,10 @@ thirds of an Adam state) would still be ``torch.save``\\ d synchronously. So
 ``save_state`` is replaced whole: it captures the models, optimizers, schedulers,
 stateful data loaders, scaler, RNG states and registered objects into one aiosnap file
 and returns the checkpoint's directory, which appears -- renamed from a temp directory
-(``.aiosnap-tmp-*``) in the same parent -- once every file in it is durable.
+(``.aiosnap-tmp-*``) in the same parent -- once every file in it is durable. A save into
+an existing folder renames the old one aside, then the new one into place: a process
+killed between the two leaves the old one aside, put back by the next ``load_state`` or
+``save_state``.
 ``total_limit`` deletes old folders only after the new one is durable, and only folders
 aiosnap wrote. ``load_state()`` takes the newest complete checkpoint (an older one if the
 newest fails its checksums) and restores the naming counter, so the next ``save_state``
@@ -31,7 +34,15 @@ from accelerate.utils import DistributedType
 import aiosnap
 
 from ._bridge import SyncWriter, check_options, run_sync
-from ._files import discard, is_aiosnap_dir, publish_dir, remove_dir, sweep_temps, temp_dir
+from ._files import (
+    discard,
+    is_aiosnap_dir,
+    publish_dir,
+    remove_dir,
+    repair_publishes,
+    sweep_temps,
+    temp_dir,
+)
 
 __all__ = ["STATE_NAME", "AiosnapAccelerator"]
 
@@ -79,7 +90,7 @@ class AiosnapAccelerator(Accelerator):  # type: ignore[misc]  # accelerate ships
         parent, name = os.path.split(final)
         if parent not in self._aiosnap_swept:
             self._aiosnap_swept.add(parent)
-            sweep_temps(parent)
+            sweep_temps(parent, STATE_NAME)
         tmp = temp_dir(parent, name)
         weights = [self.get_state_dict(model, unwrap=False) for model in self._models]
         for hook in self._save_model_state_pre_hook.values():
@@ -147,6 +158,7 @@ class AiosnapAccelerator(Accelerator):  # type: ignore[misc]  # accelerate ships
         self._aiosnap.flush()  # a pending save is loaded only once it is published
         if input_dir is not None:
             input_dir = os.path.expanduser(input_dir)
+            repair_publishes(*os.path.split(os.path.abspath(input_dir)))  # a save into it cut short
             if not os.path.isdir(input_dir):
                 raise ValueError(f"Tried to find {input_dir} but folder does not exist")
             if not os.path.isfile(os.path.join(input_dir, STATE_NAME)):
@@ -162,6 +174,7 @@ class AiosnapAccelerator(Accelerator):  # type: ignore[misc]  # accelerate ships
             self.project_configuration.iteration = max(numbers, default=-1) + 1
 
     def _aiosnap_restore_newest(self, kwargs: dict[str, Any]) -> None:
+        repair_publishes(os.path.join(self.project_dir, "checkpoints"))
         found = _folders(os.path.join(self.project_dir, "checkpoints"), ours=True)
         for _number, folder in reversed(found):
             try:

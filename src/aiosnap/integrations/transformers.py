@@ -5,10 +5,12 @@ A callback cannot take over the save (``on_save`` fires after the Trainer wrote
 everything synchronously), so the mixin overrides ``_save_checkpoint`` and the loaders.
 Each save captures the model, optimizer, scheduler, scaler and RNG states into one
 aiosnap file, ``checkpoint-N/state.aiosnap``, and returns; in the background the file is
-committed into a temp directory (``.aiosnap-tmp-checkpoint-N.*``), ``trainer_state.json``
+committed into a temp directory (``.aiosnap-tmp-new-*-checkpoint-N``), ``trainer_state.json``
 is written durably beside it, and the directory is renamed to ``checkpoint-N`` once every
 file in it is durable. So ``train(resume_from_checkpoint=True)``, which takes the
-highest-numbered ``checkpoint-N`` without checking it, only ever finds complete ones.
+highest-numbered ``checkpoint-N`` without checking it, only ever finds complete ones. A
+re-save of an existing ``checkpoint-N`` moves the old one aside first; a process killed
+between the two renames leaves it to be put back by the next ``train()``.
 ``save_total_limit`` rotates after that rename, deleting only directories aiosnap wrote;
 ``train()`` returns once every save is durable.
 """
@@ -32,7 +34,16 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 import aiosnap
 
 from ._bridge import SyncWriter, check_options, run_sync
-from ._files import discard, is_aiosnap_dir, publish_dir, remove_dir, sweep_temps, temp_dir, write_durably
+from ._files import (
+    discard,
+    is_aiosnap_dir,
+    publish_dir,
+    remove_dir,
+    repair_publishes,
+    sweep_temps,
+    temp_dir,
+    write_durably,
+)
 
 __all__ = ["STATE_NAME", "AiosnapTrainer", "AiosnapTrainerMixin"]
 
@@ -65,14 +76,18 @@ class AiosnapTrainerMixin(_Base):
         self._aiosnap_dirs: set[str] = set()
         super().__init__(*args, **kwargs)
 
-    def train(self, *args: Any, **kwargs: Any) -> Any:
-        """The Trainer's ``train``, returning once every checkpoint it saved is durable."""
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's ``train``, returning once every checkpoint it saved is durable.
+        First puts back a checkpoint whose re-save was cut short (in the output directory,
+        and the one named by ``resume_from_checkpoint``), then sweeps temp directories."""
         self._aiosnap_check()
+        if isinstance(resume_from_checkpoint, str):
+            repair_publishes(*os.path.split(os.path.abspath(resume_from_checkpoint)))
         if self.args.should_save and self.args.output_dir is not None:
-            sweep_temps(self.args.output_dir)
+            sweep_temps(self.args.output_dir, STATE_NAME)
         self._aiosnap.open()
         try:
-            output = super().train(*args, **kwargs)
+            output = super().train(resume_from_checkpoint, *args, **kwargs)
         except BaseException:
             try:
                 self._aiosnap.close()
