@@ -24,6 +24,7 @@ from .._base.errors import CheckpointError
 from .._base.names import BLOB_DIR, RESERVED_PREFIXES
 from .._format.codec import read_header, written_by_aiosnap
 from .._save.incremental import PINS, SUFFIXES, blob_file
+from .._save.trust import TRUSTED
 from .._storage.protocol import TEMP_PREFIX, Storage, lstat
 
 logger = logging.getLogger(__name__)
@@ -152,6 +153,7 @@ def _collect(storage: Storage, directory: str, rank_dir: str | None) -> list[str
                 continue
             path = storage.join(folder, name)
             if PINS.delete_unless_pinned(str(blob_of(name)), functools.partial(storage.delete, path)):
+                TRUSTED.forget(path)  # what this process checked of it goes with it
                 gone.append(path)
     finally:
         PINS.end()
