@@ -308,3 +308,27 @@ def test_the_first_save_after_a_restart_reads_each_blob_it_refers_to_once_and_th
     shared = {blob_path(tmp_path, t).name: t.nbytes for t in base.values()}
     assert after_restart == shared  # each base layer read once, whole; the new adapter not at all
     assert next_save == {}
+
+
+async def test_a_link_under_a_blobs_name_is_neither_trusted_read_nor_replaced(tmp_path: Path) -> None:
+    base = make_base()
+    users = tmp_path / "users-file"
+    users.write_bytes(bytes(base["layer0"].nbytes))  # of a blob's size, other bytes
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    # Locally at layer0's blob; on the remote at layer1's (locally a blob as any other).
+    links = [blob_path(local, base["layer0"]), blob_path(remote, base["layer1"])]
+    for link in links:
+        link.parent.mkdir(parents=True)
+        link.symlink_to(users)
+    async with aiosnap.CheckpointManager(str(local), remote=str(remote), incremental=True) as mgr:
+        handle = await mgr.save(0, lora_state(0, base))
+        await handle.wait()  # locally: the entry stays in the file, the link is left alone
+        assert handle.upload is not None
+        with pytest.raises(aiosnap.ForeignFileError, match="symbolic link"):
+            await mgr.flush()  # at once: a user's link is no outage to wait out
+        with pytest.raises(aiosnap.ForeignFileError):
+            await handle.upload.wait()
+    assert not (remote / "snapshot_iter_0").exists()
+    assert all(link.is_symlink() for link in links)
+    assert users.read_bytes() == bytes(base["layer0"].nbytes)
+    assert_equal(await aiosnap.load(str(local / "snapshot_iter_0")), lora_state(0, base))

@@ -49,7 +49,7 @@ from .._save.handle import Failures, Resolver, SaveFailure, SaveHandle, SaveStat
 from .._save.incremental import PINS, blob_dir, blob_file, check_blob_folder
 from .._save.trust import TRUSTED, Check, verified, wrote
 from .._storage.backends import resolve
-from .._storage.protocol import CommitTimes, Storage
+from .._storage.protocol import CommitTimes, Storage, describe, lstat
 
 logger = logging.getLogger(__name__)
 
@@ -151,11 +151,14 @@ def _copy_blob(
 ) -> CommitTimes:
     """Copy one blob unless the far end has it: an object of its size there that this
     process uploaded or checked (see ``_save/trust``); anything else under its name (a
-    foreign object, a damaged copy) is replaced. A local blob this process has not
-    checked is checked as it is copied. Blocking."""
+    foreign object, a damaged copy) is replaced; a link or a directory there is refused
+    (ForeignFileError). A local blob this process has not checked is checked as it is
+    copied. Blocking."""
     local = src.stat(here)
-    entry = dst.stat(far)
-    if local is not None and entry is not None and entry.is_file and entry.size == local.size:
+    entry = lstat(dst, far)
+    if entry is not None and not entry.is_file:  # a user's link or directory: left alone
+        raise ForeignFileError(far, describe(entry))
+    if local is not None and entry is not None and entry.size == local.size:
         args = (blob.blob, blob.nbytes, blob.compression, "uploaded again", on_piece)
         if verified(dst, far, entry, *args):  # read back: progress, as a copy is
             return CommitTimes(0.0, 0.0, 0)

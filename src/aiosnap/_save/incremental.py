@@ -273,7 +273,7 @@ def _found(storage: Storage, folder: str, blob: str, info: TensorInfo, kind: str
     something not a file stands at the blob's name (a user's link or directory, never
     written through); else _MISSING: the blob is written (a damaged one replaced)."""
     path = storage.join(folder, blob_file(blob, kind))
-    entry = storage.stat(path)
+    entry = lstat(storage, path)  # a link there is a user's: never read nor replaced
     if entry is None:
         return _MISSING
     if not entry.is_file:
