@@ -12,7 +12,11 @@ full checkpoint plus ``saves`` times the changing bytes (target: at most 1.3 x);
 caller's stall (median), against the full save's (target: at most 1.10 x); the bytes a
 tiered manager (``remote=``, a local directory) uploads per save; every
 checkpoint restored and compared bit for bit, also after ``KeepLast(3)`` retention
-dropped the first ones.
+dropped the first ones. The first save after a restart: a fresh process opens the
+directory and saves twice; the first reads back once each blob it refers to that it did
+not write (the frozen base: a save refers to a blob only once its process has checked it),
+the second none. Measured with the blobs evicted from the page cache (``posix_fadvise``:
+as after a reboot) and cached (as after a process restart), against the second save.
 
 Embedding table: 1M rows of 64 float32 (256 MiB, or ``size`` if smaller), 1% of the rows
 (random) updated per step. The unit of deduplication is measured on it and on the LoRA
@@ -34,6 +38,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -44,6 +49,7 @@ import numpy as np
 import torch
 
 import aiosnap
+from aiosnap.storage import Posix
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _harness import publish
@@ -168,6 +174,7 @@ async def run_lora(scratch: Path, nbytes: int, saves: int) -> dict[str, Any]:
             restored_all &= equal(got, lora_state(base, kept[step], step))
     space = du(dirs["incremental"])
     full_one = written["full"][0]
+    restart = restart_rows(dirs["incremental"], nbytes, saves)
     # Retention: a fresh directory, KeepLast(3), the same saves; every kept one restores.
     retained = scratch / "retained"
     async with aiosnap.CheckpointManager(str(retained), incremental=True, keep=aiosnap.KeepLast(3)) as mgr:
@@ -189,6 +196,8 @@ async def run_lora(scratch: Path, nbytes: int, saves: int) -> dict[str, Any]:
             assert handle.upload is not None
             uploaded.append((await handle.upload.wait()).bytes)
     return {
+        "restart": restart,
+        "base_bytes": nbytes_of(base),
         "uploaded": uploaded,
         "state_bytes": total,
         "changing_bytes": changing,
@@ -203,6 +212,83 @@ async def run_lora(scratch: Path, nbytes: int, saves: int) -> dict[str, Any]:
         "retained_steps": steps,
         "restored_after_retention": after_retention,
     }
+
+
+# -- the first save after a restart --------------------------------------------------------------
+class CountingPosix(Posix):
+    """The real calls, counting the bytes read from files of a blob folder."""
+
+    def __init__(self) -> None:
+        self.paths: dict[int, str] = {}
+        self.blob_bytes = 0
+
+    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
+        fd = super().open(path, flags, mode)
+        self.paths[fd] = path
+        return fd
+
+    def preadv(self, fd: int, bufs: list[memoryview], offset: int) -> int:
+        n = super().preadv(fd, bufs, offset)
+        if f"{os.sep}aiosnap-blobs{os.sep}" in self.paths.get(fd, ""):
+            self.blob_bytes += n
+        return n
+
+
+def evict(folder: Path) -> None:
+    """Drop the blobs' pages from the page cache (they are durable): a cold read follows."""
+    for f in folder.rglob("*"):
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+async def restarted(directory: Path, nbytes: int, first: int, cold: bool) -> dict[str, dict[str, float]]:
+    """In a fresh process: ``without``, the first save of a manager whose blobs this
+    process wrote itself (into a scratch directory, after a warm-up save there): a first
+    save after a restart as it costs without the read-back; then ``first`` and ``next``,
+    two saves into the parent's ``directory`` (steps ``first``, ``first + 1``), the first of
+    which reads back the blobs it refers to. Each: call -> durable, blob bytes read. The
+    adapters change before every save, so each writes its new blobs as a real one does."""
+    base = lora_base(nbytes)
+    live = lora_live(base, nbytes)
+    posix = CountingPosix()
+    storage = aiosnap.LocalStorage(posix=posix)
+    scratch = directory.with_name(f"{directory.name}-restart-{first}")
+    changes = iter(range(1_000_000 + 10 * first, 1_000_010 + 10 * first))  # no two runs alike
+
+    async def saves(where: Path, steps: list[int]) -> list[dict[str, float]]:
+        rows = []
+        async with aiosnap.CheckpointManager(str(where), incremental=True, storage=storage) as mgr:
+            for step in steps:
+                lora_step(live, next(changes))
+                posix.blob_bytes = 0
+                stats = await (await mgr.save(step, lora_state(base, live, step))).wait()
+                rows.append({"total_s": stats.total_s, "blob_bytes_read": posix.blob_bytes})
+        return rows
+
+    try:
+        await saves(scratch, [0])  # the process's own warm-up (threads, imports, the first arena)
+        (without,) = await saves(scratch, [1])
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    if cold:
+        evict(directory / "aiosnap-blobs")
+    after, later = await saves(directory, [first, first + 1])
+    return {"without": without, "first": after, "next": later}
+
+
+def restart_rows(directory: Path, nbytes: int, saves: int) -> dict[str, Any]:
+    """``restarted`` in two fresh processes: with the blobs evicted, then cached."""
+    out: dict[str, Any] = {}
+    for i, kind in enumerate(("cold", "cached")):
+        args = [sys.executable, __file__, "--restarted", str(directory), "--size", f"{nbytes // MiB}MiB"]
+        args += ["--first", str(saves + 2 * i)] + (["--cold"] if kind == "cold" else [])
+        done = subprocess.run(args, check=True, capture_output=True, text=True)
+        out[kind] = json.loads(done.stdout.strip().splitlines()[-1])
+    return out
 
 
 # -- zstd ----------------------------------------------------------------------------------------
@@ -278,6 +364,26 @@ async def zstd_saves(scratch: Path, nbytes: int) -> list[dict[str, Any]]:
 
 
 # -- the table -----------------------------------------------------------------------------------
+def restart_lines(lora: dict[str, Any]) -> list[str]:
+    """The first save after a restart against the next one (see the module)."""
+    if "restart" not in lora:
+        return []
+    lines = []
+    for kind, label in (("cold", "blobs not cached"), ("cached", "blobs cached")):
+        run = lora["restart"][kind]
+        first, without, later = run["first"], run["without"], run["next"]
+        lines.append(
+            f"| first save after a restart ({label}): call -> durable, blobs read back | "
+            f"{first['total_s'] * 1e3:.0f} ms, {first['blob_bytes_read'] / MiB:.1f} MiB "
+            f"({first['blob_bytes_read'] / lora['base_bytes']:.2f} x the frozen base) | "
+            f"without the read-back {without['total_s'] * 1e3:.0f} ms; the next save "
+            f"{later['total_s'] * 1e3:.0f} ms, {later['blob_bytes_read'] / MiB:.1f} MiB read | "
+            f"+{(first['total_s'] - without['total_s']) * 1e3:.0f} ms "
+            f"({first['total_s'] / without['total_s']:.2f} x) | one read of the blobs it refers to |"
+        )
+    return lines
+
+
 def render(data: dict[str, Any]) -> str:
     lora = data["lora"]
     total, changing, saves = lora["state_bytes"], lora["changing_bytes"], lora["saves"]
@@ -309,6 +415,7 @@ def render(data: dict[str, Any]) -> str:
         f"{lora['uploaded'][0] / MiB:.1f} MiB (the first) | "
         f"{statistics.median(lora['uploaded'][1:] or lora['uploaded']) / total:.3f} of the state | "
         "new blobs only |",
+        *restart_lines(lora),
         f"| every checkpoint restores bit-equal | {lora['restored_bit_equal']} | | | True |",
         f"| after KeepLast(3) retention (steps {lora['retained_steps']}) | "
         f"{lora['restored_after_retention']} | | | True |",
@@ -355,9 +462,15 @@ def main() -> None:
     parser.add_argument("--dir", help="scratch directory on the disk to measure")
     parser.add_argument("--out", default=str(ROOT / "results"))
     parser.add_argument("--publish", action="store_true", help="put it in docs/benchmarks.md")
+    parser.add_argument("--restarted", help=argparse.SUPPRESS)  # the fresh process of restart_rows
+    parser.add_argument("--first", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--cold", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     number, unit = args.size[:-3], args.size[-3:]
     nbytes = int(float(number) * {"MiB": MiB, "GiB": 1024 * MiB}[unit])
+    if args.restarted:
+        print(json.dumps(asyncio.run(restarted(Path(args.restarted), nbytes, args.first, args.cold))))
+        return
     scratch = Path(args.dir or tempfile.mkdtemp(prefix="aiosnap-incremental-", dir=ROOT)).resolve()
     scratch.mkdir(parents=True, exist_ok=True)
     out = Path(args.out)

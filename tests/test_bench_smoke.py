@@ -94,3 +94,8 @@ def test_incremental_benchmark_runs_small(tmp_path: Path) -> None:
     data = json.loads((out / "incremental.json").read_text())
     assert data["lora"]["restored_bit_equal"] and data["lora"]["restored_after_retention"]
     assert "bytes written per save" in (out / "incremental.md").read_text()
+    # A restart: its first save reads the frozen base back once, the next save nothing.
+    for run in data["lora"]["restart"].values():
+        read = [run[k]["blob_bytes_read"] for k in ("without", "first", "next")]
+        assert read == [0, data["lora"]["base_bytes"], 0]
+    assert "first save after a restart" in (out / "incremental.md").read_text()

@@ -79,6 +79,9 @@ FLOWS: dict[str, Flow] = {
     "pieces": save_in_pieces,
     "manager": manager_commit,
     "incremental": incremental_commit,
+    # As after a restart: the shared blob is not one this process wrote, so the save reads
+    # it back (and checks it) before it refers to it.
+    "incremental-restart": incremental_commit,
 }
 
 
@@ -88,8 +91,18 @@ async def seed_incremental(directory: Path) -> None:
         await (await mgr.save(1, incremental_state(1))).wait()
 
 
+async def seed_incremental_elsewhere(directory: Path) -> None:
+    """``seed_incremental``'s directory, copied: files this process did not write."""
+    origin = directory.with_name(directory.name + "-origin")
+    await seed_incremental(origin)
+    shutil.copytree(origin, directory)
+
+
 #: How a flow's directory is made, where it is not ``seed``'s.
-SEEDS: dict[str, Callable[[Path], Awaitable[None]]] = {"incremental": seed_incremental}
+SEEDS: dict[str, Callable[[Path], Awaitable[None]]] = {
+    "incremental": seed_incremental,
+    "incremental-restart": seed_incremental_elsewhere,
+}
 
 
 async def seed(directory: Path) -> None:
@@ -135,7 +148,9 @@ async def check_index(directory: Path, error: BaseException | None = None) -> No
 
 async def reopen_and_restore(directory: Path, committed: bool) -> None:
     async with aiosnap.CheckpointManager(str(directory)) as mgr:
-        assert [n for n in os.listdir(directory) if n.startswith(aiosnap.TEMP_PREFIX)] == []
+        for folder in (directory, directory / "aiosnap-blobs"):  # the blob folder's swept too
+            left = os.listdir(folder) if folder.exists() else []
+            assert [n for n in left if n.startswith(aiosnap.TEMP_PREFIX)] == []
         restored = await mgr.restore()
         assert restored.step in ((2,) if committed else (1, 2)), restored.step
         assert_state(restored.state, restored.step)

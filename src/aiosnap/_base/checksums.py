@@ -7,6 +7,7 @@ crc32c is what every entry, block and header of a checkpoint is checked with: th
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import crc32c as _crc32c
 
@@ -56,15 +57,24 @@ def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
 CONTENT_HASH = "xxh3-128"
 
 
-def content_hash(data: memoryview | bytes) -> str:
-    """The 128-bit xxh3 hash of ``data``, as the 32 lowercase hex digits that name its
-    blob. Releases the GIL; ~8-30 GB/s, faster than the crc32c the entry carries too."""
+def _xxhash() -> Any:
     try:
         import xxhash
     except ImportError as exc:  # a dependency; this says what to do if it was left out
         raise ImportError("incremental saves need the xxhash package: pip install xxhash") from exc
-    digest: str = xxhash.xxh3_128_hexdigest(data)
+    return xxhash
+
+
+def content_hash(data: memoryview | bytes) -> str:
+    """The 128-bit xxh3 hash of ``data``, as the 32 lowercase hex digits that name its
+    blob. Releases the GIL; ~8-30 GB/s, faster than the crc32c the entry carries too."""
+    digest: str = _xxhash().xxh3_128_hexdigest(data)
     return digest
+
+
+def content_hasher() -> Any:
+    """``content_hash`` of bytes fed in pieces: ``update(piece)``, then ``hexdigest()``."""
+    return _xxhash().xxh3_128()
 
 
 def is_content_hash(name: object) -> bool:

@@ -102,3 +102,32 @@ class Stream:
                 done += n
         except self._zstd.ZstdError as exc:
             raise CorruptCheckpointError(self.owner, f"the blob {self.path}: {exc}") from None
+
+
+class Unpacker:
+    """A blob's frame fed piece by piece (as read), its bytes handed to ``sink`` as they
+    come out (memory bounded by zstd's window, whatever the entry's size). ``feed``
+    raises CorruptCheckpointError for a frame header that does not say ``nbytes`` (its
+    first piece must hold the header) and for bytes that are no valid frame, or that run
+    past its end."""
+
+    def __init__(self, nbytes: int, compression: str, sink: Any, owner: str, path: str) -> None:
+        self.nbytes, self.compression = nbytes, compression
+        self.sink, self.owner, self.path = sink, owner, path
+        self._writer: Any = None
+        self._error: type[Exception] = Exception  # zstd's, once it is imported
+
+    def feed(self, piece: memoryview) -> None:
+        if self._writer is None:
+            zstd = _checked(bytes(piece[:FRAME_HEAD]), self.nbytes, self.compression, self.owner, self.path)
+            self._error = zstd.ZstdError
+            self._writer = zstd.ZstdDecompressor().stream_writer(
+                self.sink, write_return_read=True, closefd=False
+            )
+        try:
+            self._writer.write(piece)
+            self._writer.flush()
+        except self._error as exc:
+            raise CorruptCheckpointError(
+                self.owner, f"the blob {self.path} is not a valid zstd frame ({exc})"
+            ) from None

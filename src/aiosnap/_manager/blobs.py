@@ -8,19 +8,24 @@ file refers to it, and no save of this process pinned it while the collection ra
 (see ``_save/incremental``). Retention runs it after the checkpoints it removed are
 gone: a crash between the two leaves blobs nobody refers to, never a reference to a
 missing blob.
+
+The temp files a killed save left in the blob folders are swept at open and by
+``prune`` (``sweep``), never one of a blob this process is writing.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 
 from .._base.checksums import is_content_hash
 from .._base.errors import CheckpointError
 from .._base.names import BLOB_DIR, RESERVED_PREFIXES
 from .._format.codec import read_header, written_by_aiosnap
 from .._save.incremental import PINS, SUFFIXES, blob_file
-from .._storage.protocol import Storage
+from .._save.trust import TRUSTED
+from .._storage.protocol import TEMP_PREFIX, Storage, lstat
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +39,50 @@ def blob_of(name: str) -> str | None:
         if is_content_hash(blob):
             return blob
     return None
+
+
+def sweep(storage: Storage, directory: str, *, idle: bool) -> list[str]:
+    """Remove the temp files that killed saves left in the blob folders of ``directory``
+    (``aiosnap-blobs/`` and each rank's folder in it), as the directory's own are swept:
+    aiosnap's temp names only, regular files only, no link followed; and never the temp
+    file of a blob that a save or upload of this process has pinned (it is being
+    written). A backend that cannot name its temp files (no ``incomplete`` method) is
+    swept by its ``sweep_incomplete``, and only where ``idle`` (at open, when no save of
+    the directory can be in flight). The paths removed; a failure ends the sweep with a
+    warning (the next one takes what is left). Blocking."""
+    try:
+        return _sweep(storage, directory, idle)
+    except OSError as exc:
+        logger.warning(
+            "%s: temp files in %s were not all removed (%r); the next open does", directory, BLOB_DIR, exc
+        )
+        return []
+
+
+def _sweep(storage: Storage, directory: str, idle: bool) -> list[str]:
+    top = storage.join(directory, BLOB_DIR)
+    entry = lstat(storage, top)
+    if entry is None or entry.special or not entry.is_dir:
+        return []  # none, or a user's link or file: never followed
+    folders = [top] + [storage.join(top, e.name) for e in storage.list(top) if e.is_dir and not e.special]
+    names: Callable[[str], list[str]] | None = getattr(storage, "incomplete", None)
+    gone: list[str] = []
+    for folder in folders:
+        if names is None:
+            gone += storage.sweep_incomplete(folder) if idle else []
+            continue
+        PINS.begin()  # before the listing: a blob pinned from now on keeps its temp file
+        try:
+            for name in names(folder):
+                path = storage.join(folder, name)
+                blob = blob_of(name[len(TEMP_PREFIX) :].rpartition(".")[0]) or ""
+                if PINS.delete_unless_pinned(blob, functools.partial(storage.delete, path)):
+                    gone.append(path)
+        finally:
+            PINS.end()
+    if gone:
+        logger.info("%s: removed %d temp file(s) of killed saves in %s", directory, len(gone), BLOB_DIR)
+    return gone
 
 
 def referenced(storage: Storage, directory: str, rank_dir: str | None = None) -> set[str]:
@@ -104,6 +153,7 @@ def _collect(storage: Storage, directory: str, rank_dir: str | None) -> list[str
                 continue
             path = storage.join(folder, name)
             if PINS.delete_unless_pinned(str(blob_of(name)), functools.partial(storage.delete, path)):
+                TRUSTED.forget(path)  # what this process checked of it goes with it
                 gone.append(path)
     finally:
         PINS.end()

@@ -10,6 +10,7 @@ the manager's business.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import threading
@@ -38,6 +39,7 @@ from .._save.handle import Failures, Resolver, SaveHandle
 from .._storage.backends import resolve
 from .._storage.local import LocalStorage
 from .._storage.protocol import Lease, Storage
+from .blobs import sweep as sweep_blobs
 from .catalog import Catalog
 from .layouts import Files, Layout, StepDirectories
 from .member import Attempt, Member, restore_first
@@ -207,6 +209,7 @@ class Site:
             swept = await _offload.run_io(self.storage.sweep_incomplete, self.directory)
             if swept:
                 logger.info("removed %d temp file(s) of crashed saves in %s", len(swept), self.directory)
+            await _offload.run_io(functools.partial(sweep_blobs, idle=True), self.storage, self.directory)
         await self._catalog.load()
 
     async def _take_lease(self) -> Lease:
@@ -434,7 +437,10 @@ class Site:
             raise CheckpointError(f"{self.directory}: this manager is read-only (read_only=True)")
         if self.group.world_size is not None:
             raise CheckpointError(f"{self.directory}: prune() runs in a process on its own, not in a group")
-        return await self._rank0().apply_retention(dry_run=dry_run)
+        gone = await self._rank0().apply_retention(dry_run=dry_run)
+        if not dry_run:  # saves may be in flight: their blobs' temp files are pinned
+            await _offload.run_io(functools.partial(sweep_blobs, idle=False), self.storage, self.directory)
+        return gone
 
 
 @final

@@ -3,7 +3,7 @@
 Runs in the commit, off the caller's path, on the image the capture staged as for any
 save (sealed: every entry's crc32c computed). Each entry of at least ``MIN_BLOB`` bytes
 is hashed (xxh3-128) and stored as the blob of that name in the folder beside the file
-(``aiosnap-blobs/``), unless the blob is there already; every new blob is committed
+(``aiosnap-blobs/``), unless the blob is there already (see below); every new blob is committed
 (temp file, write, fsync, rename, fsync of the folder) before the checkpoint file that
 refers to it is. The file then holds its tree, its small entries and, for each large
 one, a reference: a blob name, the entry's description and its crc32c.
@@ -11,6 +11,10 @@ one, a reference: a blob name, the entry's description and its crc32c.
 Entries under a ``frozen`` glob are not hashed again while their crc32c (computed for
 every save anyway) is the one the blob they last went to had: that checksum, which a
 load verifies as well, is the check that they did not change.
+
+A blob that is there already is referred to only if this process checked it (read it
+back whole) or wrote it, and it has not changed since (``_save/trust.py``); else it is
+written again, replacing what stood at its name.
 
 A blob this process is about to refer to is *pinned* until the file that refers to it
 is committed; the collector (``_manager/blobs.py``) never deletes a pinned blob, nor
@@ -43,6 +47,7 @@ from .._format.compress import compress
 from .._format.header import seal
 from .._storage.protocol import CommitTimes, Storage, describe, lstat, put, write_image
 from .stage import StagedImage
+from .trust import verified, wrote
 
 #: Entries smaller than this stay in the file: a blob costs a file and its fsync.
 MIN_BLOB = 64 << 10
@@ -263,14 +268,18 @@ _MISSING = Ref(TensorInfo("", "tensor", "uint8", (0,), 0, 0, None), "", 0)
 
 
 def _found(storage: Storage, folder: str, blob: str, info: TensorInfo, kind: str | None) -> Ref | TensorInfo:
-    """The reference to the blob of ``info``'s bytes if it is there already; ``info`` to
-    keep it in the file where a blob of that name holds other bytes than these could be
-    (a hash collision, a damaged blob, or something not aiosnap's); else _MISSING."""
-    entry = storage.stat(storage.join(folder, blob_file(blob, kind)))
+    """The reference to the blob of ``info``'s bytes if it is there already and this
+    process checked or wrote it (``trust``); ``info`` to keep the entry in the file where
+    something not a file stands at the blob's name (a user's link or directory, never
+    written through); else _MISSING: the blob is written (a damaged one replaced)."""
+    path = storage.join(folder, blob_file(blob, kind))
+    entry = lstat(storage, path)  # a link there is a user's: never read nor replaced
     if entry is None:
         return _MISSING
-    if not entry.is_file or (kind is None and entry.size != info.nbytes):
+    if not entry.is_file:
         return info
+    if not verified(storage, path, entry, blob, info.nbytes, kind):
+        return _MISSING
     return Ref(_whole(info), blob, entry.size, kind)
 
 
@@ -295,7 +304,9 @@ def _write(
     ``slots[at]``, and its size in ``written``. Runs in the commit thread or its helper."""
     kind = dedup.compression
     packed: memoryview | bytes = data if kind is None else compress(data, kind, dedup.level)
-    put(storage, storage.join(folder, blob_file(blob, kind)), packed)
+    path = storage.join(folder, blob_file(blob, kind))
+    put(storage, path, packed)
+    wrote(storage, path)
     slots[at] = Ref(_whole(info), blob, len(packed), kind)
     written.append(len(packed))
 

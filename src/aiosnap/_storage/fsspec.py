@@ -167,7 +167,8 @@ class FsspecStorage(UrlPaths):
         name = self.split(path)[1]
         if info.get("type") == "directory":
             return Entry(name, True)
-        return Entry(name, False, int(info.get("size") or 0))
+        size = int(info.get("size") or 0)
+        return Entry(name, False, size, identity=_identity(info, size))
 
     # -- removing ----------------------------------------------------------------------------
     def delete(self, path: str) -> None:
@@ -182,8 +183,12 @@ class FsspecStorage(UrlPaths):
         except FileNotFoundError:
             pass
 
+    def incomplete(self, path: str) -> list[str]:
+        """The names of the temp files of unfinished commits directly under ``path``."""
+        return [e.name for e in self._entries(path) if e.name.startswith(TEMP_PREFIX) and e.is_file]
+
     def sweep_incomplete(self, path: str) -> list[str]:
-        swept = [e.name for e in self._entries(path) if e.name.startswith(TEMP_PREFIX)]
+        swept = self.incomplete(path)
         for name in swept:
             self.delete(self.join(path, name))
         return [self.join(path, name) for name in swept]
@@ -213,6 +218,26 @@ class FsspecStorage(UrlPaths):
         return sorted(
             (e for e in self._entries(path) if not e.name.startswith(TEMP_PREFIX)), key=lambda e: e.name
         )
+
+
+#: What an fsspec ``info`` may hold that changes when an object is written or replaced.
+_CHANGES = (
+    "ETag",
+    "etag",
+    "generation",
+    "VersionId",
+    "version_id",
+    "mtime",
+    "LastModified",
+    "created",
+    "ino",
+)
+
+
+def _identity(info: dict[str, Any], size: int) -> str | None:
+    """An object's ``Entry.identity``, from what its file system says of it; None if nothing."""
+    found = {key: str(info[key]) for key in _CHANGES if info.get(key) is not None}
+    return json.dumps([found, size], sort_keys=True) if found else None
 
 
 def _lock_of(key: str) -> threading.Lock:

@@ -147,12 +147,12 @@ class LocalStorage:
         st = self.posix.stat(self.check(path))
         if st is None:
             return None
-        return _entry(os.path.basename(path.rstrip("/")), st)
+        return _entry(os.path.basename(path.rstrip("/")), st, identity=True)
 
     def lstat(self, path: str) -> Entry | None:
         """As ``stat``, of a symbolic link itself (marked ``special``) rather than its target."""
         st = self.posix.lstat(self.check(path))
-        return None if st is None else _entry(os.path.basename(path.rstrip("/")), st)
+        return None if st is None else _entry(os.path.basename(path.rstrip("/")), st, identity=True)
 
     # -- removing ----------------------------------------------------------------------------
     def delete(self, path: str) -> None:
@@ -180,16 +180,17 @@ class LocalStorage:
             if exc.errno not in (errno.ENOENT, errno.ENOTEMPTY, errno.EEXIST):
                 raise
 
-    def sweep_incomplete(self, path: str) -> list[str]:
+    def incomplete(self, path: str) -> list[str]:
+        """The names of the temp files of unfinished commits directly under ``path``:
+        regular files only, never a directory or a symbolic link, whatever its name."""
         try:
             found = self.posix.scandir(self.check(path) or ".")
         except (FileNotFoundError, NotADirectoryError):
             return []
-        swept = [
-            os.path.join(path, n)
-            for n, st in found
-            if n.startswith(TEMP_PREFIX) and not (st.is_dir or st.special)
-        ]
+        return [n for n, st in found if n.startswith(TEMP_PREFIX) and not (st.is_dir or st.special)]
+
+    def sweep_incomplete(self, path: str) -> list[str]:
+        swept = [os.path.join(path, n) for n in self.incomplete(path)]
         for tmp in swept:
             self.delete(tmp)
         return swept
@@ -208,8 +209,9 @@ class LocalStorage:
         return sorted((e for e in entries if not e.name.startswith(TEMP_PREFIX)), key=lambda e: e.name)
 
 
-def _entry(name: str, st: FileStat) -> Entry:
-    return Entry(name, st.is_dir, 0 if st.is_dir or st.special else st.size, st.special)
+def _entry(name: str, st: FileStat, *, identity: bool = False) -> Entry:
+    size = 0 if st.is_dir or st.special else st.size
+    return Entry(name, st.is_dir, size, st.special, f"{st.version}-{st.changed}" if identity else None)
 
 
 def _what(st: FileStat) -> str:

@@ -196,7 +196,7 @@ class ObjectStorage(UrlPaths):
         name = self.split(path)[1]
         try:
             meta = self._idempotent(obs.head, path, self.store, self.key(path))
-            return Entry(name, False, int(meta["size"]))
+            return Entry(name, False, int(meta["size"]), identity=_version(meta))
         except CheckpointNotFoundError:
             pass
         listed = self._idempotent(obs.list_with_delimiter, path, self.store, self.key(path))

@@ -107,6 +107,9 @@ class FileStat(NamedTuple):
     #: Neither a regular file nor a directory: a symbolic link (not followed), a FIFO, a
     #: socket, a device. aiosnap makes none of these, so it reads, follows and deletes none.
     special: bool = False
+    #: With ``version``, what tells this file from any other now or later at its path:
+    #: its device and ctime (which no caller can set back, unlike mtime).
+    changed: str = ""
 
 
 def _stat(st: os.stat_result) -> FileStat:
@@ -116,6 +119,7 @@ def _stat(st: os.stat_result) -> FileStat:
         st.st_size,
         f"{st.st_ino}-{st.st_mtime_ns}-{st.st_size}",
         not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)),
+        f"{st.st_dev}-{st.st_ctime_ns}",
     )
 
 

@@ -63,12 +63,16 @@ class Entry:
         special: Neither an object (a regular file) nor a directory: a symbolic link, a
             FIFO, a device. aiosnap never makes one, so it never reads, follows or
             deletes one.
+        identity: What changes whenever the object is written or replaced, where the
+            backend tells it (``stat`` only; None in listings): a file's device, inode,
+            size, mtime and ctime; an object's ETag and version, or generation.
     """
 
     name: str
     is_dir: bool
     size: int = 0
     special: bool = False
+    identity: str | None = None
 
     @property
     def is_file(self) -> bool:
