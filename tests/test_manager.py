@@ -422,3 +422,21 @@ async def test_sigkill_at_random_points_always_leaves_a_valid_checkpoint(tmp_pat
 @pytest.mark.slow
 async def test_a_thousand_random_sigkills(tmp_path: Path) -> None:
     await _crash_and_restore(tmp_path, runs=1000)
+
+
+@pytest.mark.parametrize("read_only", [False, True])
+async def test_a_manager_on_a_file_says_so_in_our_error(tmp_path: Path, read_only: bool) -> None:
+    """Not a raw NotADirectoryError from the lock file's open: what stands there, and that
+    aiosnap leaves it alone."""
+    (tmp_path / "a_file").write_text("mine")
+    with pytest.raises(aiosnap.ForeignFileError, match=r"a_file is a file, not a directory"):
+        async with aiosnap.CheckpointManager(str(tmp_path / "a_file"), read_only=read_only):
+            pass
+    assert (tmp_path / "a_file").read_text() == "mine"
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")  # a link to a directory is one
+    async with aiosnap.CheckpointManager(str(tmp_path / "link")) as manager:
+        await (await manager.save(1, {"x": 1})).wait()
+    assert [p.name for p in (tmp_path / "real").iterdir() if p.name.startswith("snapshot")] == [
+        "snapshot_iter_1"
+    ]

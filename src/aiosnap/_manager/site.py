@@ -28,6 +28,7 @@ from .._base.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     DirectoryLockedError,
+    ForeignFileError,
     LeaseLostError,
     SaveCancelledError,
     WriterClosedError,
@@ -38,7 +39,7 @@ from .._format.tree import ExternalLeaves
 from .._save.handle import Failures, Resolver, SaveHandle
 from .._storage.backends import resolve
 from .._storage.local import LocalStorage
-from .._storage.protocol import Lease, Storage
+from .._storage.protocol import Lease, Storage, describe
 from .blobs import sweep as sweep_blobs
 from .catalog import Catalog
 from .layouts import Files, Layout, StepDirectories
@@ -204,6 +205,9 @@ class Site:
         """Lock the directory, sweep what crashed saves left, load the index (rank 0); a
         reader only loads the index."""
         assert self._catalog is not None
+        found = await _offload.run_io(self.storage.stat, self.directory)  # a link to a directory is one
+        if found is not None and not found.is_dir:
+            raise ForeignFileError(self.directory, f"{describe(found)}, not a directory")
         if not self.read_only:
             self._lease = await self._take_lease()
             swept = await _offload.run_io(self.storage.sweep_incomplete, self.directory)
