@@ -284,6 +284,7 @@ async def read_beside_a_writer(
         t0 = time.perf_counter()
         async with aiosnap.CheckpointManager(str(directory), read_only=True) as mgr:
             while len(seen) < reads or seen[-1] - seen[0] < 20:
+                assert writer.returncode is None, "the writer process died"
                 got = await (mgr.resume() if len(seen) % 2 else mgr.restore())
                 assert got is not None, f"resume() started afresh after {len(seen)} reads"
                 assert got.state["step"] == got.step >= (seen[-1] if seen else 0)
