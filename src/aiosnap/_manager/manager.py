@@ -41,7 +41,7 @@ from .._base.tasks import TaskGroupOwner
 from .._save.handle import Failures, Resolver, SaveFailure, SaveHandle, SaveStats, raise_first, skipped
 from .._save.writers import QueueWriter, Writer, _WriterBase
 from .._storage.protocol import Storage
-from .member import Attempt, restore_first
+from .member import Attempt, Listing, restore_first
 from .records import CheckpointRecord
 from .retention import RetentionPolicy
 from .site import Accept, Group, Naming, Site
@@ -700,39 +700,52 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
         """``restore()`` of the newest valid step of either tier, or None where there is
         none (a fresh start): the one call a training script needs to pick up where it
         stopped. A remote tier that may hold checkpoints but cannot be read raises
-        RemoteStorageError rather than start afresh."""
-        if await self.latest_step() is None:
+        RemoteStorageError rather than start afresh. A reader (``read_only``) returns
+        None only where the directory never held a committed checkpoint: one whose index
+        tells of commits but whose checkpoints are gone raises CheckpointNotFoundError."""
+        if await self.latest_step() is None and not (self.read_only and await self._committed_before()):
             return None
         # Committed steps exist: if none is valid, that is no fresh start, and it raises.
         return await self.restore(target=target, keys=keys, strict=strict)
+
+    async def _committed_before(self) -> bool:
+        """Whether either tier's directory ever held a committed checkpoint (a remote tier
+        that cannot be read is left to ``latest_step``, which raised already)."""
+        if await self._site.committed_before():
+            return True
+        return self._tier is not None and await self._tier.read(lambda site: site.committed_before())
 
     async def _restore_from_tiers(
         self, step: int | None, target: Any, keys: Sequence[str] | None, strict: bool
     ) -> Restored:
         """The newest valid step of either tier, the local copy first: a step corrupt
-        in one tier is tried in the other, then older steps are."""
+        in one tier is tried in the other, then older steps are. A reader lists both
+        again when what it chose went away as it read it (``restore_first``)."""
         assert self._tier is not None
-        local = {r.step: r for r in await self._site.candidates(step)}
-        remote_steps = await self._remote_or_local(sorted(local))
-        remote: dict[int, CheckpointRecord] = {}
-        if remote_steps:
-            remote = {r.step: r for r in await self._tier.read(lambda site: site.candidates(step))}
-        wanted = [step] if step is not None else sorted(local.keys() | remote.keys(), reverse=True)
-        tries = []
-        for candidate in wanted:
-            if candidate in local:
-                tries.append((self._site.member, local[candidate]))
-            if candidate in remote:
-                tries.append((self._tier.site.member, remote[candidate]))
-        found = await restore_first(tries, target, keys, strict)
+        tier, near = self._tier, self._site.member
+        held: set[int] = set()  # the steps either tier held, at the last listing
+
+        async def listing() -> Listing:
+            local = await self._site.listing(step)
+            remote = Listing([])
+            if await self._remote_or_local(sorted(r.step for _, r in local.tries)):
+                remote = await tier.read(lambda site: site.listing(step))
+            # Newest first; of a step both tiers hold, the local copy first.
+            tries = sorted([*local.tries, *remote.tries], key=lambda t: (-t[1].step, t[0] is not near))
+            held.clear()
+            held.update(r.step for _, r in tries)
+            return Listing(tries, [local.mark, remote.mark])
+
+        relist = listing if self.read_only else None
+        found = await restore_first(await listing(), target, keys, strict, relist=relist)
         if isinstance(found, Attempt):
             return Restored(found.record.step, found.record.epoch, found.path, found.state)
-        where = f"{self.directory!r} or {self._tier.directory!r}"
-        if step is not None and step not in local.keys() | remote.keys():
+        where = f"{self.directory!r} or {tier.directory!r}"
+        if step is not None and step not in held:
             missing = f"{self.directory}/<step {step}>"
             raise CheckpointNotFoundError(missing, f"step {step} is in neither {where}")
-        reasons = "; ".join(f"{a.where}: {a.reason}" for a in found)
-        reason = f"no valid checkpoint in {where}" + (f" ({reasons})" if reasons else "")
+        why = found.why()
+        reason = f"no valid checkpoint in {where}" + (f" ({why})" if why else "")
         raise CheckpointNotFoundError(self.directory, reason)
 
     async def remote_steps(self) -> list[int]:

@@ -25,8 +25,6 @@ import anyio.abc
 from .._base import offload as _offload
 from .._base.errors import (
     CheckpointError,
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
     DirectoryLockedError,
     ForeignFileError,
     LeaseLostError,
@@ -43,7 +41,7 @@ from .._storage.protocol import Lease, Storage, describe
 from .blobs import sweep as sweep_blobs
 from .catalog import Catalog
 from .layouts import Files, Layout, StepDirectories
-from .member import Attempt, Member, restore_first
+from .member import Attempt, Listing, Member, restore_first
 from .records import CheckpointRecord
 from .retention import RetentionPolicy
 from .step_dirs import has_step_dirs
@@ -399,7 +397,11 @@ class Site:
 
     async def history(self) -> list[CheckpointRecord]:
         await self.refresh()
-        raw = await self.member.ask("history", lambda: [r.to_json() for r in self._rank0().history])
+
+        async def answer() -> list[Any]:
+            return [r.to_json() for r in await self._rank0().past()]
+
+        raw = await self.member.ask("history", answer)
         return [CheckpointRecord.from_json(r) for r in raw]
 
     async def records(self) -> list[CheckpointRecord]:
@@ -416,25 +418,29 @@ class Site:
         )
         return None if raw is None else CheckpointRecord.from_json(raw)
 
-    async def candidates(self, step: int | None) -> list[CheckpointRecord]:
+    async def listing(self, step: int | None) -> Listing:
+        """What a restore may try, newest first (only ``step``, if given), as the
+        directory is now; with the directory's mark."""
         await self.refresh()
-        return await self.member.candidates(step)
+        return await self.member.listing(step)
+
+    async def committed_before(self) -> bool:
+        """Whether the directory ever held a committed checkpoint: it holds one, or its
+        index says it did (retention since removed them all, or someone did)."""
+        await self.refresh()
+        return bool(await self.member.ask("committed before", lambda: self._rank0().committed_before))
 
     async def restore(
         self, step: int | None, target: Any, keys: Sequence[str] | None, strict: bool
     ) -> Attempt:
         """The newest step (or ``step``) that loads whole; a corrupt one is marked and an
-        older one tried, unless ``step`` was asked for."""
-        tries = [(self.member, r) for r in await self.candidates(step)]
-        found = await restore_first(tries, target, keys, strict)
+        older one tried, unless ``step`` was asked for (CorruptCheckpointError). A reader
+        lists the directory again when what it chose went away as it read it."""
+        relist = (lambda: self.listing(step)) if self.read_only else None
+        found = await restore_first(await self.listing(step), target, keys, strict, relist=relist)
         if isinstance(found, Attempt):
             return found
-        if step is not None and found:
-            raise CorruptCheckpointError(found[0].where, found[0].reason)
-        where = self.directory if step is None else f"{self.directory}/<step {step}>"
-        raise CheckpointNotFoundError(
-            where, f"no valid checkpoint in {self.directory!r}" if step is None else None
-        )
+        raise found.error(self.directory, step)
 
     async def prune(self, *, dry_run: bool) -> list[CheckpointRecord]:
         if self.read_only and not dry_run:
