@@ -55,6 +55,9 @@ from .nodes import walk_nodes as walk_nodes
 from .shards import is_dtensor, shard_of
 
 _KEY_TYPES = (str, int, float, bool, type(None))
+#: At most this many state_dict() calls in a row, each on what the last returned: a
+#: wrapper's state_dict() may return its inner object's, never sixteen levels of them.
+MAX_STATE_HOPS = 16
 _PLAIN_TENSORS = tuple(
     cls for cls in (torch.Tensor, torch.nn.Parameter, getattr(torch.nn, "Buffer", None)) if cls
 )
@@ -117,7 +120,10 @@ class _Capture:
         self.snapshot = Snapshot(tree="")
         self.names: set[str] = set()
         self.aliases: dict[object, str] = {}
+        #: The containers and stateful objects being walked (ids): one reached again is a cycle.
         self.active: set[int] = set()
+        #: state_dict() calls in a row, each on what the last returned (see stateful).
+        self.hops = 0
         self.is_external: Callable[[str], bool] | None = None
 
     def run(self, target: object) -> Snapshot:
@@ -166,10 +172,34 @@ class _Capture:
         if isinstance(obj, (dict, list)) or type(obj) in (tuple, torch.Size):
             return self.container(obj, path)
         if is_stateful(obj):
-            if isinstance(obj, torch.optim.Optimizer) or _wraps_optimizer(obj):
-                self.snapshot.optimizers.append(obj)
-            return self.node(obj.state_dict(), path)  # type: ignore[attr-defined]
+            return self.stateful(obj, path)
         return self.other(obj, path)
+
+    def stateful(self, obj: object, path: tuple[object, ...]) -> str:
+        """The node of what ``obj.state_dict()`` returns. Bounded: a state_dict() that
+        returns a stateful object is followed MAX_STATE_HOPS times in a row at most (a
+        MagicMock's returns a new MagicMock every time), and never back to an object
+        whose state is being taken (itself, or one above it)."""
+        if id(obj) in self.active:
+            raise UnsupportedTypeError(
+                f"the state_dict() of the {_type_name(obj)} at {format_path(path)} holds that object "
+                "again (itself, or an object whose state it is part of): its state has no end"
+            )
+        if self.hops >= MAX_STATE_HOPS:
+            raise UnsupportedTypeError(
+                f"the state_dict() at {format_path(path)} returned an object with a state_dict() of "
+                f"its own {MAX_STATE_HOPS} times in a row ({_type_name(obj)} last): a state must end "
+                "in plain values"
+            )
+        if isinstance(obj, torch.optim.Optimizer) or _wraps_optimizer(obj):
+            self.snapshot.optimizers.append(obj)
+        self.active.add(id(obj))
+        self.hops += 1
+        try:
+            return self.node(obj.state_dict(), path)  # type: ignore[attr-defined]
+        finally:
+            self.hops -= 1
+            self.active.discard(id(obj))
 
     def container(self, obj: Any, path: tuple[object, ...]) -> str:
         if id(obj) in self.active:
@@ -178,6 +208,7 @@ class _Capture:
             where = format_path(path[:8])
             raise UnsupportedTypeError(f"the state tree is nested more than {MAX_DEPTH} deep at {where}...")
         self.active.add(id(obj))
+        hops, self.hops = self.hops, 0  # counted in a row: a container between them ends a run
         try:
             if isinstance(obj, dict):
                 items = ",".join([self.item(k, v, path) for k, v in obj.items()])
@@ -185,6 +216,7 @@ class _Capture:
             values = ",".join([self.node(v, (*path, i)) for i, v in enumerate(obj)])
             return f"[{values}]" if isinstance(obj, list) else f'{{"$":"tuple","v":[{values}]}}'
         finally:
+            self.hops = hops
             self.active.discard(id(obj))
 
     def item(self, key: object, value: object, path: tuple[object, ...]) -> str:
@@ -201,14 +233,21 @@ class _Capture:
         problem = _tensor_problem(t)
         if problem:
             return self.other(t, path, problem)
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
         key = (
             "tensor",
             t.device,
             t.dtype,
-            t.untyped_storage().data_ptr(),
+            # Storages of no bytes all have the data pointer 0: told apart by the storage
+            # itself (its address is held while the first leaf keeps the tensor alive).
+            ptr if ptr else ("storage", storage._cdata),
             t.storage_offset(),
             t.shape,  # a torch.Size is a tuple: no copy needed to hash it
             t.stride(),
+            # A conjugate or negative view has its base's bytes and other values.
+            t.is_conj(),
+            t.is_neg(),
         )
         return f'{{"$":"tensor","n":{json_string(self.leaf(key, t, path, "tensor"))}}}'
 
@@ -268,6 +307,10 @@ class _Capture:
             f"cannot store the value at {format_path(path)}: {reason}; "
             "pass allow_pickle=True to store it pickled"
         )
+
+
+def _type_name(obj: object) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
 def _tensor_problem(t: torch.Tensor) -> str:
