@@ -87,6 +87,9 @@ class Snapshot:
     external: list[Leaf] = field(default_factory=list)
     #: The optimizers whose ``state_dict()`` was taken: a lazy capture guards their step.
     optimizers: list[Any] = field(default_factory=list)
+    #: The other entries of the file's ``__metadata__``; None: the default ones (see
+    #: ``header.DEFAULT_METADATA``).
+    metadata: dict[str, str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +100,15 @@ class ExternalLeaves:
 
     state: object
     is_external: Callable[[str], bool]
+
+
+@dataclass(frozen=True, slots=True)
+class WithMetadata:
+    """A state to capture, and the entries its file's ``__metadata__`` holds beside
+    aiosnap's own (``aiosnap convert`` keeps a safetensors file's this way)."""
+
+    state: object
+    metadata: dict[str, str]
 
 
 def is_stateful(obj: object) -> bool:
@@ -127,6 +139,8 @@ class _Capture:
         self.is_external: Callable[[str], bool] | None = None
 
     def run(self, target: object) -> Snapshot:
+        if isinstance(target, WithMetadata):
+            self.snapshot.metadata, target = dict(target.metadata), target.state
         if isinstance(target, ExternalLeaves):
             self.is_external, target = target.is_external, target.state
         self.snapshot.tree = self.node(target, ())
