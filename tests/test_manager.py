@@ -472,3 +472,23 @@ async def test_a_fallback_past_a_corrupt_checkpoint_is_shown_unconfigured(tmp_pa
     assert done.stdout.strip() == "1"
     assert "AiosnapWarning" in done.stderr and "snapshot_iter_2 failed verification" in done.stderr
     assert "falling back to an older one" in done.stderr
+
+
+async def test_a_directory_used_with_another_name_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A run resumed with another name= than it saved with would start afresh beside its
+    checkpoints, in silence: it is told, and how to resume them."""
+    async with aiosnap.CheckpointManager(str(tmp_path), name="ckpt-{step}") as mgr:
+        for step in (100, 200):
+            await mgr.save(step, {"step": step})
+    with caplog.at_level(logging.WARNING, logger="aiosnap"):
+        async with aiosnap.CheckpointManager(str(tmp_path)) as mgr:  # the default name
+            assert await mgr.resume(target={"step": 0}) is None
+    (message,) = [r.getMessage() for r in caplog.records if "another name template" in r.getMessage()]
+    assert "2 checkpoint(s)" in message and "ckpt-200" in message and "name='snapshot_iter_{step}'" in message
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="aiosnap"):
+        async with aiosnap.CheckpointManager(str(tmp_path), name="ckpt-{step}") as mgr:
+            assert (await mgr.resume(target={"step": 0})).step == 200
+    assert "another name template" not in caplog.text

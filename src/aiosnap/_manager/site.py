@@ -155,6 +155,7 @@ class Site:
                 self.keep,
                 steps=layout,
                 writable=not self.read_only,
+                name=self.naming.name,
             )
         self._member = Member(
             *self._channels, layout=layout, catalog=self._catalog, replicated=self.group.replicated
