@@ -19,6 +19,7 @@ import anyio
 
 from .._base import offload as _offload
 from .._base.errors import CheckpointError, CheckpointNotFoundError, ForeignFileError, IndexWriteError
+from .._base.notice import notice
 from .._save.handle import SaveStats
 from .._storage.protocol import Storage, Version
 from .blobs import collect
@@ -67,8 +68,11 @@ class Catalog:
         *,
         steps: Steps,
         writable: bool = True,
+        name: str = "",
     ) -> None:
         self._storage, self._directory, self._pattern, self._keep = storage, directory, pattern, keep
+        #: The name template ``pattern`` comes from (for messages).
+        self._name = name
         self._steps = steps
         #: The warnings given: a reader rescans at every call, and says a thing once.
         self._warned: set[str] = set()
@@ -124,6 +128,7 @@ class Catalog:
         self._history, self._unparsed = None, history
         self.committed_before = bool(self.records or indexed or history)
         self._warn_strays(strays)
+        self._warn_other_names(indexed)
         if set(indexed) != set(self.records) and self._writable:
             await self._write_index_or_warn()
 
@@ -156,6 +161,23 @@ class Catalog:
                 f"{self._directory}: left alone, as aiosnap did not write them (it reads, follows and "
                 f"deletes only its own checkpoints): {'; '.join(strays)}"
             )
+
+    def _warn_other_names(self, indexed: dict[int, CheckpointRecord]) -> None:
+        """The index names checkpoints of another name template (the directory was used
+        with another ``name=``): this one neither lists, restores nor rotates them, and a
+        resume would start afresh beside them. Said whether logging is configured or not."""
+        other = sorted(r.file for r in indexed.values() if not self._pattern.fullmatch(r.file))
+        if not other or "other names" in self._warned:
+            return
+        self._warned.add("other names")
+        shown = ", ".join(other[-3:])
+        notice(
+            logger,
+            f"{self._directory}: its index names {len(other)} checkpoint(s) saved under another name "
+            f"template than name={self._name!r} (the newest: {shown}): they are not listed, restored "
+            "or rotated by this manager. To resume from them, open the manager with the name= they "
+            "were saved with (for example name='ckpt-{step}' for 'ckpt-100')",
+        )
 
     def _warn(self, message: str) -> None:
         """Log ``message`` as a warning, unless this catalog has said it already."""

@@ -282,7 +282,8 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
         self.world_size: int | None = self._group.world_size
         self._last: Moment | None = None
         #: Set once local retention has let go of an uploaded step (see _release_after).
-        self._releases: set[anyio.Event] = set()
+        #: The local retention an upload holds back: released once it ended -> the upload.
+        self._releases: dict[anyio.Event, SaveHandle] = {}
         self._failures = Failures()
         self._signals: list[int] = []
         self._state: Literal["new", "opening", "open", "closing", "closed"] = "new"
@@ -534,6 +535,7 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
             raise CheckpointError(f"{self.directory}: this manager is read-only (read_only=True)")
         if self._site.lease_lost is not None:
             raise self._site.lease_lost
+        await self._settle_committed()
         filename = self.filename(step, epoch)
         step, epoch = check_step(step), None if epoch is None else check_step(epoch, "epoch")
         record = CheckpointRecord(
@@ -568,6 +570,15 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
         self._raise_pending(accepted=outer.path)
         return outer
 
+    async def _settle_committed(self) -> None:
+        """What earlier saves left to the event loop and can do now (see
+        ``Site.settle_committed``): their index and retention, and the retention their
+        finished uploads held back. Bounded by those follow-ups' own I/O."""
+        await self._site.settle_committed()
+        for released, upload in list(self._releases.items()):
+            if upload.done():
+                await released.wait()
+
     def _uploads_every_save(self) -> bool:
         return self._tier is not None and self._upload_mode == "every"
 
@@ -584,7 +595,7 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
         if catalog is not None:
             catalog.hold(step)
             released = anyio.Event()
-            self._releases.add(released)
+            self._releases[released] = upload
             self._tasks.start_soon(self._release_after, step, upload, released)
 
     async def _release_after(self, step: int, upload: SaveHandle, released: anyio.Event) -> None:
@@ -596,7 +607,7 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
         except Exception as exc:  # the index or a removal failed: reported as a failed save is
             self._failures.add(self._site.storage.join(self.directory, f"<retention after step {step}>"), exc)
         finally:
-            self._releases.discard(released)
+            self._releases.pop(released, None)
             released.set()
 
     async def _due(self, step: int, epoch: int | None) -> bool:

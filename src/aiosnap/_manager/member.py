@@ -29,6 +29,7 @@ from .._base.errors import (
     RankFailedError,
     StateMismatchError,
 )
+from .._base.notice import notice
 from .._base.typed import decode, encode
 from .._dist.channel import Channel, Turn
 from .._dist.decisions import Refused, agree_on_config, commit, judge_restore
@@ -354,13 +355,10 @@ def _warn_once(warned: set[tuple[int, int, str]], member: Member, tried: Attempt
     if key in warned:
         return
     warned.add(key)
-    logger.warning(
-        "checkpoint %s %s (%s); %s",
-        tried.where,
-        "failed verification" if tried.outcome == "corrupt" else "cannot be read",
-        tried.reason,
-        then,
-    )
+    # Shown whether or not logging is configured: a fallback trains the steps since the
+    # older checkpoint again, and a damaged disk deserves the user's attention.
+    what = "failed verification" if tried.outcome == "corrupt" else "cannot be read"
+    notice(logger, f"checkpoint {tried.where} {what} ({tried.reason}); {then}")
 
 
 def _decoded(cls: type[Any], bodies: list[Any]) -> list[Any]:
