@@ -235,6 +235,32 @@ def test_overwrite_replaces_whole_and_deletes_only_its_own(tmp_path: Path) -> No
     torch.testing.assert_close(sd["random"], t1)
 
 
+def test_without_collectives_each_rank_commits_its_own_metadata(tmp_path: Path) -> None:
+    # DCP's experimental use_collectives=False: __{rank}.metadata, read back by DCP's fallback.
+    for value in (1.0, 2.0):
+        dcp.save(
+            {"a": torch.full((5,), value)},
+            checkpoint_id=tmp_path,
+            storage_writer=AiosnapStorageWriter(),
+            use_collectives=False,
+        )
+    names = sorted(os.listdir(tmp_path))
+    assert names[0] == "__0.metadata" and len(names) == 2, names  # the first save's file is gone
+    for reader in (AiosnapStorageReader(), None):
+        sd = {"a": torch.zeros(5)}
+        dcp.load(sd, checkpoint_id=str(tmp_path), storage_reader=reader)
+        assert torch.equal(sd["a"], torch.full((5,), 2.0))
+
+
+@pytest.mark.cuda
+def test_cuda_tensors_are_saved_from_and_loaded_into_the_device(tmp_path: Path) -> None:
+    saved = {"w": torch.randn(1024, 256, device="cuda"), "h": torch.arange(9, device="cuda").half()}
+    dcp.save(saved, checkpoint_id=tmp_path, storage_writer=AiosnapStorageWriter())
+    loaded = {"w": torch.zeros(1024, 256, device="cuda"), "h": torch.zeros(9, device="cuda").half()}
+    dcp.load(loaded, checkpoint_id=tmp_path, storage_reader=AiosnapStorageReader())
+    assert all(loaded[k].is_cuda and torch.equal(loaded[k], saved[k]) for k in saved)
+
+
 def test_a_failed_write_fails_the_save_and_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
     dcp.save({"w": torch.ones(64)}, checkpoint_id=tmp_path, storage_writer=AiosnapStorageWriter())
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
@@ -282,9 +308,12 @@ def _check_after_kill(case: Path, made: list[Op]) -> None:
         sd = {"a": torch.zeros(256, 64), "b": {"c": torch.zeros(1000)}, "n": 0}
         dcp.load(sd, checkpoint_id=str(case), storage_reader=reader)
         assert_same(sd, _valued(expected))
-    # The next save sweeps any temp file the killed one left, and replaces it.
+    # The next save sweeps what the killed one left (a temp file, a data file no metadata
+    # names), and replaces it: the directory holds the metadata and the files it names.
     dcp.save(_valued(3.0), checkpoint_id=case, storage_writer=AiosnapStorageWriter())
     assert temp_entries(case) == []
+    named = {info.relative_path for info in records(case).values()}
+    assert sorted(os.listdir(case)) == [".metadata", *sorted(named)]
 
 
 def test_a_save_killed_before_its_metadata_is_renamed_leaves_the_previous_checkpoint(tmp_path: Path) -> None:

@@ -174,12 +174,12 @@ class AiosnapStorageWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        # With collectives, only the coordinator runs this; without, every rank does, for
-        # its own plan and metadata.
-        self._superseded = self._previous_files()
-        if self.use_collectives:  # without, ranks would sweep each other's temp files
-            storage, directory = self._where.directory()
-            storage.sweep_incomplete(directory)  # the temp files of killed saves
+        # With collectives, only the coordinator runs this, while every rank waits for its
+        # plan; without, every rank does, for its own plan and metadata.
+        named = self._previous_files()
+        self._superseded = sorted(named or ())
+        if self.use_collectives:  # without, ranks would sweep each other's files
+            self._sweep(named)
         return [
             plan
             if isinstance(plan.storage_data, _StoragePrefix)
@@ -187,23 +187,35 @@ class AiosnapStorageWriter(StorageWriter):
             for i, plan in enumerate(plans)
         ]
 
-    def _previous_files(self) -> list[str]:
-        """The data files of the checkpoint this save replaces (deleted once the new one
-        is committed); ForeignFileError if aiosnap did not write it."""
+    def _previous_files(self) -> set[str] | None:
+        """The data files the committed metadata names (deleted once the new one is
+        committed; None if it cannot be read); ForeignFileError if aiosnap did not write it."""
         storage, path = self._where.at(self._metadata_name())
         try:
             data = get(storage, path)
         except CheckpointNotFoundError:
-            return []
+            return set()
         if not layout.is_ours(data):
             raise ForeignFileError(path, "the metadata of a DCP checkpoint")
         try:
             previous, _ = layout.decode_metadata(data, path)
         except (CorruptCheckpointError, PickleNotAllowedError) as exc:
             logger.warning("replacing %s, whose files are left where they are: %s", path, exc)
-            return []
+            return None
         names = {getattr(info, "relative_path", None) for info in previous.storage_data.values()}
-        return sorted(n for n in names if isinstance(n, str) and layout.DATA_NAME.match(n))
+        return {n for n in names if isinstance(n, str) and layout.DATA_NAME.match(n)}
+
+    def _sweep(self, named: set[str] | None) -> None:
+        """Remove what failed and killed saves left: temp files, and data files of
+        aiosnap's naming that the committed metadata does not name (``named``; None: it
+        could not be read, so no data file is removed)."""
+        storage, directory = self._where.directory()
+        storage.sweep_incomplete(directory)
+        if named is None:
+            return
+        for entry in storage.list(directory):
+            if entry.is_file and layout.DATA_NAME.match(entry.name) and entry.name not in named:
+                self._delete(entry.name)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         prefix = (
@@ -232,13 +244,13 @@ class AiosnapStorageWriter(StorageWriter):
         self._superseded = []
 
     def _delete(self, name: str) -> None:
-        """Delete a file of the replaced checkpoint. The new one is committed: a failure
-        here leaves only a file no metadata names, so it is logged, not raised."""
+        """Delete a data file no committed metadata names (any more). A failure leaves
+        only such a file, swept at the next save: it is logged, not raised."""
         storage, path = self._where.at(name)
         try:
             storage.delete(path)
         except OSError as exc:
-            logger.warning("could not delete %s of the replaced checkpoint: %s", path, exc)
+            logger.warning("could not delete %s, which no committed metadata names: %s", path, exc)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
