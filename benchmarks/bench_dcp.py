@@ -107,9 +107,11 @@ def _rank_main(rank: int, ranks: int, store: str, args: argparse.Namespace) -> N
 
 def measure(ranks: int, args: argparse.Namespace, scratch: Path, out: Path) -> dict[str, Any]:
     args.scratch, args.result = str(scratch), str(out / f"dcp-{ranks}.tmp.json")
-    mp.start_processes(
-        _rank_main, args=(ranks, file_store(scratch / "store"), args), nprocs=ranks, start_method="spawn"
-    )
+    store = file_store(scratch / "store")
+    if ranks == 1:  # a group of one in this process: no interpreter to start
+        _rank_main(0, 1, store, args)
+    else:
+        mp.start_processes(_rank_main, args=(ranks, store, args), nprocs=ranks, start_method="spawn")
     times = json.loads(Path(args.result).read_text())
     os.unlink(args.result)
     ratios = [a / f for a, f in zip(times[AIOSNAP], times[FSW], strict=True)]
