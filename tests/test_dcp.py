@@ -261,23 +261,41 @@ def test_cuda_tensors_are_saved_from_and_loaded_into_the_device(tmp_path: Path) 
     assert all(loaded[k].is_cuda and torch.equal(loaded[k], saved[k]) for k in saved)
 
 
-def test_a_failed_write_fails_the_save_and_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
+# A write (made by the writer's own thread, piece by piece) or the commit's fsync.
+@pytest.mark.parametrize(("op", "code"), [("write", errno.ENOSPC), ("fsync", errno.EIO)])
+def test_a_failed_write_fails_the_save_and_leaves_the_previous_checkpoint(
+    tmp_path: Path, op: str, code: int
+) -> None:
     dcp.save({"w": torch.ones(64)}, checkpoint_id=tmp_path, storage_writer=AiosnapStorageWriter())
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
 
-    def hook(op: str, path: str) -> None:
-        if op == "fsync" and ".distcp" in path:
-            raise OSError(errno.EIO, "Input/output error (injected)", path)
+    def hook(kind: str, path: str) -> None:
+        if kind == op and path.endswith(".distcp"):
+            raise OSError(code, f"{os.strerror(code)} (injected)", path)
 
     failing = AiosnapStorageWriter(storage=aiosnap.LocalStorage(posix=HookedPosix(hook)))
+    # 40 MiB: pieces go to the thread while the next fills
+    big = {"w": torch.full((64,), 2.0), "big": torch.zeros(10 << 20)}
     with pytest.raises(CheckpointException) as caught:
-        dcp.save({"w": torch.full((64,), 2.0)}, checkpoint_id=tmp_path, storage_writer=failing)
+        dcp.save(big, checkpoint_id=tmp_path, storage_writer=failing)
     error = failure(caught.value)
-    assert isinstance(error, OSError) and error.errno == errno.EIO and ".distcp" in str(error)
+    assert isinstance(error, OSError) and error.errno == code and ".distcp" in str(error)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no temp file either
     sd = {"w": torch.zeros(64)}
     dcp.load(sd, checkpoint_id=tmp_path, storage_reader=AiosnapStorageReader())
     assert torch.equal(sd["w"], torch.ones(64))
+
+
+def test_thread_count_writes_that_many_files_per_rank(tmp_path: Path) -> None:
+    saved = state(5)
+    dcp.save(saved, checkpoint_id=tmp_path, storage_writer=AiosnapStorageWriter(thread_count=2))
+    assert len({info.relative_path for info in records(tmp_path).values()}) == 2
+    loaded = template()
+    dcp.load(loaded, checkpoint_id=tmp_path, storage_reader=AiosnapStorageReader())
+    assert_same(loaded, saved)
+    assert AiosnapStorageWriter.validate_checkpoint_id(tmp_path)
+    assert AiosnapStorageReader.validate_checkpoint_id("s3://bucket/run/step-1")
+    assert not AiosnapStorageReader.validate_checkpoint_id("nosuchscheme://x")
 
 
 def resave_child(directory: str) -> None:

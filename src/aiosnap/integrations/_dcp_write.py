@@ -51,7 +51,7 @@ class _UploadStream(io.RawIOBase):
         for _ in range(DEPTH if self._reuse else 0):
             self._free.put(_new_piece())
         self._todo: queue.Queue[tuple[int, memoryview, int] | None] = queue.Queue(DEPTH)
-        self._failure: BaseException | None = None
+        self.failure: BaseException | None = None  # of a piece's write, in the thread
         self._piece = self._next_piece()
         self._fill = 0
         self._at = 0  # the file offset of the piece
@@ -68,11 +68,11 @@ class _UploadStream(io.RawIOBase):
     def _send_all(self) -> None:
         while (job := self._todo.get()) is not None:
             at, piece, n = job
-            if self._failure is None:
+            if self.failure is None:
                 try:
                     self._upload.write_at(at, piece[:n])
                 except BaseException as exc:  # raised in the saving thread, at its next write
-                    self._failure = exc
+                    self.failure = exc
             if self._reuse:
                 self._free.put(piece)
 
@@ -93,8 +93,8 @@ class _UploadStream(io.RawIOBase):
         return len(whole)
 
     def _send(self) -> None:
-        if self._failure is not None:
-            raise self._failure
+        if self.failure is not None:
+            raise self.failure
         self._todo.put((self._at, self._piece, self._fill))
         self._at += self._fill
         self._fill = 0
@@ -109,8 +109,8 @@ class _UploadStream(io.RawIOBase):
         if self._fill:
             self._send()
         self.close()
-        if self._failure is not None:
-            raise self._failure
+        if self.failure is not None:
+            raise self.failure
 
     def close(self) -> None:
         if self._thread is not None:
@@ -147,7 +147,14 @@ def _write_items(
             assert isinstance(data, io.BytesIO), f"{item.index.fqn}: a bytes item resolved to {type(data)}"
             out.write(data.getbuffer())
         else:
-            torch.save(_cpu_tensor(planner, item), cast(IO[bytes], out))  # a binary file that writes
+            try:
+                torch.save(_cpu_tensor(planner, item), cast(IO[bytes], out))  # a binary file that writes
+            except Exception:
+                # torch.save turns its file's error into "enforce fail ... unexpected pos":
+                # the failed write's own error (ENOSPC, EIO, naming the file) is the one to raise.
+                if out.failure is not None:
+                    raise out.failure from None
+                raise
         length = out.written - offset
         results.append(WriteResult(item.index, length, storage_info(name, offset, length, out.crc)))
     return results
