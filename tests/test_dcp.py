@@ -229,6 +229,13 @@ def test_overwrite_replaces_whole_and_deletes_only_its_own(tmp_path: Path) -> No
         dcp.save({"random": t2}, storage_writer=AiosnapStorageWriter(tmp_path / "theirs"))
     assert isinstance(failure(caught.value), aiosnap.ForeignFileError)
     assert {p.name: p.read_bytes() for p in (tmp_path / "theirs").iterdir()} == theirs
+    # Nor is a metadata that is a symbolic link: it is neither read through nor replaced.
+    (tmp_path / "linked").mkdir()
+    os.symlink(tmp_path / "reused" / ".metadata", tmp_path / "linked" / ".metadata")
+    with pytest.raises(CheckpointException) as caught:
+        dcp.save({"random": t2}, storage_writer=AiosnapStorageWriter(tmp_path / "linked"))
+    assert isinstance(failure(caught.value), aiosnap.ForeignFileError)
+    assert os.path.islink(tmp_path / "linked" / ".metadata")
     # ... and aiosnap's reader reads it (there are no checksums to check).
     sd = {"random": torch.zeros(10)}
     dcp.load(sd, checkpoint_id=tmp_path / "theirs", storage_reader=AiosnapStorageReader())
@@ -381,6 +388,7 @@ class _Payload:
 def test_the_metadata_rebuilds_only_dcps_classes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     dcp.save({"w": torch.ones(3)}, checkpoint_id=tmp_path / "ckpt", storage_writer=AiosnapStorageWriter())
     metadata = pickle.loads((tmp_path / "ckpt" / ".metadata").read_bytes())
+    (records_name,) = {info.relative_path for info in metadata.storage_data.values()}
     monkeypatch.setenv("DCP_PAYLOAD_DIR", str(tmp_path))
     metadata.planner_data = _Payload()
     (tmp_path / "ckpt" / ".metadata").write_bytes(pickle.dumps(metadata))
@@ -401,3 +409,13 @@ def test_the_metadata_rebuilds_only_dcps_classes(tmp_path: Path, monkeypatch: py
         )
     error = failure(caught.value)
     assert isinstance(error, aiosnap.CorruptCheckpointError) and "'../elsewhere.distcp'" in str(error)
+
+    # An extent that is not one: refused before any read.
+    for info in metadata.storage_data.values():
+        info.relative_path, info.length = records_name, -1
+    (tmp_path / "ckpt" / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(CheckpointException) as caught:
+        dcp.load(
+            {"w": torch.zeros(3)}, checkpoint_id=tmp_path / "ckpt", storage_reader=AiosnapStorageReader()
+        )
+    assert "records 'w' at the extent" in str(failure(caught.value))

@@ -114,6 +114,18 @@ def check_name(name: object, path: str) -> str:
     return name
 
 
+def check_record(info: object, path: str, fqn: str) -> _StorageInfo:
+    """``info``, the metadata's record of where the item ``fqn`` is, if it is one: a data
+    file of the checkpoint's directory, and an extent of non-negative integers."""
+    if not isinstance(info, _StorageInfo):
+        raise CorruptCheckpointError(path, f"records {fqn!r} as a {type(info).__name__}, not a file extent")
+    check_name(info.relative_path, path)
+    offset, length = info.offset, info.length
+    if not (type(offset) is int and type(length) is int and offset >= 0 and length >= 0):
+        raise CorruptCheckpointError(path, f"records {fqn!r} at the extent {offset!r}+{length!r}")
+    return info
+
+
 #: The globals DCP's metadata is made of (torch 2.4 - 2.13): its dataclasses, torch.Size,
 #: dtypes, layouts, memory formats, and a path as checkpoint_id.
 _ALLOWED: dict[str, set[str]] = {

@@ -30,9 +30,7 @@ def item_name(req: ReadItem) -> str:
 
 def _item_bytes(reader: Reader, info: Any, req: ReadItem, checksummed: bool) -> bytearray:
     """The bytes the item's record names, whose checksum holds."""
-    offset, length = info.offset, info.length
-    if not (isinstance(offset, int) and isinstance(length, int) and offset >= 0 and length >= 0):
-        raise CorruptCheckpointError(reader.path, f"item {item_name(req)}: bad extent {offset!r}+{length!r}")
+    offset, length = info.offset, info.length  # checked by check_record
     if offset + length > reader.size:
         raise CorruptCheckpointError(
             reader.path,

@@ -54,7 +54,7 @@ from aiosnap._base.errors import (
     PickleNotAllowedError,
 )
 from aiosnap._storage.backends import OBJECT_SCHEMES, resolve, scheme_of
-from aiosnap._storage.protocol import Storage, get, put
+from aiosnap._storage.protocol import Storage, describe, get, lstat, put
 
 from . import _dcp_layout as layout
 from ._dcp_read import read_file
@@ -104,7 +104,7 @@ def _knows(checkpoint_id: str | os.PathLike[str]) -> bool:
         return True
     from aiosnap._storage.fsspec import known_protocol
 
-    return bool(known_protocol(scheme))
+    return known_protocol(scheme)
 
 
 class AiosnapStorageWriter(StorageWriter):
@@ -191,6 +191,11 @@ class AiosnapStorageWriter(StorageWriter):
         """The data files the committed metadata names (deleted once the new one is
         committed; None if it cannot be read); ForeignFileError if aiosnap did not write it."""
         storage, path = self._where.at(self._metadata_name())
+        entry = lstat(storage, path)
+        if entry is None:
+            return set()
+        if not entry.is_file:  # a link, a directory: not aiosnap's to read through or replace
+            raise ForeignFileError(path, describe(entry))
         try:
             data = get(storage, path)
         except CheckpointNotFoundError:
@@ -286,6 +291,7 @@ class AiosnapStorageReader(StorageReader):
         self.load_id = str(uuid.uuid4())
         self.storage_data: dict[Any, Any] = {}
         self._checksummed = False
+        self._metadata_path = layout.METADATA_NAME  # the one read last, as errors name it
 
     @property
     def checkpoint_id(self) -> str | None:
@@ -300,6 +306,7 @@ class AiosnapStorageReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         storage, path = self._where.at(layout.metadata_name(kwargs.get("rank")))
+        self._metadata_path = path
         metadata, self._checksummed = layout.decode_metadata(
             get(storage, path), path, allow_pickle=self.allow_pickle
         )
@@ -322,16 +329,12 @@ class AiosnapStorageReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        storage, metadata_path = self._where.at(layout.METADATA_NAME)
+        storage, _ = self._where.directory()
         per_file: dict[str, list[Any]] = {}
         for req in plan.items:
-            info = self.storage_data.get(req.storage_index)
-            if info is None:
-                raise CorruptCheckpointError(
-                    metadata_path, f"no record of where {req.storage_index.fqn!r} is"
-                )
-            name = layout.check_name(getattr(info, "relative_path", None), metadata_path)
-            per_file.setdefault(name, []).append(req)
+            fqn = req.storage_index.fqn
+            info = layout.check_record(self.storage_data.get(req.storage_index), self._metadata_path, fqn)
+            per_file.setdefault(info.relative_path, []).append(req)
         for name, reqs in per_file.items():
             _, path = self._where.at(name)
             read_file(storage, path, reqs, self.storage_data, planner, checksummed=self._checksummed)
