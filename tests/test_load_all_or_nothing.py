@@ -198,3 +198,21 @@ def test_a_mismatch_says_what_to_do(tmp_path: Path) -> None:
     message = str(info.value)
     assert "unexpected keys ['extra']" in message and "missing keys" not in message
     assert "strict=False" in message and "keys=['model']" in message
+
+
+async def test_a_corrupt_newest_checkpoint_leaves_the_target_to_the_one_restored(tmp_path: Path) -> None:
+    """The manager's restore falls back past a corrupt newest checkpoint: the older one
+    it then restores is all the target holds. Step 2 holds ``a`` and ``b`` (``b``
+    damaged), step 1 ``b`` alone: restored with strict=False, ``a`` is as it was."""
+    async with aiosnap.CheckpointManager(str(tmp_path)) as mgr:
+        await mgr.save(1, {"b": torch.full((1000,), 1.0)})
+        await mgr.save(2, {"a": torch.full((1000,), 2.0), "b": torch.full((1000,), 2.0)})
+    newest = tmp_path / "snapshot_iter_2"
+    data = bytearray(newest.read_bytes())
+    data[-1] ^= 0x01  # the data section ends with b's
+    newest.write_bytes(bytes(data))
+    target = {"a": torch.zeros(1000), "b": torch.zeros(1000)}
+    async with aiosnap.CheckpointManager(str(tmp_path)) as mgr:
+        restored = await mgr.restore(target=target, strict=False)
+    assert restored.step == 1
+    assert torch.equal(target["b"], torch.full((1000,), 1.0)) and torch.equal(target["a"], torch.zeros(1000))
