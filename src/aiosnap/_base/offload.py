@@ -112,11 +112,11 @@ async def _remote_call(remote: Remote, fn: Callable[..., T], *args: object) -> T
         tg.start_soon(_watch, remote, fn, args)
         try:
             async with _limiter("remote"):
-                with anyio.fail_after(remote.limit):
+                with anyio.move_on_after(remote.limit) as waited:
                     future = _remote_pool().submit(context.run, _unpinned, fn, *args)
                     outcome.append(await asyncio.wrap_future(future))
-        except TimeoutError:
-            error.append(_no_answer(remote, fn, args))
+                if waited.cancelled_caught:  # abandoned to its thread, as at a Ctrl-C
+                    error.append(_no_answer(remote, fn, args))
         except Exception as exc:  # raised outside the task group, which would wrap it in a group
             error.append(exc)
         finally:
