@@ -64,7 +64,7 @@ from aiosnap._base import json as _json
 from aiosnap._base.checksums import crc32c
 from aiosnap._base.json import WINDOW
 from aiosnap._format.codec import MAX_HEADER, read_header, st_entry
-from aiosnap._format.dtypes import ST_ITEMSIZE, TORCH_DTYPES
+from aiosnap._format.dtypes import ST_BITS, TORCH_DTYPES
 from aiosnap._format.header import CRC_KEY, CRC_ZERO, META_KEY
 from aiosnap._format.manifest import Manifest, read_manifest, replicated_matcher
 from aiosnap._format.tree import LEAF_TAGS, MAX_DEPTH, ExternalLeaves
@@ -371,7 +371,7 @@ DTYPE_NAMES: list[Any] = [
     True,
 ]
 ST_CODES: list[Any] = [
-    *ST_ITEMSIZE,
+    *ST_BITS,
     "F128",
     "u8",
     "",

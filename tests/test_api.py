@@ -102,3 +102,21 @@ def test_a_former_name_still_works_and_warns() -> None:
     with pytest.raises(AttributeError, match="no attribute 'AnyOff'"):
         aiosnap.AnyOff  # noqa: B018
     assert "AnyOf" not in dir(aiosnap) and "AnyOf" not in dir(aiosnap.retention)
+
+
+def test_every_error_pickles_whole_and_is_named_as_users_import_it() -> None:
+    """A worker process's or a spawned rank's error arrives whole (its subclass's own
+    arguments are not its args); a traceback names it ``aiosnap.X``."""
+    import pickle
+    import traceback
+
+    made = [
+        aiosnap.CorruptCheckpointError("/p", "a checksum does not match"),
+        aiosnap.StepExistsError("/p/s1", 1),
+        aiosnap.CaptureError("model.w", "by another thread"),
+        aiosnap.ForeignFileError("/p/x", "a link"),
+    ]
+    for error in made:
+        back = pickle.loads(pickle.dumps(error))
+        assert type(back) is type(error) and str(back) == str(error) and back.__dict__ == error.__dict__
+        assert traceback.format_exception_only(error)[-1].startswith(f"aiosnap.{type(error).__name__}: ")

@@ -9,7 +9,6 @@ builds the site itself with ``--strict``.
 from __future__ import annotations
 
 import ast
-import asyncio
 import importlib
 import importlib.util
 import inspect
@@ -110,20 +109,6 @@ def _shown(page: Path) -> Path:
     return page.relative_to(ROOT) if page.is_relative_to(ROOT) else page
 
 
-def _expand_snippets(code: str, where: str) -> str:
-    """Replace pymdownx.snippets includes (``--8<-- "examples/x.py"``) with the file."""
-    lines = []
-    for line in code.splitlines():
-        match = SNIPPET.match(line)
-        if match:
-            path = ROOT / match.group(1)
-            assert path.is_file(), f"{where}: the included file {match.group(1)} does not exist"
-            lines.append(path.read_text())
-        else:
-            lines.append(line)
-    return "\n".join(lines) + "\n"
-
-
 def _python_blocks(page: Path) -> list[Block]:
     blocks: list[Block] = []
     lines = page.read_text().splitlines()
@@ -145,8 +130,7 @@ def _python_blocks(page: Path) -> list[Block]:
         assert i < len(lines), f"{page}:{start}: unclosed code block"
         if lang in ("python", "py"):
             body = "\n".join(line[indent:] for line in lines[start:i])
-            where = f"{_shown(page)}:{start}"
-            blocks.append(Block(page, start, _expand_snippets(body, where), previous))
+            blocks.append(Block(page, start, body + "\n", previous))
         previous = ""
         i += 1
     return blocks
@@ -159,6 +143,12 @@ def _compile(block: Block) -> CodeType:
     return compile(block.code, block.id, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)
 
 
+def _as_script(block: Block) -> CodeType:
+    """A block that runs compiles as the file a reader would paste it into: no top-level
+    ``await`` (a SyntaxError in a script), no include line that only the site expands."""
+    return compile(block.code, block.id, "exec", dont_inherit=True)
+
+
 @pytest.mark.parametrize("block", BLOCKS, ids=lambda b: b.id)
 def test_python_block_compiles(block: Block) -> None:
     _compile(block)
@@ -167,17 +157,31 @@ def test_python_block_compiles(block: Block) -> None:
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.run], ids=lambda b: b.id)
 def test_marked_python_block_runs(block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    code = _compile(block)
+    code = _as_script(block)
     namespace: dict[str, object] = {"__name__": "__main__"}
     log = logging.getLogger("aiosnap")
     handlers, level = list(log.handlers), log.level
     try:
-        if code.co_flags & inspect.CO_COROUTINE:  # the block awaits at the top level
-            asyncio.run(eval(code, namespace))
-        else:
-            exec(code, namespace)
+        exec(code, namespace)
     finally:
         log.handlers[:], log.level = handlers, level
+
+
+#: Pages that show an example file whole: the page's copy is the file.
+EMBEDDED = {"fsdp2-example.md": "examples/fsdp2.py", "storage-backend.md": "examples/dict_storage.py"}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(_shown(p)))
+def test_a_page_read_raw_holds_its_code_whole(page: Path) -> None:
+    """A page on GitHub or in an editor is read as it is: an include that only the site
+    expands (``--8<-- "examples/x.py"``) shows a reader a line that is not the code. An
+    example file's code is written out in the page, and kept the same as the file."""
+    text = page.read_text()
+    assert not [line for line in text.splitlines() if SNIPPET.match(line)], f"{_shown(page)} includes a file"
+    example = EMBEDDED.get(page.name)
+    if example is not None:
+        code = (ROOT / example).read_text()
+        assert code in [b.code for b in _python_blocks(page)], f"{_shown(page)}'s copy of {example} differs"
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=lambda b: b.id)

@@ -564,3 +564,14 @@ def test_prune_follows_no_link_put_in_the_blob_folder_place(
     code, _, err = cli(capsys, "prune", str(tmp_path / "ckpt"), "--keep-last", "1")
     assert code == 0, err
     assert sorted(os.listdir(user)) == before  # nothing deleted through the link
+
+
+async def test_a_referring_file_copied_alone_says_how_to_make_one_that_stands_alone(tmp_path: Path) -> None:
+    base = make_base()
+    async with aiosnap.ThreadWriter(incremental=True) as writer:
+        await (await writer("a", str(tmp_path / "run"), lora_state(1, base))).wait()
+    (tmp_path / "copy").mkdir()
+    (tmp_path / "copy" / "a").write_bytes((tmp_path / "run" / "a").read_bytes())  # without its blobs
+    with pytest.raises(aiosnap.CorruptCheckpointError, match="refers to the missing blob") as caught:
+        await aiosnap.load(str(tmp_path / "copy" / "a"))
+    assert "aiosnap convert --standalone" in str(caught.value) and BLOBS in str(caught.value)

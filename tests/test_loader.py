@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -204,3 +205,19 @@ async def test_epoch_and_batches_are_public_and_restore_works_before_or_after_op
         after.load_state_dict(state)  # opened, then restored
         assert (before.epoch, before.batches) == (after.epoch, after.batches) == (0, 4)
         assert [ids(b) async for b in before] == [ids(b) async for b in after] == rest
+
+
+def test_a_dataloader_shuffling_with_the_global_generator_is_named(caplog: pytest.LogCaptureFixture) -> None:
+    """Its order cannot be replayed on resume: the user is told, and how to fix it."""
+    data = torch.utils.data.TensorDataset(torch.arange(16))
+    with caplog.at_level(logging.WARNING, logger="aiosnap"):
+        aiosnap.AsyncLoader(DataLoader(data, batch_size=4, shuffle=True))
+    (record,) = [r for r in caplog.records if r.name == "aiosnap._train.loader"]
+    assert "generator=torch.Generator()" in record.getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="aiosnap"):
+        aiosnap.AsyncLoader(DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator()))
+        aiosnap.AsyncLoader(DataLoader(data, batch_size=4))  # no shuffling: nothing to replay
+        sampler = torch.utils.data.BatchSampler(torch.utils.data.RandomSampler(data), 4, False)
+        aiosnap.AsyncLoader(DataLoader(data, batch_sampler=sampler))  # ... but this one shuffles
+    assert [r.name for r in caplog.records] == ["aiosnap._train.loader"]

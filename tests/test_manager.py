@@ -10,6 +10,8 @@ import multiprocessing
 import os
 import random
 import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -422,3 +424,71 @@ async def test_sigkill_at_random_points_always_leaves_a_valid_checkpoint(tmp_pat
 @pytest.mark.slow
 async def test_a_thousand_random_sigkills(tmp_path: Path) -> None:
     await _crash_and_restore(tmp_path, runs=1000)
+
+
+@pytest.mark.parametrize("read_only", [False, True])
+async def test_a_manager_on_a_file_says_so_in_our_error(tmp_path: Path, read_only: bool) -> None:
+    """Not a raw NotADirectoryError from the lock file's open: what stands there, and that
+    aiosnap leaves it alone."""
+    (tmp_path / "a_file").write_text("mine")
+    with pytest.raises(aiosnap.ForeignFileError, match=r"a_file is a file, not a directory"):
+        async with aiosnap.CheckpointManager(str(tmp_path / "a_file"), read_only=read_only):
+            pass
+    assert (tmp_path / "a_file").read_text() == "mine"
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")  # a link to a directory is one
+    async with aiosnap.CheckpointManager(str(tmp_path / "link")) as manager:
+        await (await manager.save(1, {"x": 1})).wait()
+    assert [p.name for p in (tmp_path / "real").iterdir() if p.name.startswith("snapshot")] == [
+        "snapshot_iter_1"
+    ]
+
+
+_RESUME_UNCONFIGURED = """
+import asyncio, sys, torch, aiosnap
+
+async def main():
+    target = {"step": 0, "w": torch.zeros(100)}
+    async with aiosnap.CheckpointManager(sys.argv[1]) as mgr:
+        print((await mgr.resume(target=target)).step)
+
+asyncio.run(main())
+"""
+
+
+async def test_a_fallback_past_a_corrupt_checkpoint_is_shown_unconfigured(tmp_path: Path) -> None:
+    """Steps are lost to the damage: the user is told, as a remote store's trouble is
+    (an AiosnapWarning where no logging handler would show the WARNING)."""
+    async with aiosnap.CheckpointManager(str(tmp_path)) as mgr:
+        for step in (1, 2):
+            await mgr.save(step, {"step": step, "w": torch.full((100,), float(step))})
+    newest = tmp_path / "snapshot_iter_2"
+    data = bytearray(newest.read_bytes())
+    data[-10] ^= 0x40
+    newest.write_bytes(data)
+    command = [sys.executable, "-c", _RESUME_UNCONFIGURED, str(tmp_path)]
+    done = await asyncio.to_thread(subprocess.run, command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "1"
+    assert "AiosnapWarning" in done.stderr and "snapshot_iter_2 failed verification" in done.stderr
+    assert "falling back to an older one" in done.stderr
+
+
+async def test_a_directory_used_with_another_name_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A run resumed with another name= than it saved with would start afresh beside its
+    checkpoints, in silence: it is told, and how to resume them."""
+    async with aiosnap.CheckpointManager(str(tmp_path), name="ckpt-{step}") as mgr:
+        for step in (100, 200):
+            await mgr.save(step, {"step": step})
+    with caplog.at_level(logging.WARNING, logger="aiosnap"):
+        async with aiosnap.CheckpointManager(str(tmp_path)) as mgr:  # the default name
+            assert await mgr.resume(target={"step": 0}) is None
+    (message,) = [r.getMessage() for r in caplog.records if "another name template" in r.getMessage()]
+    assert "2 checkpoint(s)" in message and "ckpt-200" in message and "name='snapshot_iter_{step}'" in message
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="aiosnap"):
+        async with aiosnap.CheckpointManager(str(tmp_path), name="ckpt-{step}") as mgr:
+            assert (await mgr.resume(target={"step": 0})).step == 200
+    assert "another name template" not in caplog.text

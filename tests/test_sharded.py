@@ -207,7 +207,9 @@ def test_one_process_reads_a_group_checkpoint_whole_and_leaves_the_index_alone(s
 
 
 @pytest.mark.parametrize("name", ["big", "row"])  # a box with block checksums; one without
-def test_a_damaged_box_leaves_the_whole_target_as_it_was(saved_by_four: Path, tmp_path: Path, name: str) -> None:
+def test_a_damaged_box_leaves_the_whole_target_as_it_was(
+    saved_by_four: Path, tmp_path: Path, name: str
+) -> None:
     """load_into is all or nothing for DTensors too: every block a box is read from is
     checked before the first box is written into the target."""
     import shutil

@@ -189,6 +189,19 @@ __all__ = [
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
 
+def _public_errors() -> None:
+    """Tracebacks name the errors as users import them: ``aiosnap.CorruptCheckpointError``,
+    not the private module that defines it. (Here, not in that module: the offload worker
+    process imports the bare package, and pickles its errors under their own module.)"""
+    for name in __all__:
+        value = globals()[name]
+        if isinstance(value, type) and issubclass(value, (CheckpointError, AiosnapWarning)):
+            value.__module__ = __name__
+
+
+_public_errors()
+
+
 if _typing.TYPE_CHECKING:
     AnyOf = AnyPolicy  # deprecated: the name AnyPolicy had before
 else:

@@ -29,9 +29,23 @@ with its own type, so callers can keep catching what they already catch.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class CheckpointError(Exception):
     """Base class of every error aiosnap raises itself."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled whole (a worker process's error, a spawned rank's): the subclasses'
+        # own __init__ arguments are not their args, so rebuild without calling it.
+        return (_rebuild, (type(self), self.args, self.__dict__))
+
+
+def _rebuild(cls: type[CheckpointError], args: tuple[Any, ...], state: dict[str, Any]) -> CheckpointError:
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
 
 
 class CaptureError(CheckpointError, RuntimeError):

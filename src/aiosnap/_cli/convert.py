@@ -12,6 +12,10 @@ The output format is ``--to``, or else the one DST's extension names (``.pt``, `
 format than ``--to`` is refused: ``convert ckpt out.pt --to aiosnap`` would write a file
 that ``torch.load`` cannot read. An aiosnap file is a safetensors file, so
 ``--to aiosnap`` may write ``*.safetensors``.
+
+A file's own ``__metadata__`` entries (a safetensors file's, or those an aiosnap file
+keeps beside its own) go with it to an aiosnap or safetensors file; torch.save files and
+DCP directories have no place for them, and a note says so.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ from .._base.errors import (
     PickleNotAllowedError,
 )
 from .._format.codec import read_header, sniff
-from .._format.tree import format_path, walk_leaves
+from .._format.header import DEFAULT_METADATA
+from .._format.tree import WithMetadata, format_path, walk_leaves
 from .._load.load import load_blocking
 from .._load.standalone import standalone_now
 from .._storage.backends import resolve
@@ -42,7 +47,7 @@ from .._storage.protocol import write_with
 from . import dcp_keys
 from .dirs import Located, locate
 from .entries import pickle_hint, walk_object
-from .safetensors import rebuild_state, saved_tree, write_safetensors
+from .safetensors import rebuild_state, saved_tree, user_metadata, write_safetensors
 from .select import plain_value
 
 Format = Literal["aiosnap", "safetensors", "torch", "dcp"]
@@ -99,20 +104,42 @@ def convert(
     if standalone:
         return _standalone(place, dst)
     state, source = read_state(place, allow_pickle)
+    meta = source_metadata(place) if place.kind == "file" and source in _HEADED else {}
     tensors = [v for _, v in walk_object(state) if isinstance(v, (torch.Tensor, np.ndarray))]
     done = Converted(source, target, len(tensors), sum(_nbytes(t) for t in tensors))
     if target == "aiosnap":
-        save_sync(dst, state, allow_pickle=allow_pickle)
+        kept = WithMetadata(state, {**DEFAULT_METADATA, **meta}) if meta else state
+        save_sync(dst, kept, allow_pickle=allow_pickle)
         done.notes += _pickled(dst)
     elif target == "safetensors":
-        done.notes += write_safetensors(dst, state)
-    elif target == "torch":
-        storage, where = resolve(dst)
-        write_with(storage, where, functools.partial(_torch_save, state))
-        done.notes += _not_weights_only(state)
+        done.notes += write_safetensors(dst, state, meta)
     else:
-        done.notes += write_dcp(dst, state)
+        if target == "torch":
+            storage, where = resolve(dst)
+            write_with(storage, where, functools.partial(_torch_save, state))
+            done.notes += _not_weights_only(state)
+        else:
+            done.notes += write_dcp(dst, state)
+        lost = sorted(k for k, v in meta.items() if (k, v) not in DEFAULT_METADATA.items())
+        if lost:
+            done.notes.append(
+                f"not kept: {src}'s __metadata__ entries {', '.join(lost)} ({_WHAT[target]} has none)"
+            )
     return done
+
+
+#: Sources read from a file with a safetensors header, whose __metadata__ is kept.
+_HEADED = ("aiosnap", "safetensors", "safetensors with its tree")
+
+
+def source_metadata(place: Located) -> dict[str, str]:
+    """The ``__metadata__`` entries of the file at ``place`` that a conversion keeps (all
+    but aiosnap's own). Blocking."""
+    f = place.storage.open_read(place.path)
+    try:
+        return user_metadata(read_header(f).metadata)
+    finally:
+        f.close()
 
 
 def _standalone(place: Located, dst: str) -> Converted:

@@ -7,20 +7,22 @@ tensors and arrays under their dotted paths (``model.0.weight``), and in
 the JSON skeleton of an aiosnap header (``_tree``), containers and plain values by
 value, each tensor as a reference to its name. ``convert`` and ``diff`` read that tree
 back, so aiosnap -> safetensors -> aiosnap loses nothing; any other reader, and
-``aiosnap.load``, see a flat file of tensors. Written here, so the ``safetensors``
-package is not needed.
+``aiosnap.load``, see a flat file of tensors. The source's own ``__metadata__`` entries
+are kept beside them. Written here, so the ``safetensors`` package is not needed.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
 from .._base.errors import CheckpointError, CorruptCheckpointError
-from .._format.dtypes import ST_TORCH, numpy_st_code
+from .._format.dtypes import PACKED_F4, numpy_st_code, torch_name, torch_st_form
+from .._format.header import CRC_KEY, META_KEY
 from .._format.tree import LEAF_TAGS, capture, check, format_path, rebuild
 from .._storage.backends import resolve
 from .._storage.protocol import Storage
@@ -31,11 +33,18 @@ TREE_KEY = "aiosnap_tree"
 _MAX_HEADER = 100 << 20
 #: A tensor of a safetensors file: name, dtype code, shape, its bytes (flat uint8).
 StEntry = tuple[str, str, list[int], np.ndarray[Any, Any]]
-_ST_CODES = {dtype: code for code, dtype in ST_TORCH.items()}
+#: ``__metadata__`` entries aiosnap writes itself: never copied from a source.
+OWN_KEYS = frozenset((META_KEY, CRC_KEY, TREE_KEY))
 
 
-def write_safetensors(dst: str, state: Any) -> list[str]:
-    """Write ``state`` as a plain safetensors file with its tree in the metadata.
+def user_metadata(metadata: Mapping[str, str]) -> dict[str, str]:
+    """The entries of a file's ``__metadata__`` that a conversion keeps: all but aiosnap's."""
+    return {k: v for k, v in metadata.items() if k not in OWN_KEYS}
+
+
+def write_safetensors(dst: str, state: Any, metadata: Mapping[str, str] | None = None) -> list[str]:
+    """Write ``state`` as a plain safetensors file with its tree in the metadata, beside
+    ``metadata`` (a source file's: ``"format"`` is ``"pt"`` unless it says otherwise).
     Values of no state type (read from a torch.save file) cannot be stored: they are
     None in the tree, and the note returned names them. Blocking."""
     snapshot = capture(state, allow_pickle=True)
@@ -45,7 +54,12 @@ def write_safetensors(dst: str, state: Any) -> list[str]:
     if dropped:
         tree = _without(tree, dropped)
     storage, where = resolve(dst)
-    _write(storage, where, entries, {"format": "pt", TREE_KEY: json.dumps(tree, separators=(",", ":"))})
+    meta = {
+        "format": "pt",
+        **user_metadata(metadata or {}),
+        TREE_KEY: json.dumps(tree, separators=(",", ":")),
+    }
+    _write(storage, where, entries, meta)
     if not dropped:
         return []
     names = ", ".join(sorted(dropped)[:5]) + (f" and {len(dropped) - 5} more" if len(dropped) > 5 else "")
@@ -72,12 +86,15 @@ def _st_entry(name: str, value: Any) -> StEntry:
     """(name, safetensors dtype code, shape, the bytes as a flat uint8 array)."""
     if isinstance(value, torch.Tensor):
         t = value.detach().cpu().contiguous()
-        code = _ST_CODES.get(t.dtype)
-        if code is None:
-            raise CheckpointError(f"{name}: safetensors has no dtype for {t.dtype}")
+        form = torch_st_form(torch_name(t.dtype), t.shape)
+        if form is None:
+            packed = torch_name(t.dtype) == PACKED_F4  # F4 counts its values in the last dimension
+            raise CheckpointError(
+                f"{name}: safetensors has no dtype for {'a 0-d ' if packed else ''}{t.dtype}"
+            )
         flat = t.reshape(-1)
         raw = flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, np.uint8)
-        return name, code, list(t.shape), raw
+        return name, form[0], form[1], raw
     a = np.asarray(value)  # not ascontiguousarray: it makes a NumPy scalar an array of shape [1]
     a = a if a.flags.c_contiguous else np.ascontiguousarray(a)
     code = numpy_st_code(a.dtype)

@@ -22,24 +22,27 @@ import operator
 import re
 import struct
 import zipfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from .._base import json as _json
 from .._base.checksums import crc32c, is_content_hash
-from .._base.errors import CorruptCheckpointError, NotACheckpointError
+from .._base.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
 from .._base.offload import gc_paused, release, zip_dict
 from .._storage.protocol import Reader, ReaderFile
 from . import dtypes as _dtypes
 from . import tree as _tree
+from .dtypes import MAX_EXTENT as MAX_EXTENT  # re-exported: the limits and sizes of shapes
+from .dtypes import itemsize as itemsize
+from .dtypes import nbytes as nbytes
+from .dtypes import st_entry as st_entry
+from .dtypes import st_entry_written, st_nbytes
 from .header import BLOCK, CRC_KEY, CRC_ZERO, META_KEY, HeaderTemplate, block_count, json_string
 
 FORMAT_VERSION = 1
 #: A larger header is refused before it is read (a lying length must not allocate).
 MAX_HEADER = 1 << 30
-#: torch and NumPy hold sizes and strides in int64: a shape whose extent (the product of
-#: its dimensions, zeros counted as ones) times the element size exceeds this is refused.
-MAX_EXTENT = (1 << 63) - 1
 #: NumPy arrays have at most this many dimensions (numpy.empty refuses more).
 NUMPY_MAX_NDIM = 64
 KINDS = ("tensor", "ndarray", "npscalar", "pickle")
@@ -87,6 +90,9 @@ class Header:
     #: Where those blobs are: None, ``aiosnap-blobs/`` beside the file; a rank's folder
     #: name (``rank_00001``), ``aiosnap-blobs/<it>/`` beside the file's step directory.
     blob_dir: str | None = None
+    #: The other string entries of ``__metadata__`` (``"format": "pt"``, a user's), in
+    #: file order; aiosnap's own two are not among them.
+    metadata: dict[str, str] = field(default_factory=dict)
 
 
 #: Ways a blob's bytes may be stored (``Ref.compression``).
@@ -114,29 +120,6 @@ def tree_of(header: Header) -> Any:
     return {"$": "dict", "items": [[t.name, {"$": "tensor", "n": t.name}] for t in items]}
 
 
-def itemsize(kind: str, dtype: str) -> int | None:
-    """Element size of a dtype read from a file; None if it is not a valid one."""
-    if kind == "tensor":
-        tdt = _dtypes.TORCH_DTYPES.get(dtype)
-        return None if tdt is None else tdt.itemsize
-    npdt = _dtypes.numpy_from_name(dtype)
-    if npdt is None or (kind == "pickle" and dtype != "|u1"):
-        return None
-    return npdt.itemsize
-
-
-def st_entry(kind: str, dtype: str, shape: tuple[int, ...], nbytes: int) -> tuple[str, list[int]]:
-    """The safetensors (dtype code, shape) an entry is written under."""
-    if kind == "tensor":
-        code = _dtypes.torch_st_code(dtype)
-    elif kind == "pickle":
-        code = "U8"
-    else:
-        code = _dtypes.numpy_st_code(_dtypes.numpy_from_name(dtype))  # type: ignore[arg-type]
-    native = code != "U8" or (dtype in ("uint8", "|u1") and kind != "pickle")
-    return (code, list(shape)) if native else ("U8", [nbytes])
-
-
 @dataclass(frozen=True, slots=True)
 class EntryPieces:
     """The part of a header that depends on its entries alone (see header_template):
@@ -156,10 +139,12 @@ def header_template(
     laid: EntryPieces | None = None,
     refs: list[Ref] | None = None,
     blob_dir: str | None = None,
+    metadata: Mapping[str, str] | None = None,
 ) -> HeaderTemplate:
     """Lay out the header of these entries around the skeleton's JSON text; the
     checksums are filled in at the commit. ``laid``: ``entry_pieces(tensors)``, if
-    known already (a plan of the same entries with another skeleton)."""
+    known already (a plan of the same entries with another skeleton). ``metadata``: the
+    other entries of ``__metadata__`` (see HeaderTemplate)."""
     laid = laid or entry_pieces(tensors)
     tail = ['},"tree":', tree]
     if external:
@@ -174,7 +159,7 @@ def header_template(
         if blob_dir is not None:
             tail.append(f',"blob_dir":{json_string(blob_dir)}')
     last = (laid.last[:-1] if tensors else laid.last) + _escaped("".join(tail) + "}")
-    return HeaderTemplate([*laid.pieces, last], laid.holes, laid.blocks, laid.entries)
+    return HeaderTemplate([*laid.pieces, last], laid.holes, laid.blocks, laid.entries, metadata)
 
 
 def _ref_text(ref: Ref) -> str:
@@ -207,11 +192,11 @@ def entry_pieces(tensors: list[TensorInfo]) -> EntryPieces:
     text = _escaped(f'{{"version":{FORMAT_VERSION},"checksum":"crc32c","tensors":{{')
     for t in tensors:
         name, shape = json_string(t.name), _int_list(t.shape)
-        if t.kind == "tensor" and t.shard is None:
+        if t.kind == "tensor" and t.shard is None and t.dtype not in _RESHAPED:
             # The common entry (a whole tensor) in fewer steps: ~1.5 us of 3 per tensor.
             known = plain.get(t.dtype)
             if known is None:
-                code, _ = st_entry("tensor", t.dtype, (), 0)
+                code = _dtypes.native_st_code(t.dtype) or "U8"
                 known = plain[t.dtype] = (_escaped(json_string(t.dtype)), code)
             dtype, code = known
             # A name whose JSON has no escape has none when escaped again but its quotes.
@@ -240,6 +225,10 @@ def entry_pieces(tensors: list[TensorInfo]) -> EntryPieces:
         st_shape_text = shape if st_shape == list(t.shape) else _int_list(st_shape)
         entries.append(_entry_text(name, code, st_shape_text, t.start, t.end))
     return EntryPieces(pieces, holes, blocks, ",".join(entries), text)
+
+
+#: Dtypes whose safetensors shape is another than their own (entry_pieces).
+_RESHAPED = frozenset((_dtypes.PACKED_F4,))
 
 
 def _entry_text(name: str, code: str, shape: str, start: int, end: int) -> str:
@@ -396,13 +385,16 @@ class _Parser:
         meta = obj.get("__metadata__")
         release(obj)
         if meta is None or (isinstance(meta, dict) and META_KEY not in meta):
-            return Header(8 + n, self.plain(entries), None, None)
+            # A plain file's metadata is not checked (safetensors refuses values of other
+            # types; aiosnap reads such a file, as it did): its strings are kept.
+            kept = {k: v for k, v in meta.items() if type(v) is str} if isinstance(meta, dict) else {}
+            return Header(8 + n, self.plain(entries), None, None, metadata=kept)
         if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
             raise self.fail("__metadata__ is not a map of strings")
         self.check_header_crc(seal, meta)
         header = self.aiosnap(8 + n, entries, self.json(meta[META_KEY], "metadata"))
         release(entries)
-        return dataclasses.replace(header, checksum=meta[CRC_KEY])
+        return dataclasses.replace(header, checksum=meta[CRC_KEY], metadata=_other_metadata(meta))
 
     def json(self, text: str, what: str) -> Any:
         # The metadata is text already, and may hold lone surrogates (JSON escapes can
@@ -424,8 +416,10 @@ class _Parser:
             return None
         try:
             meta, at = _json.loads_at(text, len(_META_OPEN))
-            if type(meta) is not dict or meta.keys() != _META_KEYS or seal != (meta[CRC_KEY], True):
+            if type(meta) is not dict or not meta.keys() >= _META_KEYS or seal != (meta[CRC_KEY], True):
                 return None
+            if len(meta) > 2 and not all(type(v) is str for v in meta.values()):
+                return None  # the general parse says what is wrong
             doc = None
             if type(meta[META_KEY]) is str:
                 doc = _document(meta[META_KEY]) or _json.loads(meta[META_KEY])
@@ -452,7 +446,15 @@ class _Parser:
         refs = self.refs(doc, tensors, external)
         tree = doc.get("tree")
         return Header(
-            data_start, tensors, tree, FORMAT_VERSION, external, meta[CRC_KEY], refs, self.blob_dir(doc)
+            data_start,
+            tensors,
+            tree,
+            FORMAT_VERSION,
+            external,
+            meta[CRC_KEY],
+            refs,
+            self.blob_dir(doc),
+            _other_metadata(meta),
         )
 
     def entries_at(
@@ -529,12 +531,12 @@ class _Parser:
             if type(e) is not dict or e.keys() != _ENTRY_KEYS:
                 raise self.fail(f"tensor {name!r}: malformed entry")
             code, shape, offsets = e["dtype"], e["shape"], e["data_offsets"]
-            if not isinstance(code, str) or code not in _dtypes.ST_ITEMSIZE:
+            if not isinstance(code, str) or code not in _dtypes.ST_BITS:
                 raise self.fail(f"tensor {name!r}: unknown dtype {code!r:.40}")
             if not _ints(shape) or not _ints(offsets) or len(offsets) != 2:
                 raise self.fail(f"tensor {name!r}: shape or offsets are not non-negative integers")
             start, end = offsets
-            if end - start != nbytes(shape, _dtypes.ST_ITEMSIZE[code]):
+            if end - start != st_nbytes(code, shape):
                 raise self.fail(f"tensor {name!r}: offsets {offsets} do not match shape {_short(shape)}")
             found[name] = (code, shape, start, end)
         self.check_layout(found, data_len)
@@ -565,12 +567,25 @@ class _Parser:
             raise self.fail(f"{data_len - pos} unexpected bytes after the last tensor")
 
     def plain(self, entries: dict[str, tuple[str, list[int], int, int]]) -> dict[str, TensorInfo]:
-        return {
-            name: TensorInfo(
-                name, "tensor", _dtypes.torch_name(_dtypes.ST_TORCH[code]), tuple(shape), start, end, None
+        """The entries of a plain safetensors file, as the torch tensors they load as."""
+        tensors = {}
+        for name, (code, shape, start, end) in entries.items():
+            dtype = _dtypes.ST_TORCH.get(code)
+            if dtype is not None and code == "F4":  # two F4 values to each torch element
+                if not shape or shape[-1] % 2:
+                    dtype = None
+                else:
+                    shape = [*shape[:-1], shape[-1] // 2]
+            if dtype is None:
+                pairs = " (it holds F4 values in pairs)" if code == "F4" else ""
+                raise CheckpointError(
+                    f"{self.f.path}: tensor {name!r} is {code} {_short(shape)}, which torch has no dtype "
+                    f"to hold{pairs}: aiosnap cannot load it"
+                )
+            tensors[name] = TensorInfo(
+                name, "tensor", _dtypes.torch_name(dtype), tuple(shape), start, end, None
             )
-            for name, (code, shape, start, end) in entries.items()
-        }
+        return tensors
 
     def check_header_crc(self, seal: tuple[str, bool] | None, meta: dict[str, str]) -> None:
         stored = meta.get(CRC_KEY)
@@ -708,7 +723,7 @@ class _Parser:
             raise self.fail(f"tensor {name!r}: shape {_short(shape)} does not match its {end - start} bytes")
         if (kind == "npscalar" and shape) or (kind == "pickle" and len(shape) != 1):
             raise self.fail(f"tensor {name!r}: bad shape for a {kind}")
-        if st_entry(kind, dtype, tuple(shape), end - start) != (code, st_shape):
+        if not st_entry_written(kind, dtype, tuple(shape), end - start, (code, st_shape)):
             raise self.fail(f"tensor {name!r}: safetensors entry disagrees with its description")
         if not isinstance(crc, str) or len(crc) != 8 or not _is_hex(crc):
             raise self.fail(f"tensor {name!r}: bad checksum field")
@@ -720,6 +735,11 @@ class _Parser:
                 raise self.fail(f"tensor {name!r}: bad block checksums")
             blocks = tuple(int(blocks[i : i + 8], 16) for i in range(0, want, 8))
         return TensorInfo(name, kind, dtype, tuple(shape), start, end, int(crc, 16), shard, blocks)
+
+
+def _other_metadata(meta: dict[str, Any]) -> dict[str, str]:
+    """The entries of an aiosnap file's ``__metadata__`` (all strings) but aiosnap's two."""
+    return {k: v for k, v in meta.items() if k not in _META_KEYS}
 
 
 #: UTF-8 decoded per C call: the header of 100,000 tensors (26 MB) at once held the GIL
@@ -756,21 +776,6 @@ def _seal(raw: bytearray) -> tuple[str, bool] | None:
     computed = f"{crc32c(raw):08x}"
     raw[at : at + 8] = stored
     return stored.decode("latin-1"), computed == stored.decode("latin-1")
-
-
-def nbytes(shape: list[int], itemsize: int) -> int | None:
-    """The bytes of a shape of non-negative ints, or None if torch or NumPy could not
-    hold it (see MAX_EXTENT). Multiplies only while under that bound: a shape of
-    thousand-digit numbers costs one multiplication, not a product of them all."""
-    extent, empty = itemsize, False
-    for d in shape:
-        if d == 0:
-            empty = True
-        else:
-            extent *= d
-            if extent > MAX_EXTENT:
-                return None
-    return 0 if empty else extent
 
 
 def _short(value: Any) -> str:
@@ -898,7 +903,7 @@ _Common = tuple[tuple[int, ...], str, str, int]
 def _common(dtype: str, shape: list[Any]) -> _Common | None:
     """None if the dtype has no safetensors code of its own or the shape is not one."""
     code = _dtypes.native_st_code(dtype)
-    size = None if code is None or not _ints(shape) else nbytes(shape, _dtypes.ST_ITEMSIZE[code])
+    size = None if code is None or not _ints(shape) else nbytes(shape, _dtypes.ST_BITS[code] // 8)
     return None if size is None or code is None else (tuple(shape), code, _int_list(shape), size)
 
 

@@ -11,7 +11,7 @@ import itertools
 import json
 import operator
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from .._base.checksums import crc32c, crc32c_combine
 from .._storage.protocol import ALIGN as ALIGN  # re-exported: the staging aligns by it
@@ -19,6 +19,10 @@ from .._storage.protocol import ALIGN as ALIGN  # re-exported: the staging align
 META_KEY = "aiosnap"
 CRC_KEY = "aiosnap_crc32c"
 CRC_ZERO = "00000000"
+#: What ``__metadata__`` holds beside aiosnap's two keys, unless a file is given other
+#: entries: readers that look for it (accelerate's ``load_state_dict``, transformers' 4.x
+#: ``from_pretrained``) refuse a safetensors file without it.
+DEFAULT_METADATA = {"format": "pt"}
 
 
 _ESCAPE = json.encoder.encode_basestring_ascii
@@ -64,13 +68,21 @@ class HeaderTemplate:
     between each two (``holes[i]`` checksums of 8 hex digits between pieces i and i+1:
     an entry's whole checksum, or its block checksums), ``blocks`` (per entry, whether
     it has block checksums) and ``entries``, the safetensors entries without their
-    braces. The checksums are fixed-width hex, so the header is laid out once, with
+    braces; ``metadata``, the other entries of ``__metadata__`` (DEFAULT_METADATA
+    unless given). The checksums are fixed-width hex, so the header is laid out once, with
     zeros, and rendering only overwrites them at known offsets. A few compact objects
     (bytes and arrays) cross to the offload process cheaply, and a large one is never
     freed all at once.
     """
 
-    def __init__(self, pieces: list[str], holes: list[int], blocks: list[int], entries: str) -> None:
+    def __init__(
+        self,
+        pieces: list[str],
+        holes: list[int],
+        blocks: list[int],
+        entries: str,
+        metadata: Mapping[str, str] | None = None,
+    ) -> None:
         # The metadata is stored as a JSON string inside the header: the pieces come
         # escaped, so all of it is ASCII, and offsets in the text are offsets in the bytes.
         escaped = pieces
@@ -97,7 +109,11 @@ class HeaderTemplate:
                 pos += 8 * hole
         self._holes = at  # where each checksum goes
         self._crc_at = pos + len(CRC_KEY) + 6  # after '","' CRC_KEY '":"'
-        parts += [f'","{CRC_KEY}":"{CRC_ZERO}"}}', "," if entries else "", entries, "}"]
+        extra = "".join(
+            f",{json_string(k)}:{json_string(v)}"
+            for k, v in (DEFAULT_METADATA if metadata is None else metadata).items()
+        )
+        parts += [f'","{CRC_KEY}":"{CRC_ZERO}"{extra}}}', "," if entries else "", entries, "}"]
         self.size = -(-(pos + sum(map(len, parts[-4:]))) // ALIGN) * ALIGN
         # Laid out a slice at a time: the header of 100,000 tensors is 26 MB, and each
         # whole-header copy held the GIL (and so stalled the event loop) ~10 ms; so did

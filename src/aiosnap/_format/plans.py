@@ -54,11 +54,12 @@ class _Layout:
     described: list[Described]
     tensors: list[TensorInfo]
     laid: EntryPieces
-    #: The last template made of these entries, and the skeleton and external leaves
-    #: it was made with.
+    #: The last template made of these entries, and the skeleton, external leaves and
+    #: metadata it was made with.
     tree: str
     external: list[Described]
     template: HeaderTemplate
+    metadata: dict[str, str] | None = None
 
 
 class PlanCache:
@@ -93,15 +94,21 @@ def plan(snapshot: Snapshot, cache: PlanCache | None = None) -> Plan:
             infos.append(TensorInfo(name, kind, dtype, shape, pos, pos + nbytes, 0, shard))
             pos += nbytes
         laid = _format.entry_pieces(infos)
-        template = _format.header_template(infos, snapshot.tree, _outside(external), laid)
+        template = _format.header_template(
+            infos, snapshot.tree, _outside(external), laid, metadata=snapshot.metadata
+        )
         if cache is not None:
-            cache._last = _Layout(described, list(infos), laid, snapshot.tree, external, template)
+            cache._last = _Layout(
+                described, list(infos), laid, snapshot.tree, external, template, snapshot.metadata
+            )
         return Plan(leaves, infos, template, snapshot.tree)
-    if last.tree != snapshot.tree or last.external != external:
+    if last.tree != snapshot.tree or last.external != external or last.metadata != snapshot.metadata:
         # A skeleton holds the state's plain values (a learning rate, a step count):
         # only the end of the last piece changes.
-        last.template = _format.header_template(last.tensors, snapshot.tree, _outside(external), last.laid)
-        last.tree, last.external = snapshot.tree, external
+        last.template = _format.header_template(
+            last.tensors, snapshot.tree, _outside(external), last.laid, metadata=snapshot.metadata
+        )
+        last.tree, last.external, last.metadata = snapshot.tree, external, snapshot.metadata
     else:
         _offload.release(external)
     _offload.release(described)  # equal to the kept one; freed a slice at a time

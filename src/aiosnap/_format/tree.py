@@ -8,7 +8,7 @@ it, and freeing a large one holds the GIL for as long as the cascade of
 deallocations runs. Objects with
 ``state_dict()``/``load_state_dict()`` are captured through ``state_dict()``.
 
-Node encoding (JSON):
+Node encoding (JSON; read back by ``nodes``):
     None, bool, int, str      -> themselves
     finite float              -> itself; nan/inf -> {"$": "float", "v": "nan"}
     list                      -> [node, ...]
@@ -26,7 +26,7 @@ from __future__ import annotations
 import base64
 import math
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,20 +34,31 @@ import numpy as np
 import torch
 
 from .._base.errors import UnsupportedTypeError
-from .._base.offload import release
+from .._base.offload import hand_over
 from .dtypes import is_storable_torch, numpy_file_dtype
 from .header import json_string
+
+# The read side of the node encoding, re-exported: what capture writes, and its readers.
+from .nodes import LEAF_TAGS as LEAF_TAGS
+from .nodes import MAX_DEPTH as MAX_DEPTH
+from .nodes import PLAIN_KEYS as PLAIN_KEYS
+from .nodes import Node as Node
+from .nodes import check as check
+from .nodes import decode_key as decode_key
+from .nodes import dict_items as dict_items
+from .nodes import format_path as format_path
+from .nodes import known_object as known_object
+from .nodes import rebuild as rebuild
+from .nodes import release_dicts as release_dicts
+from .nodes import sequence_values as sequence_values
+from .nodes import walk_leaves as walk_leaves
+from .nodes import walk_nodes as walk_nodes
 from .shards import is_dtensor, shard_of
 
-Node = Any  # a JSON value, as described in the module docstring
 _KEY_TYPES = (str, int, float, bool, type(None))
-#: At most this many containers nest, at capture and at load: every walk of a tree is
-#: then bounded, whatever a file says.
-MAX_DEPTH = 100
-LEAF_TAGS = frozenset(("tensor", "dtensor", "ndarray", "npscalar", "pickle"))
-#: Key nodes that are the key itself (the others are float nodes).
-PLAIN_KEYS = (str, int, bool, type(None), float)
-_FLOAT_WORDS = ("nan", "inf", "-inf")
+#: At most this many state_dict() calls in a row, each on what the last returned: a
+#: wrapper's state_dict() may return its inner object's, never sixteen levels of them.
+MAX_STATE_HOPS = 16
 _PLAIN_TENSORS = tuple(
     cls for cls in (torch.Tensor, torch.nn.Parameter, getattr(torch.nn, "Buffer", None)) if cls
 )
@@ -77,6 +88,9 @@ class Snapshot:
     external: list[Leaf] = field(default_factory=list)
     #: The optimizers whose ``state_dict()`` was taken: a lazy capture guards their step.
     optimizers: list[Any] = field(default_factory=list)
+    #: The other entries of the file's ``__metadata__``; None: the default ones (see
+    #: ``header.DEFAULT_METADATA``).
+    metadata: dict[str, str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +103,15 @@ class ExternalLeaves:
     is_external: Callable[[str], bool]
 
 
+@dataclass(frozen=True, slots=True)
+class WithMetadata:
+    """A state to capture, and the entries its file's ``__metadata__`` holds beside
+    aiosnap's own (``aiosnap convert`` keeps a safetensors file's this way)."""
+
+    state: object
+    metadata: dict[str, str]
+
+
 def is_stateful(obj: object) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
@@ -97,10 +120,6 @@ def _wraps_optimizer(obj: object) -> bool:
     """An optimizer wrapper that is no ``Optimizer`` (Accelerate's, Lightning's, a
     trainer's own): it holds the optimizer as ``.optimizer``."""
     return callable(getattr(getattr(obj, "optimizer", None), "register_step_pre_hook", None))
-
-
-def format_path(parts: tuple[object, ...]) -> str:
-    return ".".join(map(str, parts)) if parts else "<root>"
 
 
 def capture(target: object, *, allow_pickle: bool = False) -> Snapshot:
@@ -114,10 +133,15 @@ class _Capture:
         self.snapshot = Snapshot(tree="")
         self.names: set[str] = set()
         self.aliases: dict[object, str] = {}
+        #: The containers and stateful objects being walked (ids): one reached again is a cycle.
         self.active: set[int] = set()
+        #: state_dict() calls in a row, each on what the last returned (see stateful).
+        self.hops = 0
         self.is_external: Callable[[str], bool] | None = None
 
     def run(self, target: object) -> Snapshot:
+        if isinstance(target, WithMetadata):
+            self.snapshot.metadata, target = dict(target.metadata), target.state
         if isinstance(target, ExternalLeaves):
             self.is_external, target = target.is_external, target.state
         self.snapshot.tree = self.node(target, ())
@@ -163,10 +187,34 @@ class _Capture:
         if isinstance(obj, (dict, list)) or type(obj) in (tuple, torch.Size):
             return self.container(obj, path)
         if is_stateful(obj):
-            if isinstance(obj, torch.optim.Optimizer) or _wraps_optimizer(obj):
-                self.snapshot.optimizers.append(obj)
-            return self.node(obj.state_dict(), path)  # type: ignore[attr-defined]
+            return self.stateful(obj, path)
         return self.other(obj, path)
+
+    def stateful(self, obj: object, path: tuple[object, ...]) -> str:
+        """The node of what ``obj.state_dict()`` returns. Bounded: a state_dict() that
+        returns a stateful object is followed MAX_STATE_HOPS times in a row at most (a
+        MagicMock's returns a new MagicMock every time), and never back to an object
+        whose state is being taken (itself, or one above it)."""
+        if id(obj) in self.active:
+            raise UnsupportedTypeError(
+                f"the state_dict() of the {_type_name(obj)} at {format_path(path)} holds that object "
+                "again (itself, or an object whose state it is part of): its state has no end"
+            )
+        if self.hops >= MAX_STATE_HOPS:
+            raise UnsupportedTypeError(
+                f"the state_dict() at {format_path(path)} returned an object with a state_dict() of "
+                f"its own {MAX_STATE_HOPS} times in a row ({_type_name(obj)} last): a state must end "
+                "in plain values"
+            )
+        if isinstance(obj, torch.optim.Optimizer) or _wraps_optimizer(obj):
+            self.snapshot.optimizers.append(obj)
+        self.active.add(id(obj))
+        self.hops += 1
+        try:
+            return self.node(obj.state_dict(), path)  # type: ignore[attr-defined]
+        finally:
+            self.hops -= 1
+            self.active.discard(id(obj))
 
     def container(self, obj: Any, path: tuple[object, ...]) -> str:
         if id(obj) in self.active:
@@ -175,6 +223,7 @@ class _Capture:
             where = format_path(path[:8])
             raise UnsupportedTypeError(f"the state tree is nested more than {MAX_DEPTH} deep at {where}...")
         self.active.add(id(obj))
+        hops, self.hops = self.hops, 0  # counted in a row: a container between them ends a run
         try:
             if isinstance(obj, dict):
                 items = ",".join([self.item(k, v, path) for k, v in obj.items()])
@@ -182,6 +231,7 @@ class _Capture:
             values = ",".join([self.node(v, (*path, i)) for i, v in enumerate(obj)])
             return f"[{values}]" if isinstance(obj, list) else f'{{"$":"tuple","v":[{values}]}}'
         finally:
+            self.hops = hops
             self.active.discard(id(obj))
 
     def item(self, key: object, value: object, path: tuple[object, ...]) -> str:
@@ -195,17 +245,25 @@ class _Capture:
         return f"[{self.node(key, path)},{self.node(value, (*path, key))}]"
 
     def tensor(self, t: torch.Tensor, path: tuple[object, ...]) -> str:
+        hand_over()  # the walk runs in a worker thread: the event loop gets its turn
         problem = _tensor_problem(t)
         if problem:
             return self.other(t, path, problem)
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
         key = (
             "tensor",
             t.device,
             t.dtype,
-            t.untyped_storage().data_ptr(),
+            # Storages of no bytes all have the data pointer 0: told apart by the storage
+            # itself (its address is held while the first leaf keeps the tensor alive).
+            ptr if ptr else ("storage", storage._cdata),
             t.storage_offset(),
             t.shape,  # a torch.Size is a tuple: no copy needed to hash it
             t.stride(),
+            # A conjugate or negative view has its base's bytes and other values.
+            t.is_conj(),
+            t.is_neg(),
         )
         return f'{{"$":"tensor","n":{json_string(self.leaf(key, t, path, "tensor"))}}}'
 
@@ -267,6 +325,10 @@ class _Capture:
         )
 
 
+def _type_name(obj: object) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
 def _tensor_problem(t: torch.Tensor) -> str:
     if type(t) not in _PLAIN_TENSORS:
         return f"tensor subclass {type(t).__name__} is not supported"
@@ -277,231 +339,3 @@ def _tensor_problem(t: torch.Tensor) -> str:
     if t.is_meta:
         return "meta tensors hold no data"
     return ""
-
-
-def check(tree: Node) -> None:
-    """Check a tree read from a file, without recursion: at most MAX_DEPTH containers
-    nested, every node of a known shape, and dict keys only what capture writes
-    (scalars, and float nodes). ValueError names the first bad place. Walks of a checked
-    tree are safe."""
-    stack: list[tuple[Node, tuple[object, ...]]] = [(tree, ())]
-    while stack:
-        node, path = stack.pop()
-        if node is None or isinstance(node, (bool, int, float, str)):
-            continue
-        tag = node.get("$") if isinstance(node, dict) else None
-        if tag is not None and not isinstance(tag, str):  # a list or an object: unhashable, never a tag
-            raise ValueError(f"unknown node type at {format_path(path)}")
-        if (isinstance(node, list) or tag in ("dict", "tuple")) and len(path) >= MAX_DEPTH:
-            raise ValueError(f"the tree is nested more than {MAX_DEPTH} deep at {format_path(path[:8])}...")
-        if isinstance(node, list):
-            stack.extend((v, (*path, i)) for i, v in enumerate(node))
-        elif not isinstance(node, dict):
-            raise ValueError(f"bad node at {format_path(path)}")
-        elif tag == "dict":
-            for key_node, value in dict_items(node, path):
-                if not _is_reference(value):  # else checked here: the common leaf, no path built
-                    stack.append((value, (*path, decode_key(key_node, path))))
-        elif tag == "tuple":
-            stack.extend((v, (*path, i)) for i, v in enumerate(sequence_values(node, path)))
-        elif tag == "float":
-            _str(node, "v", path, _FLOAT_WORDS)
-        elif tag == "bytes":
-            _bytes(node, path)  # decoded here too: verify checks a tree with this alone
-        elif tag in LEAF_TAGS:
-            _str(node, "n", path)
-        else:
-            raise ValueError(f"unknown node type {tag!r:.40} at {format_path(path)}")
-
-
-def _is_reference(node: Node) -> bool:
-    """Whether a node is a well-formed reference to a stored value."""
-    if type(node) is not dict:
-        return False
-    tag = node.get("$")
-    return type(tag) is str and tag in LEAF_TAGS and type(node.get("n")) is str
-
-
-def rebuild(
-    node: Node,
-    resolve: Callable[[str, str, tuple[object, ...]], object],
-    consume: bool = False,
-    known: Mapping[int, tuple[Any, Any]] | None = None,
-) -> object:
-    """Turn a skeleton back into objects; ``resolve(kind, name, path)`` gives leaves.
-
-    ``consume``: the skeleton is not used again, and its large lists are emptied a
-    slice at a time once rebuilt (``release``), deepest first: freeing a tree of
-    100,000 leaves at once held the GIL for 20 ms. ``known``: dict nodes already made
-    (id of the node -> the node and the object it is: see ``_targets.Destinations``),
-    returned as they are."""
-    return _rebuild(node, resolve, (), consume, known)
-
-
-def _rebuild(
-    node: Node,
-    resolve: Callable[[str, str, tuple[object, ...]], object],
-    path: tuple[object, ...],
-    consume: bool = False,
-    known: Mapping[int, tuple[Any, Any]] | None = None,
-) -> object:
-    if node is None or isinstance(node, (bool, int, float, str)):
-        return node
-    if isinstance(node, list):
-        out_list = [_rebuild(v, resolve, (*path, i), consume, known) for i, v in enumerate(node)]
-        if consume:
-            release(node)
-        return out_list
-    if not isinstance(node, dict):
-        raise ValueError(f"bad node at {format_path(path)}")
-    tag = node.get("$")
-    if tag == "dict":
-        made = known_object(node, known)
-        if made is not None:
-            if consume:
-                release_dicts(node)
-            return made
-        out: dict[object, object] = {}
-        for key_node, value in dict_items(node, path):
-            key = key_node if type(key_node) in PLAIN_KEYS else _rebuild(key_node, resolve, path)
-            if _is_reference(value):
-                out[key] = resolve(value["$"], value["n"], (*path, key))
-            else:
-                out[key] = _rebuild(value, resolve, (*path, key), consume, known)
-        if consume:
-            release(node["items"])
-        return out
-    if tag == "tuple":
-        values = sequence_values(node, path)
-        out_tuple = tuple(_rebuild(v, resolve, (*path, i), consume, known) for i, v in enumerate(values))
-        if consume:
-            release(values)
-        return out_tuple
-    if tag == "float":
-        return float(_str(node, "v", path, _FLOAT_WORDS))
-    if tag == "bytes":
-        return _bytes(node, path)
-    if tag in LEAF_TAGS:
-        return resolve(tag, _str(node, "n", path), path)
-    raise ValueError(f"unknown node type {tag!r:.40} at {format_path(path)}")
-
-
-def known_object(node: Node, known: Mapping[int, tuple[Any, Any]] | None) -> Any:
-    """The object ``known`` (id of a dict node -> the node and the object it is: see
-    ``_targets.Destinations.known``) holds for ``node``, or None."""
-    made = known.get(id(node)) if known else None
-    return made[1] if made is not None and made[0] is node else None
-
-
-def release_dicts(node: Node) -> None:
-    """Free a checked tree's dict nodes a slice of items at a time, deepest first, as
-    ``rebuild(consume=True)`` does (freed at once, 100,000 leaves held the GIL 20 ms)."""
-    if type(node) is dict and node.get("$") == "dict":
-        for _, value in node["items"]:
-            if type(value) is dict and value.get("$") == "dict":
-                release_dicts(value)
-        release(node["items"])
-
-
-def dict_items(node: dict[str, Any], path: tuple[object, ...] = ()) -> Iterator[tuple[Node, Node]]:
-    """The (key node, value node) pairs of a dict node, checked."""
-    items = node.get("items")
-    if not isinstance(items, list):
-        raise ValueError(f"bad dict node at {format_path(path)}")
-    for pair in items:
-        if not isinstance(pair, list) or len(pair) != 2:
-            raise ValueError(f"bad dict item at {format_path(path)}")
-        key = pair[0]
-        if not (key is None or isinstance(key, (bool, int, float, str)) or _is_float_node(key)):
-            raise ValueError(f"bad dict key at {format_path(path)}: only scalars are keys")
-        yield key, pair[1]
-
-
-def _is_float_node(node: Node) -> bool:
-    return isinstance(node, dict) and node.get("$") == "float" and node.get("v") in _FLOAT_WORDS
-
-
-def sequence_values(node: Node, path: tuple[object, ...] = ()) -> list[Node]:
-    """The element nodes of a list node or a tuple node, checked."""
-    values = node if isinstance(node, list) else node.get("v")
-    if not isinstance(values, list):
-        raise ValueError(f"bad tuple node at {format_path(path)}")
-    return values
-
-
-def decode_key(key_node: Node, path: tuple[object, ...] = ()) -> object:
-    """A dict key, from its node (a key can be a float node but never a leaf)."""
-    return _rebuild(key_node, _no_leaf, path)
-
-
-def _bytes(node: dict[str, Any], path: tuple[object, ...]) -> bytes:
-    try:
-        return base64.b64decode(_str(node, "v", path), validate=True)
-    except ValueError:  # binascii.Error, or a character that is not ASCII
-        raise ValueError(f"bad bytes node at {format_path(path)}") from None
-
-
-def _str(
-    node: dict[str, Any], key: str, path: tuple[object, ...], allowed: tuple[str, ...] | None = None
-) -> str:
-    value = node.get(key)
-    if not isinstance(value, str) or (allowed is not None and value not in allowed):
-        raise ValueError(f"bad {node.get('$')} node at {format_path(path)}")
-    return value
-
-
-def walk_nodes(node: Node, path: tuple[object, ...] = ()) -> list[tuple[tuple[object, ...], Node]]:
-    """(path, node) of every leaf of a checked tree: the references to stored values
-    and the plain values; keys are decoded as in rebuild. A list, not a generator: with
-    100,000 leaves, every level of nested generators cost ~0.2 us per leaf."""
-    out: list[Any] = []
-    _walk(node, path, out, False)
-    return out
-
-
-def walk_leaves(
-    node: Node, path: tuple[object, ...] = (), skip: Mapping[int, tuple[Any, Any]] | None = None
-) -> list[tuple[tuple[object, ...], str, str]]:
-    """(path, kind, name) of every reference to a stored value; none under the dict
-    nodes in ``skip`` (id of the node -> the node and anything: see
-    ``_targets.Destinations.known``)."""
-    out: list[Any] = []
-    _walk(node, path, out, True, skip)
-    return out
-
-
-def _walk(
-    node: Node,
-    path: tuple[object, ...],
-    out: list[Any],
-    refs: bool,
-    skip: Mapping[int, tuple[Any, Any]] | None = None,
-) -> None:
-    # A checked tree is nested at most MAX_DEPTH deep: the recursion is bounded.
-    if isinstance(node, list):
-        for i, v in enumerate(node):
-            _walk(v, (*path, i), out, refs, skip)
-        return
-    tag = node.get("$") if isinstance(node, dict) else None
-    if tag == "dict":
-        if known_object(node, skip) is not None:
-            return
-        for key_node, value in node["items"]:  # pairs, as check found them (dict_items)
-            key = key_node if type(key_node) in PLAIN_KEYS else decode_key(key_node, path)
-            if not _is_reference(value):
-                _walk(value, (*path, key), out, refs, skip)
-            elif refs:
-                out.append(((*path, key), value["$"], value["n"]))
-            else:
-                out.append(((*path, key), value))
-    elif tag == "tuple":
-        for i, v in enumerate(sequence_values(node, path)):
-            _walk(v, (*path, i), out, refs, skip)
-    elif not refs:
-        out.append((path, node))
-    elif type(tag) is str and tag in LEAF_TAGS:
-        out.append((path, tag, _str(node, "n", path)))
-
-
-def _no_leaf(kind: str, name: str, path: tuple[object, ...]) -> object:
-    raise ValueError(f"a dict key cannot be a {kind} (at {format_path(path)})")

@@ -23,6 +23,7 @@ import torch
 from .._base import offload as _offload
 from .._base.checksums import crc32c
 from .._base.errors import CorruptCheckpointError, PickleNotAllowedError
+from .._base.offload import hand_over
 from .._format import dtypes as _dtypes
 from .._format.codec import Header, TensorInfo
 from .._format.manifest import SavedTensor
@@ -340,6 +341,7 @@ def _read_small(
     f.read_batch([(start, [raw])])
     check, move, view = crc32c, ctypes.memmove, _in_buffer  # per entry, a global looked up costs
     for info in group:
+        hand_over()
         at, end = info.start - base, info.end - base
         if info.crc is not None and check(raw[at:end]) != info.crc:
             raise CorruptCheckpointError(f.path, f"checksum mismatch in tensor {info.name!r}")
@@ -502,6 +504,7 @@ def _populate(
 
 def _allocate(info: TensorInfo) -> tuple[Any, Any]:
     """The object an entry becomes, and where its bytes go (see Made)."""
+    hand_over()  # per entry, in a worker thread: the event loop gets its turn
     if info.kind == "tensor":
         # Sizes as arguments, not a tuple: torch parses them in 0.6 us instead of 1.1.
         shape, dtype = info.shape, _dtypes.TORCH_DTYPES[info.dtype]

@@ -19,6 +19,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from .._base.errors import CorruptCheckpointError
+from .._base.names import BLOB_DIR
 from .._format.codec import Header, Ref, TensorInfo
 from .._format.compress import FRAME_HEAD, Stream, check_frame, decompress
 from .._save.incremental import blob_dir, blob_file
@@ -52,7 +53,13 @@ def _place(
         path = storage.join(folder, blob_file(ref.blob, ref.compression))
         entry = storage.stat(path)
         if entry is None or not entry.is_file:
-            raise CorruptCheckpointError(f.path, f"entry {name!r} refers to the missing blob {path}")
+            raise CorruptCheckpointError(
+                f.path,
+                f"entry {name!r} refers to the missing blob {path}: an incremental save's file keeps "
+                f"its large entries in the {BLOB_DIR}/ folder beside it; copy that folder with it, or "
+                "make a file that needs none: `aiosnap convert --standalone SRC DST` in the directory "
+                "it was saved in",
+            )
         if entry.size != ref.stored:
             raise CorruptCheckpointError(
                 f.path, f"entry {name!r} refers to the blob {path} as {ref.stored} bytes; it has {entry.size}"

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from .._base.errors import CheckpointError, StateMismatchError
+from .._base.offload import hand_over
 from .._format import dtypes as _dtypes
 from .._format.codec import TensorInfo
 from .._format.shards import is_dtensor
@@ -93,6 +94,7 @@ def find(target: Any, node: Any, lookup: Any, out: Destinations, path: tuple[obj
             sub = target[key]
             if type(sub) in _PLAIN_TENSORS and type(value) is dict and value.get("$") == "tensor":
                 # The common leaf, as _leaf takes it, without a call of find or of _leaf.
+                hand_over()  # a walk of torch calls in a worker thread: the loop gets its turn
                 if out.track_held:
                     out.held.append((*path, key))
                 info = lookup(value.get("n"))

@@ -19,6 +19,7 @@ import anyio
 
 from .._base import offload as _offload
 from .._base.errors import CheckpointError, CheckpointNotFoundError, ForeignFileError, IndexWriteError
+from .._base.notice import notice
 from .._save.handle import SaveStats
 from .._storage.protocol import Storage, Version
 from .blobs import collect
@@ -30,6 +31,9 @@ logger = logging.getLogger(__name__)
 INDEX_NAME = "aiosnap-index.json"
 #: History entries kept in the index; older ones are dropped first.
 HISTORY_LIMIT = 10_000
+#: Scans a reader makes at most in one load while the index it reads keeps naming a
+#: checkpoint the scan before did not see (see ``Catalog._scan``).
+RESCANS = 8
 
 
 class Steps(Protocol):
@@ -42,8 +46,9 @@ class Steps(Protocol):
     async def scan(self) -> dict[int, str]:
         """The committed checkpoints on storage, step -> name."""
 
-    async def owns(self, name: str) -> bool:
-        """Whether aiosnap wrote the checkpoint ``name`` (the index did not say)."""
+    async def owns(self, name: str) -> bool | None:
+        """Whether aiosnap wrote the checkpoint ``name`` (the index did not say); None if
+        it is gone since the scan found it."""
 
     async def remove(self, name: str, size: int) -> None:
         """Delete checkpoint ``name`` (which the index records at ``size`` bytes, 0 if
@@ -63,16 +68,26 @@ class Catalog:
         *,
         steps: Steps,
         writable: bool = True,
+        name: str = "",
     ) -> None:
         self._storage, self._directory, self._pattern, self._keep = storage, directory, pattern, keep
+        #: The name template ``pattern`` comes from (for messages).
+        self._name = name
         self._steps = steps
         #: The warnings given: a reader rescans at every call, and says a thing once.
         self._warned: set[str] = set()
         self.records: dict[int, CheckpointRecord] = {}
-        self.history: list[CheckpointRecord] = []
+        #: The history as parsed (``past``), or None while it is ``_unparsed`` still.
+        self._history: list[CheckpointRecord] | None = []
+        self._unparsed: list[object] = []
         self._lock = anyio.Lock()
         #: A reader's catalog (``read_only``) keeps everything in memory.
         self._writable = writable
+        #: A reader's directory changes under it: a writer beside it commits and rotates.
+        self._reader = not writable
+        #: Whether the directory ever held a committed checkpoint, as far as the files and
+        #: the index tell (the index keeps the history of what retention removed).
+        self.committed_before = False
         #: Steps this catalog saw fail verification. Only they are removed for being
         #: corrupt: a mark read from the index (a cache) hides a checkpoint from steps(),
         #: but never deletes it.
@@ -95,9 +110,8 @@ class Catalog:
         """Read the index and what is on storage: the index's records of what is there,
         and records made for what aiosnap wrote that the index does not know (a lost or
         stale index). What bears a checkpoint's name but is not aiosnap's is left alone,
-        and named in one warning."""
-        on_disk = await self._steps.scan()
-        indexed, history = await self._read_index()
+        and named in one warning; what is gone since the scan found it is neither."""
+        on_disk, indexed, history = await self._scan()
         strays = list(self._steps.strays)
         now = time.time()
         self.records = {}
@@ -105,14 +119,41 @@ class Catalog:
             known = indexed.get(step)
             if known is not None and known.file == name:
                 self.records[step] = known
-            elif await self._steps.owns(name):
+                continue
+            owned = await self._steps.owns(name)
+            if owned:
                 self.records[step] = CheckpointRecord(step, name, self._epoch_of(name), wall_time=now)
-            else:
+            elif owned is not None:  # None: retention beside a reader removed it meanwhile
                 strays.append(f"{name} (not a checkpoint aiosnap wrote)")
-        self.history = history
+        self._history, self._unparsed = None, history
+        self.committed_before = bool(self.records or indexed or history)
         self._warn_strays(strays)
+        self._warn_other_names(indexed)
         if set(indexed) != set(self.records) and self._writable:
             await self._write_index_or_warn()
+
+    async def _scan(self) -> tuple[dict[int, str], dict[int, CheckpointRecord], list[object]]:
+        """What is on storage, and the index (records, history), read after it. A reader
+        scans again while the index names a checkpoint the scan did not see and the index
+        is a newer one than at the scan before: a listing does not see for sure a file
+        renamed into place while it runs (a commit beside it), but every commit is in
+        place before the index that names it is written, and retention removes a file
+        only after writing an index without it. An index that names a file no scan finds
+        twice over is stale (a file deleted by hand, an index write that failed)."""
+        before: object = _UNREAD
+        for _ in range(RESCANS if self._reader else 1):
+            on_disk = await self._steps.scan()
+            indexed, history = await self._read_index()
+            missed = any(on_disk.get(step) != record.file for step, record in indexed.items())
+            if not missed or self._version == before:
+                break
+            before = self._version
+        return on_disk, indexed, history
+
+    def mark(self) -> list[object]:
+        """What a reader compares to tell that the directory moved on since it listed it:
+        the index's version and the committed checkpoints (JSON, for the group's channel)."""
+        return [self._version, [[step, r.file] for step, r in sorted(self.records.items())]]
 
     def _warn_strays(self, strays: list[str]) -> None:
         if strays:
@@ -120,6 +161,23 @@ class Catalog:
                 f"{self._directory}: left alone, as aiosnap did not write them (it reads, follows and "
                 f"deletes only its own checkpoints): {'; '.join(strays)}"
             )
+
+    def _warn_other_names(self, indexed: dict[int, CheckpointRecord]) -> None:
+        """The index names checkpoints of another name template (the directory was used
+        with another ``name=``): this one neither lists, restores nor rotates them, and a
+        resume would start afresh beside them. Said whether logging is configured or not."""
+        other = sorted(r.file for r in indexed.values() if not self._pattern.fullmatch(r.file))
+        if not other or "other names" in self._warned:
+            return
+        self._warned.add("other names")
+        shown = ", ".join(other[-3:])
+        notice(
+            logger,
+            f"{self._directory}: its index names {len(other)} checkpoint(s) saved under another name "
+            f"template than name={self._name!r} (the newest: {shown}): they are not listed, restored "
+            "or rotated by this manager. To resume from them, open the manager with the name= they "
+            "were saved with (for example name='ckpt-{step}' for 'ckpt-100')",
+        )
 
     def _warn(self, message: str) -> None:
         """Log ``message`` as a warning, unless this catalog has said it already."""
@@ -148,7 +206,8 @@ class Catalog:
             if not self._writable:
                 raise CheckpointError(f"{self._directory}: a read-only catalog cannot record a commit")
             self.records[record.step] = record
-            self.history = [*self.history, record][-HISTORY_LIMIT:]
+            self.committed_before = True
+            self._history = [*(await self.past()), record][-HISTORY_LIMIT:]
             await self._prune()
 
     def hold(self, step: int) -> None:
@@ -245,16 +304,14 @@ class Catalog:
             if record is not None:
                 self.records[step] = record.replace(corrupt=reason)
 
-    async def _read_index(self) -> tuple[dict[int, CheckpointRecord], list[CheckpointRecord]]:
+    async def _read_index(self) -> tuple[dict[int, CheckpointRecord], list[object]]:
+        """The index's records, and its history still unparsed (``past`` parses it when
+        asked: a reader reads the index at every call, and a full history takes a second
+        to parse). Decoded in a worker thread: the event loop never parses a long index."""
         path = self._storage.join(self._directory, INDEX_NAME)
         try:
             raw, self._version = await _offload.run_io(self._storage.read_versioned, path)
-            data = json.loads(raw)
-            if not isinstance(data, dict):
-                raise TypeError(f"the index is a {type(data).__name__}, not an object")
-            records, history = data["checkpoints"], data.get("history", [])
-            if not isinstance(records, list) or not isinstance(history, list):
-                raise TypeError("checkpoints or history is not a list")
+            records, bad, history = await _offload.run_cpu(_decode_index, raw)
         except CheckpointNotFoundError:
             self._version = None
             return {}, []
@@ -267,31 +324,64 @@ class Catalog:
             # RecursionError: json's C parser stops at the interpreter's nesting limit.
             self._warn(f"index {path} is unreadable ({exc!r}); rebuilding it from the directory")
             return {}, []
-        # The history is cut as it is written: a longer one is not the writer's.
-        return {r.step: r for r in self._records(records, path)}, self._records(
-            history[-HISTORY_LIMIT:], path
-        )
+        self._warn_malformed(bad)
+        return {r.step: r for r in records}, history
 
-    def _records(self, entries: list[object], path: str) -> list[CheckpointRecord]:
-        """The well-formed records among index entries; the others are dropped (a checkpoint
-        whose record goes is taken as the directory shows it, as if the index never knew it)."""
-        records, bad = [], 0
-        for entry in entries:
-            try:
-                records.append(CheckpointRecord.from_json(entry))
-            except (ValueError, TypeError):
-                bad += 1
+    async def past(self) -> list[CheckpointRecord]:
+        """The history: every commit the index keeps, oldest first (parsed once per read
+        of the index, in a worker thread)."""
+        if self._history is not None:
+            return self._history
+        unparsed = self._unparsed
+        parsed, bad = await _offload.run_cpu(_parse_records, unparsed)
+        self._warn_malformed(bad)
+        if self._history is None and self._unparsed is unparsed:  # no newer load meanwhile
+            self._history, self._unparsed = parsed, []
+        return parsed
+
+    def _warn_malformed(self, bad: int) -> None:
+        """A checkpoint whose record was malformed is taken as the directory shows it, as
+        if the index never knew it; a history entry is dropped."""
         if bad:
+            path = self._storage.join(self._directory, INDEX_NAME)
             self._warn(f"index {path}: {bad} malformed entries ignored")
-        return records
 
     async def _write_index(self) -> None:
         valid = self.steps()
         checkpoints = [r for _, r in sorted(self.records.items())]
         latest = valid[-1] if valid else None
-        blob = await _offload.run_cpu(_encode_index, latest, checkpoints, list(self.history))
+        blob = await _offload.run_cpu(_encode_index, latest, checkpoints, list(await self.past()))
         path = self._storage.join(self._directory, INDEX_NAME)
         self._version = await _offload.run_io(self._storage.replace_if, path, blob, self._version)
+
+
+def _decode_index(raw: bytes) -> tuple[list[CheckpointRecord], int, list[object]]:
+    """The index's well-formed checkpoint records, how many were not, and its history
+    (cut as it is written: a longer one is not the writer's). Runs in a worker thread."""
+    data = json.loads(raw)
+    if not isinstance(data, dict):
+        raise TypeError(f"the index is a {type(data).__name__}, not an object")
+    records, history = data["checkpoints"], data.get("history", [])
+    if not isinstance(records, list) or not isinstance(history, list):
+        raise TypeError("checkpoints or history is not a list")
+    parsed, bad = _parse_records(records)
+    return parsed, bad, history[-HISTORY_LIMIT:]
+
+
+def _parse_records(entries: list[object]) -> tuple[list[CheckpointRecord], int]:
+    """The well-formed records among index entries, and how many were not. Runs in a
+    worker thread."""
+    records, bad = [], 0
+    for entry in entries:
+        try:
+            records.append(CheckpointRecord.from_json(entry))
+        except (ValueError, TypeError):
+            bad += 1
+    return records, bad
+
+
+#: No index read yet (None is the version of an index that does not exist).
+_UNREAD = object()
 
 
 def _encode_index(

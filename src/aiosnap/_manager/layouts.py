@@ -45,9 +45,10 @@ class Layout(Protocol):
     async def scan(self) -> dict[int, str]:
         """The committed steps: step -> name."""
 
-    async def owns(self, name: str) -> bool:
+    async def owns(self, name: str) -> bool | None:
         """Whether the step ``name`` that ``scan`` found, which the index does not vouch
-        for, is one aiosnap wrote (its own header, or its manifest)."""
+        for, is one aiosnap wrote (its own header, or its manifest); None if it is gone
+        since (retention beside a reader removed it): neither aiosnap's nor another's."""
 
     async def remove(self, name: str, size: int) -> None:
         """Delete a committed step, if it is still the one aiosnap wrote (``size``: its
@@ -106,9 +107,9 @@ class Files:
                 self.strays.append(f"{entry.name} ({kind})")
         return found
 
-    async def owns(self, name: str) -> bool:
+    async def owns(self, name: str) -> bool | None:
         path = self.storage.join(self.directory, name)
-        return await _offload.run_io(_written_by_aiosnap, self.storage, path)
+        return await _offload.run_io(_ownership, self.storage, path)
 
     async def remove(self, name: str, size: int) -> None:
         path = self.storage.join(self.directory, name)
@@ -146,19 +147,8 @@ class Files:
         self, record: CheckpointRecord, rank: int, world: int, target: Any, keys: Any, strict: bool
     ) -> tuple[str, Any]:
         path = self.storage.join(self.directory, record.file)
-        # A manager reads only what aiosnap wrote: never another program's file (a pickle
-        # a co-tenant of the directory left under a checkpoint's name), allow_pickle or not.
-        if not await _offload.run_io(_written_by_aiosnap, self.storage, path):
-            if await _offload.run_io(self.storage.stat, path) is None:
-                raise CheckpointNotFoundError(path)
-            raise NotACheckpointError(
-                path,
-                "no longer a checkpoint aiosnap wrote; a manager reads only its own (aiosnap.load reads it)",
-            )
-        state = await _offload.run_io(
-            load_blocking, self.storage, path, keys, None, self.allow_pickle, target, strict
-        )
-        return path, state
+        request = (keys, None, self.allow_pickle, target, strict)
+        return path, await _offload.run_io(_load_own, self.storage, path, *request)
 
 
 class StepDirectories:
@@ -185,7 +175,7 @@ class StepDirectories:
     async def scan(self) -> dict[int, str]:
         return await self.dirs.scan()
 
-    async def owns(self, name: str) -> bool:
+    async def owns(self, name: str) -> bool | None:
         """A step directory is found only with its manifest, which aiosnap wrote."""
         return True
 
@@ -233,6 +223,21 @@ class StepDirectories:
         return step_dir, state
 
 
+def _load_own(storage: Storage, path: str, *request: Any) -> Any:
+    """The state of the checkpoint at ``path``, which must be one aiosnap wrote: a manager
+    never reads another program's file (a pickle a co-tenant of the directory left under a
+    checkpoint's name), allow_pickle or not. One worker-thread call: a reader beside a
+    rotating writer opens the file it listed as soon as it can. Blocking."""
+    owned = _ownership(storage, path)
+    if owned is None:
+        raise CheckpointNotFoundError(path)
+    if not owned:
+        raise NotACheckpointError(
+            path, "no longer a checkpoint aiosnap wrote; a manager reads only its own (aiosnap.load reads it)"
+        )
+    return load_blocking(storage, path, *request)
+
+
 def _still_own(storage: Storage, path: str, size: int) -> bool:
     """Whether the file at ``path`` is still a checkpoint aiosnap wrote: its own header,
     or (a ``savefun``'s file, whose format is not aiosnap's) the size the index recorded
@@ -245,8 +250,16 @@ def _still_own(storage: Storage, path: str, size: int) -> bool:
 
 def _written_by_aiosnap(storage: Storage, path: str) -> bool:
     """Whether the file at ``path`` is one aiosnap wrote (False if it is gone). Blocking."""
+    return bool(_ownership(storage, path))
+
+
+def _ownership(storage: Storage, path: str) -> bool | None:
+    """Whether the file at ``path`` is one aiosnap wrote; None if there is none (any
+    more). Blocking."""
     try:
         reader = storage.open_read(path)
+    except CheckpointNotFoundError:
+        return None
     except CheckpointError:
         return False
     try:

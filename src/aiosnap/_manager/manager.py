@@ -41,7 +41,7 @@ from .._base.tasks import TaskGroupOwner
 from .._save.handle import Failures, Resolver, SaveFailure, SaveHandle, SaveStats, raise_first, skipped
 from .._save.writers import QueueWriter, Writer, _WriterBase
 from .._storage.protocol import Storage
-from .member import Attempt, restore_first
+from .member import Attempt, Listing, restore_first
 from .records import CheckpointRecord
 from .retention import RetentionPolicy
 from .site import Accept, Group, Naming, Site
@@ -196,6 +196,9 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
         keep_remote: the remote tier's retention policy.
         upload: ``"every"`` committed save is uploaded, or ``"manual"`` (``upload()``).
         uploader: the UploadWriter of the remote tier (retries, waiting uploads).
+        remote_timeout: seconds a process on its own waits for the remote tier's first
+            answer where it must read it (``latest_step``, ``restore``, ``resume``) before
+            RemoteStorageError says it is unavailable and what to do (None: no bound).
         capture: ``"eager"`` (a save returns once its state is copied) or ``"lazy"`` (once
             its tree is walked; see below); None takes the writer's default.
         incremental: store entries of 64 KiB or more once, as blobs shared by the
@@ -226,6 +229,7 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
         keep_remote: RetentionPolicy | None = None,
         upload: Literal["every", "manual"] = "every",
         uploader: UploadWriter | None = None,
+        remote_timeout: float | None = 30.0,
         capture: Literal["eager", "lazy"] | None = None,
         incremental: bool = False,
         frozen: Sequence[str] = (),
@@ -264,7 +268,7 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
             )
             uploads = uploader if uploader is not None else UploadWriter(storage=remote_storage)
             uploads.bind(far.storage)
-            self._tier = Tier(far, uploads, local=self._site.storage)
+            self._tier = Tier(far, uploads, local=self._site.storage, read_timeout=remote_timeout)
         self._upload_mode = upload
         self.read_only = read_only
         self._writer: Writer = _writer_of(
@@ -282,7 +286,8 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
         self.world_size: int | None = self._group.world_size
         self._last: Moment | None = None
         #: Set once local retention has let go of an uploaded step (see _release_after).
-        self._releases: set[anyio.Event] = set()
+        #: The local retention an upload holds back: released once it ended -> the upload.
+        self._releases: dict[anyio.Event, SaveHandle] = {}
         self._failures = Failures()
         self._signals: list[int] = []
         self._state: Literal["new", "opening", "open", "closing", "closed"] = "new"
@@ -534,6 +539,7 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
             raise CheckpointError(f"{self.directory}: this manager is read-only (read_only=True)")
         if self._site.lease_lost is not None:
             raise self._site.lease_lost
+        await self._settle_committed()
         filename = self.filename(step, epoch)
         step, epoch = check_step(step), None if epoch is None else check_step(epoch, "epoch")
         record = CheckpointRecord(
@@ -568,6 +574,15 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
         self._raise_pending(accepted=outer.path)
         return outer
 
+    async def _settle_committed(self) -> None:
+        """What earlier saves left to the event loop and can do now (see
+        ``Site.settle_committed``): their index and retention, and the retention their
+        finished uploads held back. Bounded by those follow-ups' own I/O."""
+        await self._site.settle_committed()
+        for released, upload in list(self._releases.items()):
+            if upload.done():
+                await released.wait()
+
     def _uploads_every_save(self) -> bool:
         return self._tier is not None and self._upload_mode == "every"
 
@@ -584,7 +599,7 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
         if catalog is not None:
             catalog.hold(step)
             released = anyio.Event()
-            self._releases.add(released)
+            self._releases[released] = upload
             self._tasks.start_soon(self._release_after, step, upload, released)
 
     async def _release_after(self, step: int, upload: SaveHandle, released: anyio.Event) -> None:
@@ -596,7 +611,7 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
         except Exception as exc:  # the index or a removal failed: reported as a failed save is
             self._failures.add(self._site.storage.join(self.directory, f"<retention after step {step}>"), exc)
         finally:
-            self._releases.discard(released)
+            self._releases.pop(released, None)
             released.set()
 
     async def _due(self, step: int, epoch: int | None) -> bool:
@@ -642,8 +657,8 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
                 raise
             notice(
                 logger,
-                f"the remote tier {self._tier.directory} is unavailable ({self._tier.error!r}): going on "
-                f"with the local steps (newest {local[-1]}); the remote tier may hold newer ones",
+                f"the remote tier {self._tier.directory} is unavailable ({self._tier.error or 'no answer'}): "
+                f"going on with the local steps (newest {local[-1]}); the remote tier may hold newer ones",
             )
             return []
 
@@ -700,39 +715,52 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
         """``restore()`` of the newest valid step of either tier, or None where there is
         none (a fresh start): the one call a training script needs to pick up where it
         stopped. A remote tier that may hold checkpoints but cannot be read raises
-        RemoteStorageError rather than start afresh."""
-        if await self.latest_step() is None:
+        RemoteStorageError rather than start afresh. A reader (``read_only``) returns
+        None only where the directory never held a committed checkpoint: one whose index
+        tells of commits but whose checkpoints are gone raises CheckpointNotFoundError."""
+        if await self.latest_step() is None and not (self.read_only and await self._committed_before()):
             return None
         # Committed steps exist: if none is valid, that is no fresh start, and it raises.
         return await self.restore(target=target, keys=keys, strict=strict)
+
+    async def _committed_before(self) -> bool:
+        """Whether either tier's directory ever held a committed checkpoint (a remote tier
+        that cannot be read is left to ``latest_step``, which raised already)."""
+        if await self._site.committed_before():
+            return True
+        return self._tier is not None and await self._tier.read(lambda site: site.committed_before())
 
     async def _restore_from_tiers(
         self, step: int | None, target: Any, keys: Sequence[str] | None, strict: bool
     ) -> Restored:
         """The newest valid step of either tier, the local copy first: a step corrupt
-        in one tier is tried in the other, then older steps are."""
+        in one tier is tried in the other, then older steps are. A reader lists both
+        again when what it chose went away as it read it (``restore_first``)."""
         assert self._tier is not None
-        local = {r.step: r for r in await self._site.candidates(step)}
-        remote_steps = await self._remote_or_local(sorted(local))
-        remote: dict[int, CheckpointRecord] = {}
-        if remote_steps:
-            remote = {r.step: r for r in await self._tier.read(lambda site: site.candidates(step))}
-        wanted = [step] if step is not None else sorted(local.keys() | remote.keys(), reverse=True)
-        tries = []
-        for candidate in wanted:
-            if candidate in local:
-                tries.append((self._site.member, local[candidate]))
-            if candidate in remote:
-                tries.append((self._tier.site.member, remote[candidate]))
-        found = await restore_first(tries, target, keys, strict)
+        tier, near = self._tier, self._site.member
+        held: set[int] = set()  # the steps either tier held, at the last listing
+
+        async def listing() -> Listing:
+            local = await self._site.listing(step)
+            remote = Listing([])
+            if await self._remote_or_local(sorted(r.step for _, r in local.tries)):
+                remote = await tier.read(lambda site: site.listing(step))
+            # Newest first; of a step both tiers hold, the local copy first.
+            tries = sorted([*local.tries, *remote.tries], key=lambda t: (-t[1].step, t[0] is not near))
+            held.clear()
+            held.update(r.step for _, r in tries)
+            return Listing(tries, [local.mark, remote.mark])
+
+        relist = listing if self.read_only else None
+        found = await restore_first(await listing(), target, keys, strict, relist=relist)
         if isinstance(found, Attempt):
             return Restored(found.record.step, found.record.epoch, found.path, found.state)
-        where = f"{self.directory!r} or {self._tier.directory!r}"
-        if step is not None and step not in local.keys() | remote.keys():
+        where = f"{self.directory!r} or {tier.directory!r}"
+        if step is not None and step not in held:
             missing = f"{self.directory}/<step {step}>"
             raise CheckpointNotFoundError(missing, f"step {step} is in neither {where}")
-        reasons = "; ".join(f"{a.where}: {a.reason}" for a in found)
-        reason = f"no valid checkpoint in {where}" + (f" ({reasons})" if reasons else "")
+        why = found.why()
+        reason = f"no valid checkpoint in {where}" + (f" ({why})" if why else "")
         raise CheckpointNotFoundError(self.directory, reason)
 
     async def remote_steps(self) -> list[int]:

@@ -25,9 +25,8 @@ import anyio.abc
 from .._base import offload as _offload
 from .._base.errors import (
     CheckpointError,
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
     DirectoryLockedError,
+    ForeignFileError,
     LeaseLostError,
     SaveCancelledError,
     WriterClosedError,
@@ -38,11 +37,11 @@ from .._format.tree import ExternalLeaves
 from .._save.handle import Failures, Resolver, SaveHandle
 from .._storage.backends import resolve
 from .._storage.local import LocalStorage
-from .._storage.protocol import Lease, Storage
+from .._storage.protocol import Lease, Storage, describe
 from .blobs import sweep as sweep_blobs
 from .catalog import Catalog
 from .layouts import Files, Layout, StepDirectories
-from .member import Attempt, Member, restore_first
+from .member import Attempt, Listing, Member, restore_first
 from .records import CheckpointRecord
 from .retention import RetentionPolicy
 from .step_dirs import has_step_dirs
@@ -113,7 +112,11 @@ class Site:
         self._catalog: Catalog | None = None
         self._lease: Lease | None = None
         self._renewal = anyio.CancelScope()
-        self._pending: set[SaveHandle] = set()
+        #: The saves being voted on: each one's handle -> the writer's own (None: the
+        #: writer refused it), whose end says the file is durable.
+        self._pending: dict[SaveHandle, SaveHandle | None] = {}
+        #: The saves of ``_pending`` whose group agreed: what is left is this rank's own.
+        self._agreed: set[SaveHandle] = set()
         #: Set once ``open`` went through: the lease is held and the catalog loaded.
         self.opened = anyio.Event()
         #: Called each time a vote ends (whoever waits for the votes to settle).
@@ -154,6 +157,7 @@ class Site:
                 self.keep,
                 steps=layout,
                 writable=not self.read_only,
+                name=self.naming.name,
             )
         self._member = Member(
             *self._channels, layout=layout, catalog=self._catalog, replicated=self.group.replicated
@@ -204,6 +208,9 @@ class Site:
         """Lock the directory, sweep what crashed saves left, load the index (rank 0); a
         reader only loads the index."""
         assert self._catalog is not None
+        found = await _offload.run_io(self.storage.stat, self.directory)  # a link to a directory is one
+        if found is not None and not found.is_dir:
+            raise ForeignFileError(self.directory, f"{describe(found)}, not a directory")
         if not self.read_only:
             self._lease = await self._take_lease()
             swept = await _offload.run_io(self.storage.sweep_incomplete, self.directory)
@@ -338,12 +345,12 @@ class Site:
                 exc if isinstance(exc, Exception) else SaveCancelledError("this rank's save was cancelled")
             )
             refused = outer if outer is not None else Resolver(path)
-            self._pending.add(refused.handle)
+            self._pending[refused.handle] = None
             tg.start_soon(self._vote, turn, failure, record, refused, report)
             raise
         if outer is None:
             outer = Resolver(path, following=inner)  # its caller waits for the writer's capture
-        self._pending.add(outer.handle)
+        self._pending[outer.handle] = inner
         tg.start_soon(self._vote, turn, inner, record, outer, report)
         return outer.handle
 
@@ -357,13 +364,36 @@ class Site:
     ) -> None:
         path = outer.handle.path
         try:
-            await self.member.vote(turn, inner, record, outer, lambda exc: report(path, exc))
+            await self.member.vote(
+                turn,
+                inner,
+                record,
+                outer,
+                lambda exc: report(path, exc),
+                lambda: self._agreed.add(outer.handle),
+            )
         finally:
-            self._pending.discard(outer.handle)
+            self._agreed.discard(outer.handle)
+            self._pending.pop(outer.handle, None)
             if not outer.handle.done():
                 outer.fail(WriterClosedError("the manager closed before the save finished"))
             if self.on_settled is not None:
                 self.on_settled()
+
+    async def settle_committed(self) -> None:
+        """Wait for what follows each save whose file is durable already (its vote, the
+        index, retention, the sweep and blob collection), but for no save still being
+        written. A training loop that yields only in its save calls gives those follow-ups
+        no other time to run: without this, retention fell behind by hundreds of files."""
+        for handle, inner in list(self._pending.items()):
+            if self.member.size > 1 and handle not in self._agreed:
+                # Its vote waits for the other ranks, whose event loops may be blocked
+                # where this rank's is not: in a collective of the training step (a
+                # synchronous all_reduce) that waits for this rank in turn. Waiting here
+                # for their votes hung torchrun runs.
+                continue
+            if inner is None or inner.done():
+                await handle.outcome()
 
     async def wait_pending(self) -> None:
         """Wait until every save handed to this site so far has been voted on."""
@@ -395,7 +425,11 @@ class Site:
 
     async def history(self) -> list[CheckpointRecord]:
         await self.refresh()
-        raw = await self.member.ask("history", lambda: [r.to_json() for r in self._rank0().history])
+
+        async def answer() -> list[Any]:
+            return [r.to_json() for r in await self._rank0().past()]
+
+        raw = await self.member.ask("history", answer)
         return [CheckpointRecord.from_json(r) for r in raw]
 
     async def records(self) -> list[CheckpointRecord]:
@@ -412,25 +446,29 @@ class Site:
         )
         return None if raw is None else CheckpointRecord.from_json(raw)
 
-    async def candidates(self, step: int | None) -> list[CheckpointRecord]:
+    async def listing(self, step: int | None) -> Listing:
+        """What a restore may try, newest first (only ``step``, if given), as the
+        directory is now; with the directory's mark."""
         await self.refresh()
-        return await self.member.candidates(step)
+        return await self.member.listing(step)
+
+    async def committed_before(self) -> bool:
+        """Whether the directory ever held a committed checkpoint: it holds one, or its
+        index says it did (retention since removed them all, or someone did)."""
+        await self.refresh()
+        return bool(await self.member.ask("committed before", lambda: self._rank0().committed_before))
 
     async def restore(
         self, step: int | None, target: Any, keys: Sequence[str] | None, strict: bool
     ) -> Attempt:
         """The newest step (or ``step``) that loads whole; a corrupt one is marked and an
-        older one tried, unless ``step`` was asked for."""
-        tries = [(self.member, r) for r in await self.candidates(step)]
-        found = await restore_first(tries, target, keys, strict)
+        older one tried, unless ``step`` was asked for (CorruptCheckpointError). A reader
+        lists the directory again when what it chose went away as it read it."""
+        relist = (lambda: self.listing(step)) if self.read_only else None
+        found = await restore_first(await self.listing(step), target, keys, strict, relist=relist)
         if isinstance(found, Attempt):
             return found
-        if step is not None and found:
-            raise CorruptCheckpointError(found[0].where, found[0].reason)
-        where = self.directory if step is None else f"{self.directory}/<step {step}>"
-        raise CheckpointNotFoundError(
-            where, f"no valid checkpoint in {self.directory!r}" if step is None else None
-        )
+        raise found.error(self.directory, step)
 
     async def prune(self, *, dry_run: bool) -> list[CheckpointRecord]:
         if self.read_only and not dry_run:

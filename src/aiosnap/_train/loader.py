@@ -27,6 +27,7 @@ iteration begins.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, Self, final
 
@@ -37,7 +38,10 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from .._base import offload as _offload
 from .._base.errors import LoaderClosedError
+from .._base.notice import notice
 from .._base.tasks import TaskGroupOwner
+
+logger = logging.getLogger(__name__)
 
 _END = object()
 _FAILED = object()
@@ -50,6 +54,26 @@ def _next_batch(it: Iterator[Any], source: Any) -> tuple[bool, Any, Any]:
     except StopIteration:
         return False, None, source.state_dict() if source is not None else None
     return True, batch, source.state_dict() if source is not None else None
+
+
+def _check_shuffling(source: Any) -> None:
+    """Tell the user of a DataLoader that shuffles with torch's global generator: its order
+    cannot be replayed on resume (the global generator has moved on since the epoch
+    began), so a resumed run would not continue at the exact next batch."""
+    if not isinstance(source, torch.utils.data.DataLoader):
+        return
+    samplers = [source.sampler, getattr(source.batch_sampler, "sampler", None)]
+    for sampler in samplers:
+        if isinstance(sampler, torch.utils.data.RandomSampler) and sampler.generator is None:
+            notice(
+                logger,
+                "AsyncLoader: the DataLoader shuffles with torch's global random generator "
+                "(a RandomSampler without its own generator): a resumed run cannot replay this "
+                "epoch's order and would not continue at the exact next batch. Give the "
+                "DataLoader its own: DataLoader(..., shuffle=True, generator=torch.Generator()) "
+                "(its state is saved with the loader)",
+            )
+            return
 
 
 def _skip(it: Iterator[Any], n: int) -> None:
@@ -76,6 +100,7 @@ class AsyncLoader(TaskGroupOwner, anyio.abc.AsyncResource):
     def __init__(self, source: Any, *, prefetch: int = 2) -> None:
         if prefetch < 1:
             raise ValueError("prefetch must be at least 1")
+        _check_shuffling(source)
         self.source = source
         self.prefetch = prefetch
         self._epoch = 0

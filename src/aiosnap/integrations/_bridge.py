@@ -253,6 +253,7 @@ class _Running:
     def __init__(self, options: WriterOptions) -> None:
         self._portal_cm = anyio.from_thread.start_blocking_portal()
         self.portal = self._portal_cm.__enter__()
+        self._loop = self.portal.call(asyncio.get_running_loop)
         try:
             self.core = _Core(aiosnap.QueueWriter(**options))
             self._core_cm: AbstractContextManager[_Core] = self.portal.wrap_async_context_manager(self.core)
@@ -270,6 +271,7 @@ class _Running:
             self._core_cm.__exit__(None, None, None)
         finally:
             self._portal_cm.__exit__(None, None, None)
+            _join_workers(self._loop)
 
     def close_quietly(self) -> None:
         """At interpreter exit or garbage collection: drain, and log what failed."""
@@ -277,6 +279,15 @@ class _Running:
             self.close()
         except Exception:
             logger.exception("a background checkpoint save failed (found while closing at exit)")
+
+
+def _join_workers(loop: asyncio.AbstractEventLoop) -> None:
+    """Wait for anyio's worker threads of ``loop``: they were told to stop when it ended,
+    and would otherwise outlive ``close()`` for a moment (Lightning's tests flag any
+    thread left after a test). None is busy: the core waited for every save and step."""
+    for thread in threading.enumerate():
+        if getattr(thread, "loop", None) is loop and thread is not threading.current_thread():
+            thread.join()
 
 
 class SyncWriter:
@@ -296,6 +307,22 @@ class SyncWriter:
     @property
     def allow_pickle(self) -> bool:
         return bool(self._options.get("allow_pickle", False))
+
+    @property
+    def is_open(self) -> bool:
+        """Whether the loop runs: saves or steps may be in flight."""
+        return self._running is not None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (a framework pickles itself to spawned processes) has the options only:
+        the loop, its threads and its saves in flight belong to this process."""
+        return {"_options": self._options}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._options = check_options(state["_options"])
+        self._running = None
+        self._finalizer = None
+        self._lock = threading.Lock()
 
     def open(self) -> Self:
         self._open()

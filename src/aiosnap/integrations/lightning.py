@@ -4,6 +4,8 @@ Lightning's ``ModelCheckpoint`` and ``Trainer.save_checkpoint`` save through the
 a save returns once the checkpoint dict is captured and the ``.ckpt`` file (an aiosnap
 file) is committed in the background, durable and atomic: ``ckpt_path="last"`` never
 sees a half-written one. ``remove_checkpoint`` waits until the newer file is durable.
+``AiosnapLoadMixin`` makes ``MyModule.load_from_checkpoint(path)`` read aiosnap files;
+``export_safetensors`` writes a checkpoint's weights as a plain safetensors file.
 Users of the standalone ``pytorch_lightning`` package import the same names from
 ``aiosnap.integrations.pytorch_lightning``.
 """
@@ -14,13 +16,14 @@ import os
 from typing import Any, TypeVar
 
 from lightning.fabric.plugins import CheckpointIO
-from lightning.pytorch.core.saving import _load_state
 
-from ._lightning_io import CheckpointIOBehaviour, load_module
+from ._lightning_io import CheckpointIOBehaviour
+from ._lightning_load import LoadMixinBehaviour, export_safetensors, load_module
 
-__all__ = ["AiosnapCheckpointIO", "load_from_checkpoint"]
+__all__ = ["AiosnapCheckpointIO", "AiosnapLoadMixin", "export_safetensors", "load_from_checkpoint"]
 
 M = TypeVar("M")
+FRAMEWORK = "lightning.pytorch"
 
 
 class AiosnapCheckpointIO(CheckpointIOBehaviour, CheckpointIO):
@@ -31,8 +34,23 @@ class AiosnapCheckpointIO(CheckpointIOBehaviour, CheckpointIO):
     be stored pickled, and unpickled at load: leave it off unless the checkpoint holds
     such values (a save then raises ``aiosnap.UnsupportedTypeError`` naming the value).
     ``flush()`` waits for every save; ``teardown()`` (after each fit, validate, test)
-    also stops the background loop, which the next save starts again.
+    also stops the background loop, which the next save starts again. ``committing(path)``
+    says whether a save of ``path`` is still in flight: the Trainer's ``ModelCheckpoint``
+    callbacks count such a name as taken. The plugin pickles (``ddp_spawn``,
+    ``torch.save(trainer)``) as a plugin with the same options and nothing in flight.
     """
+
+    framework = FRAMEWORK
+
+
+class AiosnapLoadMixin(LoadMixinBehaviour):
+    """Put it before ``LightningModule`` (or ``LightningDataModule``) in the bases:
+    ``class MyModule(AiosnapLoadMixin, L.LightningModule)``. ``MyModule.load_from_checkpoint
+    (path, ...)`` then reads an aiosnap checkpoint through aiosnap (Lightning's own calls
+    ``torch.load``, which cannot read one), and any other file through Lightning's own;
+    same arguments. ``weights_only=False`` lets pickled values of the file be unpickled."""
+
+    framework = FRAMEWORK
 
 
 def load_from_checkpoint(
@@ -40,11 +58,14 @@ def load_from_checkpoint(
     checkpoint_path: str | os.PathLike[str],
     *,
     map_location: Any = None,
+    hparams_file: str | os.PathLike[str] | None = None,
     strict: bool | None = None,
     allow_pickle: bool = False,
     **kwargs: Any,
 ) -> M:
-    """``cls.load_from_checkpoint(path)`` for an aiosnap checkpoint (Lightning's own calls
-    ``torch.load``): the module is built from the saved ``hyper_parameters`` (updated by
-    ``kwargs``) and loads the saved ``state_dict``, through Lightning's own loading code."""
-    return load_module(_load_state, cls, checkpoint_path, map_location, strict, allow_pickle, kwargs)
+    """``cls.load_from_checkpoint(path)`` for an aiosnap checkpoint, with any module class
+    (``AiosnapLoadMixin`` does the same from the class method): the module is built from
+    the saved ``hyper_parameters`` (updated by ``kwargs``) and loads the saved
+    ``state_dict``, through Lightning's own loading code."""
+    path, hparams = checkpoint_path, hparams_file
+    return load_module(FRAMEWORK, cls, path, map_location, hparams, strict, allow_pickle, kwargs)
