@@ -20,6 +20,7 @@ DCP directories have no place for them, and a note says so.
 
 from __future__ import annotations
 
+import collections
 import functools
 import warnings
 from dataclasses import dataclass, field
@@ -173,7 +174,9 @@ def _not_weights_only(state: Any) -> list[str]:
 
 
 def _weights_only(value: Any) -> bool:
-    return isinstance(value, (torch.Tensor, bytes, bytearray)) or plain_value(value)
+    # An empty container is a leaf of walk_object; torch.load's weights_only takes it.
+    empty = type(value) in (dict, list, tuple, collections.OrderedDict) and not value
+    return empty or isinstance(value, (torch.Tensor, torch.Size, bytes, bytearray)) or plain_value(value)
 
 
 def read_state(place: Located, allow_pickle: bool) -> tuple[Any, str]:
