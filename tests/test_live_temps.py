@@ -186,3 +186,43 @@ def test_no_sweep_puts_back_or_takes_the_old_directory_a_live_publish_moved_asid
     _files.publish_dir(tmp, str(final), MARKER)
     assert seen == [[]]
     assert aiosnap.load_sync(str(final / MARKER)) == {"version": 2} and os.listdir(tmp_path) == ["checkpoint"]
+
+
+def test_a_child_forked_during_an_index_write_does_not_keep_the_directory_locked(tmp_path: Path) -> None:
+    """A replace (the index's write) holds its directory's flock; a child forked meanwhile
+    (a DataLoader starting its workers) shares it. Once the replace is done the directory
+    must be free, whatever the child does: before, the child's copy kept the lock, and the
+    next index write waited for it as long as the worker lived (a docs example hung so)."""
+    import fcntl
+
+    children: list[tuple[int, int]] = []
+
+    def fork_at_rename(op: str, path: str) -> None:
+        if op == "rename" and not children:  # the directory's lock is held here
+            read_end, write_end = os.pipe()
+            started_read, started_write = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # a worker that lives on until told
+                os.close(write_end)
+                os.write(started_write, b"1")  # past the fork's handlers: fork() has returned
+                os.read(read_end, 1)
+                os._exit(0)
+            os.close(read_end)
+            os.close(started_write)
+            assert os.read(started_read, 1) == b"1"
+            os.close(started_read)
+            children.append((pid, write_end))
+
+    storage = aiosnap.LocalStorage(posix=HookedPosix(fork_at_rename))
+    storage.replace_if(str(tmp_path / "index.json"), b"{}", None)
+    assert children
+    pid, tell = children[0]
+    try:
+        fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError before
+        finally:
+            os.close(fd)
+    finally:
+        os.close(tell)
+        os.waitpid(pid, 0)

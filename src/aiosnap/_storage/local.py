@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import threading
 import time
 from collections.abc import Sequence
 
@@ -108,7 +109,11 @@ class LocalStorage:
         directory = os.path.dirname(self.check(path))
         self._makedirs(directory)
         # The directory's own flock serialises the check and the replace among processes.
+        # A child forked while it is held (a DataLoader's worker) must not keep it: its
+        # copy would hold the lock after ours is closed, and the next replace here would
+        # wait for it as long as the worker lives (a docs example hung so in CI).
         dfd = self.posix.open(directory or ".", os.O_RDONLY | os.O_DIRECTORY)
+        _track_lock(dfd, directory or ".")
         try:
             self.posix.flock(dfd, wait=True)
             now = self.posix.lstat(path)
@@ -127,7 +132,7 @@ class LocalStorage:
             assert after is not None
             return after.version
         finally:
-            self.posix.close(dfd)  # closing drops the flock
+            _close_lock(self.posix, dfd)  # closing drops the flock
 
     # -- reading -----------------------------------------------------------------------------
     def open_read(self, path: str) -> _LocalReader:
@@ -440,8 +445,7 @@ class _FlockLease:
             posix.close(fd)  # an fd left open would hold the lock for the life of the process
             raise
         self._fd: int | None = fd
-        if _is_real(fd, path):  # not a simulated file system's descriptor
-            _held_locks.add(fd)
+        _track_lock(fd, path)
 
     def renew(self) -> None:
         """A flock lasts as long as its holder: nothing to renew."""
@@ -449,12 +453,28 @@ class _FlockLease:
     def release(self) -> None:
         if self._fd is not None:
             fd, self._fd = self._fd, None
-            _held_locks.discard(fd)
-            self._posix.close(fd)  # closing drops the flock
+            _close_lock(self._posix, fd)  # closing drops the flock
 
 
 #: The descriptors of the locks this process holds, which a forked child must not keep.
 _held_locks: set[int] = set()
+#: Held across a fork: a descriptor is tracked and closed under it, so no fork falls
+#: between the two (a child would keep a lock, or close a number reused meanwhile).
+_fork_guard = threading.Lock()
+
+
+def _track_lock(fd: int, path: str) -> None:
+    """Have forked children close ``fd``. Best called before the lock is taken: a fork in
+    between would leave the child a copy that holds it."""
+    if _is_real(fd, path):  # not a simulated file system's descriptor
+        with _fork_guard:
+            _held_locks.add(fd)
+
+
+def _close_lock(posix: Posix, fd: int) -> None:
+    with _fork_guard:
+        _held_locks.discard(fd)
+        posix.close(fd)
 
 
 def _is_real(fd: int, path: str) -> bool:
@@ -471,6 +491,9 @@ def _close_locks_in_child() -> None:
         except OSError:
             pass
     _held_locks.clear()
+    _fork_guard.release()
 
 
-os.register_at_fork(after_in_child=_close_locks_in_child)
+os.register_at_fork(
+    before=_fork_guard.acquire, after_in_parent=_fork_guard.release, after_in_child=_close_locks_in_child
+)
