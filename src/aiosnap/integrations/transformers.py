@@ -151,9 +151,10 @@ class AiosnapTrainerMixin(_Base):
         except BaseException:
             discard(tmp)
             raise
-        files = [] if export.weights is None else [(os.path.join(tmp, MODEL_NAME), export.weights)]
-        if state:
-            files.append((os.path.join(tmp, STATE_NAME), state))
+        # The larger file first: the second one's copy overlaps the first one's commit.
+        files = [(os.path.join(tmp, STATE_NAME), state)] if state else []
+        if export.weights is not None:
+            files.append((os.path.join(tmp, MODEL_NAME), export.weights))
         publish = functools.partial(
             self._aiosnap_publish, tmp, output_dir, trainer_state, run_dir, self.state.best_model_checkpoint
         )
