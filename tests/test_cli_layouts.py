@@ -128,13 +128,37 @@ def test_inspect_and_verify_take_a_trainers_checkpoint_folder(
     assert (code, err) == (0, "")
     described = json.loads(out)
     assert described["path"] == str(folder / "state.aiosnap")
-    assert {"model", "optimizer", "scheduler", "rng"} == {
-        e["path"].split(".")[0] for e in described["entries"]
-    }
+    assert {"optimizer", "scheduler", "rng"} == {e["path"].split(".")[0] for e in described["entries"]}
+    code, out, err = cli(capsys, "inspect", str(folder / "model.safetensors"), "--json")
+    assert (code, err) == (0, "")  # the weights, under the model's own names
+    assert "classifier.weight" in {e["path"] for e in json.loads(out)["entries"]}
     code, out, err = cli(capsys, "verify", str(folder))
     assert (code, err) == (0, "") and out.startswith(f"ok      {folder / 'state.aiosnap'} (")
     code, _, err = cli(capsys, "ls", str(folder))
     assert code == 2 and "is one checkpoint (a trainer's checkpoint folder" in one_error_line(err)
+
+
+def test_ls_inspect_and_verify_find_checkpoints_of_the_weights_alone(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # save_only_model: model.safetensors, config.json and trainer_state.json, no state.aiosnap.
+    from tests import test_integration_transformers as hf
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf._gpt2_trainer(str(tmp_path), save_only_model=True).train()  # checkpoint-2, checkpoint-4
+    capsys.readouterr()  # what the Trainer said
+    plain = tmp_path / "checkpoint-1"  # the Trainer's own: a plain model.safetensors, not aiosnap's
+    plain.mkdir()
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    safetensors_torch.save_file({"w": torch.zeros(2)}, str(plain / "model.safetensors"))
+    listed = _listed(capsys, str(tmp_path))
+    assert [row["file"] for row in listed["checkpoints"]] == ["checkpoint-2", "checkpoint-4"]
+    folder = tmp_path / "checkpoint-4"
+    code, out, err = cli(capsys, "inspect", str(folder), "--json")
+    assert (code, err) == (0, "") and json.loads(out)["path"] == str(folder / "model.safetensors")
+    code, out, err = cli(capsys, "verify", str(tmp_path))
+    assert (code, err) == (0, "") and out.splitlines()[-1].endswith("all verified")
 
 
 def test_verify_takes_several_targets_and_every_layout(
@@ -251,4 +275,5 @@ def test_integration_constants_match_what_the_cli_looks_for() -> None:
     from aiosnap.integrations import accelerate, transformers
 
     assert layouts.STATE_NAME == transformers.STATE_NAME == accelerate.STATE_NAME
+    assert layouts.MODEL_NAME == transformers.MODEL_NAME
     assert os.path.basename(layouts.TRAINER_STATE) == transformers.TRAINER_STATE_NAME

@@ -4,8 +4,10 @@ No CheckpointManager keeps these directories (no index, no name template), so th
 commands recognise them by what each integration writes:
 
 - **Hugging Face Trainer** (``integrations.transformers``): ``checkpoint-N/`` folders, N
-  the global step, each holding ``state.aiosnap`` and ``trainer_state.json`` (the epoch,
-  as a fraction, and what was logged at that step);
+  the global step, each holding ``state.aiosnap`` (the training state; the model too, in
+  checkpoints of the earlier layout), ``model.safetensors`` (an aiosnap file; the only
+  one with ``save_only_model``) and ``trainer_state.json`` (the epoch, as a fraction, and
+  what was logged at that step); the commands show ``state.aiosnap`` where there is one;
 - **Accelerate** (``integrations.accelerate``): ``checkpoint_N/`` folders, N the save's
   number, each holding ``state.aiosnap``, under ``project_dir/checkpoints``;
 - **Lightning** (``integrations.lightning``): ``*.ckpt`` files that are aiosnap files
@@ -35,6 +37,9 @@ from .._storage.protocol import Entry, Storage, get
 
 #: The aiosnap file of an integration's checkpoint folder (the integrations' STATE_NAME).
 STATE_NAME = "state.aiosnap"
+#: The weights of a Hugging Face Trainer's checkpoint folder (the integration's MODEL_NAME):
+#: a folder's aiosnap file where it holds no STATE_NAME (``save_only_model``).
+MODEL_NAME = "model.safetensors"
 #: The Trainer's own record of a checkpoint, beside its state.
 TRAINER_STATE = "trainer_state.json"
 #: Where Accelerate (``project_dir``) and Lightning (a logger's version folder) put them.
@@ -46,8 +51,8 @@ _FOLDERS = (
 _CKPT = ".ckpt"
 #: What the command line looks for, in words.
 DESCRIBED = (
-    f"checkpoint-N/ or checkpoint_N/ folders holding {STATE_NAME}, aiosnap {_CKPT} files, "
-    f"here or in {SUBFOLDER}/"
+    f"checkpoint-N/ or checkpoint_N/ folders holding {STATE_NAME} (or an aiosnap {MODEL_NAME}), "
+    f"aiosnap {_CKPT} files, here or in {SUBFOLDER}/"
 )
 #: ``key=number`` in a Lightning file name (``epoch=2-step=24-val_loss=0.52``).
 _PAIR = re.compile(r"(?:^|-)(?P<key>[A-Za-z_][\w/.]*?)=(?P<value>-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)(?=-|$)")
@@ -88,10 +93,22 @@ def find(storage: Storage, directory: str, name: str | None) -> Layout | None:
 
 
 def folder_state(storage: Storage, folder: str) -> str | None:
-    """The aiosnap file of an integration's checkpoint folder, if ``folder`` is one."""
+    """The aiosnap file of an integration's checkpoint folder, if ``folder`` is one: its
+    ``state.aiosnap``, else a ``model.safetensors`` that aiosnap wrote (the Trainer's own
+    checkpoints hold a plain one, and are not aiosnap's)."""
     path = storage.join(folder, STATE_NAME)
     entry = storage.stat(path)
-    return path if entry is not None and entry.is_file else None
+    if entry is not None and entry.is_file:
+        return path
+    path = storage.join(folder, MODEL_NAME)
+    entry = storage.stat(path)
+    if entry is None or not entry.is_file:
+        return None
+    f = storage.open_read(path)
+    try:
+        return path if written_by_aiosnap(f) else None
+    finally:
+        f.close()
 
 
 def _scan(storage: Storage, directory: str, entries: list[Entry], name: str | None) -> Layout | None:

@@ -61,10 +61,16 @@ def is_aiosnap_file(path: str) -> bool:
     return int(found[0].group(1), 16) == crc32c.crc32c(zeroed)
 
 
-def is_aiosnap_dir(path: str, marker: str) -> bool:
+Marker = str | tuple[str, ...]
+"""The name of the aiosnap file that marks an integration's checkpoint directory, or the
+names of which any one does (a layout whose files vary)."""
+
+
+def is_aiosnap_dir(path: str, marker: Marker) -> bool:
     """Whether ``path`` is a checkpoint directory an integration wrote: it holds the
-    aiosnap file ``marker``."""
-    return os.path.isdir(path) and is_aiosnap_file(os.path.join(path, marker))
+    aiosnap file ``marker`` (one of them, for several)."""
+    names = (marker,) if isinstance(marker, str) else marker
+    return os.path.isdir(path) and any(is_aiosnap_file(os.path.join(path, name)) for name in names)
 
 
 def remove_file(path: str) -> bool:
@@ -80,7 +86,7 @@ def remove_file(path: str) -> bool:
     return True
 
 
-def remove_dir(path: str, marker: str, *, storage: LocalStorage | None = None) -> bool:
+def remove_dir(path: str, marker: Marker, *, storage: LocalStorage | None = None) -> bool:
     """Delete the checkpoint directory ``path`` if an integration wrote it (it holds the
     aiosnap file ``marker``); else leave it, with a warning. ``storage``: the local disk
     to do it through (tests give one whose system calls fail or stop midway)."""
@@ -105,7 +111,7 @@ def remove_dir(path: str, marker: str, *, storage: LocalStorage | None = None) -
     return True
 
 
-def sweep_temps(directory: str, marker: str | None = None) -> list[str]:
+def sweep_temps(directory: str, marker: Marker | None = None) -> list[str]:
     """Remove what interrupted commits left directly in ``directory`` (temp files and temp
     directories, whose names start with ``aiosnap.TEMP_PREFIX``) and return their paths;
     first put back the checkpoint directories a publish cut short had moved aside
@@ -177,7 +183,7 @@ def _put_back(final: str, aside: str) -> None:
     _local.posix.rename(aside, final)  # replaces an empty directory in one step
 
 
-def _superseded(directory: str, name: str, marker: str | None) -> bool:
+def _superseded(directory: str, name: str, marker: Marker | None) -> bool:
     """Whether an old directory of checkpoint ``name`` may go: the name holds one of the
     integrations' checkpoints again (a new one put in place, or the old one restored)."""
     final = os.path.join(directory, name)
@@ -230,7 +236,7 @@ def write_durably(path: str, data: bytes) -> None:
         raise
 
 
-def publish_dir(tmp: str, final: str, marker: str) -> None:
+def publish_dir(tmp: str, final: str, marker: Marker) -> None:
     """Make the complete directory ``tmp`` visible as ``final``: every file in it made
     durable (a framework's hook may have added files aiosnap did not write), then one
     rename, then the parent directory fsynced.
