@@ -33,7 +33,8 @@ MARK = "@aiosnap-test "
 
 def report(kind: str, *values: object) -> None:
     """From a child: one line for the parent (``loss STEP HEX``, ``saved WHAT``, ``resumed STEP``...)."""
-    print(MARK + kind, *values, flush=True)
+    sys.stdout.write("\n" + MARK + " ".join([kind, *map(str, values)]) + "\n")  # one write: see pause
+    sys.stdout.flush()
 
 
 def loss(step: int, value: float) -> None:
@@ -57,7 +58,11 @@ def pause_at_file_ops(root: str) -> None:
     def pause(kind: str, path: str, source: str = "") -> None:
         if path == root or path.startswith(root + os.sep):
             with lock:
-                print(MARK + "op " + json.dumps([kind, path, source]), flush=True)
+                # One write, on a line of its own: print() writes its text and its newline
+                # apart, so another thread's print (a Trainer's logs) could end up around
+                # this report, which the parent would then not see -- and never answer.
+                sys.stdout.write("\n" + MARK + "op " + json.dumps([kind, path, source]) + "\n")
+                sys.stdout.flush()
                 if not sys.stdin.readline():
                     os._exit(3)  # the parent is gone: make nothing more
 

@@ -27,7 +27,7 @@ from aiosnap._format.manifest import MANIFEST_NAME, Manifest, replicated_matcher
 from aiosnap._format.tree import ExternalLeaves
 from aiosnap._manager.triggers import deterministic
 
-from .faults import enospc, failing_writes
+from .faults import HookedPosix, enospc, failing_writes
 
 Scenario = Callable[..., Coroutine[Any, Any, Any]]
 
@@ -547,3 +547,43 @@ def test_a_rank_file_that_is_not_the_committed_one_sends_every_rank_back_a_step(
     index = json.loads((tmp_path / aiosnap._manager.catalog.INDEX_NAME).read_text())
     (three,) = [c for c in index["checkpoints"] if c["step"] == 3]
     assert "not the committed" in three["corrupt"] and "rank 1" in three["corrupt"]
+
+
+async def _synchronous_loop_with_a_collective(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """A training loop that yields only in save() and then blocks its event loop in a
+    collective (the torchrun example's all_reduce). Rank 1's file of step 1 becomes
+    durable only once its save(3) has returned: its save(3) has nothing of step 1 to
+    finish, and it is in the all_reduce of step 3 by the time rank 0's save(3) finds its
+    own file of step 1 durable and that step's vote open."""
+    passed = threading.Event()  # rank 1 is past its save(3)
+
+    def hook(op: str, path: str) -> None:
+        if rank == 1 and op == "rename" and "snapshot_iter_1" in path:
+            passed.wait()
+
+    storage = aiosnap.LocalStorage(posix=HookedPosix(hook))
+    writer = aiosnap.QueueWriter(storage=storage)
+    mine = Path(directory, "snapshot_iter_1", f"rank_{rank:05d}")
+    async with aiosnap.CheckpointManager(directory, writer=writer, storage=storage, timeout=60) as mgr:
+        for step in range(1, 5):
+            if step == 3 and rank == 0:
+                while not mine.exists():  # durable: renamed into place (a worker thread's)
+                    await asyncio.sleep(0.01)
+            await mgr.save(step, state_of(rank, step))
+            if step == 3:
+                passed.set()
+            total = torch.ones(1)
+            dist.all_reduce(total)  # blocks the event loop, as a training step does
+        await mgr.flush()
+        return {"steps": await mgr.steps(), "total": float(total)}
+
+
+def test_a_save_never_waits_for_a_vote_that_needs_a_rank_blocked_in_a_collective(tmp_path: Path) -> None:
+    # save() finishes the follow-ups of earlier durable saves (retention keeping up with a
+    # synchronous loop), but a vote still open waits for the other ranks' event loops:
+    # waiting for it there hung the torchrun example (rank 0 in save(), rank 1 in
+    # all_reduce). Before, this run never ended.
+    results = run_ranks(2, _synchronous_loop_with_a_collective, str(tmp_path), limit=120)
+    assert sorted(results) == [0, 1], results
+    for r in results.values():
+        assert r.get("steps") == [1, 2, 3, 4] and r["total"] == 2.0, r

@@ -252,8 +252,10 @@ def test_load_state_dict_failing_any_way_is_a_state_mismatch(tmp_path: Path) -> 
     # Module.load_state_dict, given a dict with an int key.
     path = str(tmp_path / "c")
     aiosnap.save_sync(path, {"model": {1: torch.zeros(2)}})
+    with pytest.raises(aiosnap.StateMismatchError, match="unexpected keys \\[1\\]"):
+        aiosnap.load_into_sync(path, {"model": torch.nn.Linear(2, 1)})  # refused before it is called
     with pytest.raises(aiosnap.StateMismatchError, match="AttributeError"):
-        aiosnap.load_into_sync(path, {"model": torch.nn.Linear(2, 1)})
+        aiosnap.load_into_sync(path, {"model": torch.nn.Linear(2, 1)}, strict=False)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int6])

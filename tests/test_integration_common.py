@@ -108,6 +108,7 @@ def _replacing(case: Path) -> list[object]:
     _checkpoint(case / "latest", 1)
     tmp = _files.temp_dir(str(case), "latest")
     _checkpoint(Path(tmp), 2)
+    _files._let_go(tmp)  # the child publishes it: this process holds it no longer
     return [tmp, case / "latest"]
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,9 @@ import pytorch_pfn_extras as ppe
 from pytorch_pfn_extras.training import extensions
 
 import aiosnap
-from aiosnap.integrations.ppe import Writer, snapshot
+from aiosnap.integrations.ppe import Writer, snapshot, snapshot_object
+from aiosnap.storage import Posix
+from tests.conftest import WAIT_CAP
 from tests.integration_runs import (
     Child,
     assert_aiosnap_checkpoint,
@@ -152,3 +155,115 @@ def test_autoload_skips_a_damaged_newest_snapshot(tmp_path: Path, caplog: pytest
     with caplog.at_level(logging.WARNING):
         assert manager.iteration == 4
     assert "autoload skips" in caplog.text
+
+
+def _drop_in_run(out: str, *, gate: Any = None) -> torch.nn.Module:
+    """The documented drop-in with two extensions, each with a writer of its own, on one
+    directory: ``snapshot`` every iteration, ``snapshot_object`` of the model every
+    second. ``gate`` runs first in every iteration."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    manager = ppe.training.ExtensionsManager(model, optimizer, 1, iters_per_epoch=4, out_dir=out)
+    if gate is not None:
+        manager.extend(gate, name="gate", trigger=(1, "iteration"), priority=ppe.training.PRIORITY_WRITER)
+    manager.extend(snapshot(), trigger=(1, "iteration"))
+    manager.extend(snapshot_object(model, "model_{.iteration}"), trigger=(2, "iteration"))
+    while not manager.stop_trigger:
+        with manager.run_iteration():
+            loss = model(torch.randn(4, 8)).square().mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    return model  # the manager finalized both writers: every save is durable, or raised
+
+
+def _assert_every_snapshot(out: Path, model: torch.nn.Module) -> None:
+    names = sorted(os.listdir(out))
+    assert names == ["model_2", "model_4", *(f"snapshot_iter_{i}" for i in range(1, 5))], names
+    for name in names:
+        assert_aiosnap_checkpoint(out / name)
+    saved = aiosnap.load_sync(str(out / "model_4"))
+    assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+
+
+def test_two_snapshot_extensions_on_one_directory_both_save_every_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The second extension's first save sweeps the directory while the first extension's
+    # first commit waits between its write and its rename (held there until the second's
+    # commit reaches its own rename). Before, that sweep deleted the first's temp file.
+    parked, second = threading.Event(), threading.Event()
+    rename = Posix.rename
+
+    def held(self: Posix, src: str, dst: str) -> None:
+        if os.path.basename(dst) == "snapshot_iter_1":
+            parked.set()
+            assert second.wait(WAIT_CAP), "the second extension's save never reached its rename"
+        elif os.path.basename(dst) == "model_2":
+            second.set()
+        rename(self, src, dst)
+
+    def gate(manager: Any) -> None:  # iteration 2 saves only once the first commit waits
+        if manager.iteration == 2:
+            assert parked.wait(WAIT_CAP), "the first commit never reached its rename"
+
+    monkeypatch.setattr(Posix, "rename", held)
+    model = _drop_in_run(str(tmp_path / "out"), gate=gate)
+    assert second.is_set()
+    _assert_every_snapshot(tmp_path / "out", model)
+
+
+@pytest.mark.slow
+def test_two_snapshot_extensions_save_every_time_in_100_runs(tmp_path: Path) -> None:
+    for run in range(100):
+        out = tmp_path / f"run{run}"
+        _assert_every_snapshot(out, _drop_in_run(str(out)))
+
+
+def test_a_snapshot_taken_before_the_manager_initialised_it_is_aiosnaps_and_autoloads(tmp_path: Path) -> None:
+    # ppe's test_snapshot_autoload_initialize_without_writer: the extension called by hand.
+    out = str(tmp_path)
+    first, trained, _ = _manager(out, 8, None)
+    with torch.no_grad():
+        trained[0].weight.add_(1.0)  # not what a fresh manager starts from
+    taken = snapshot(filename="snapshot_file")
+    taken(first)
+    assert isinstance(taken.writer, Writer)  # not ppe's own torch.save writer of the manager
+    taken.writer.flush()
+    assert_aiosnap_checkpoint(tmp_path / "snapshot_file")
+    second, model, _ = _manager(out, 8, None)
+    assert not torch.equal(model[0].weight, trained[0].weight)
+    loading = snapshot(filename="snapshot_file", autoload=True)
+    assert loading.initialize(second) == "snapshot_file"
+    assert all(torch.equal(v, trained.state_dict()[k]) for k, v in model.state_dict().items())
+
+
+def test_the_writer_takes_ppe_writers_savefun_and_its_keyword_arguments(tmp_path: Path) -> None:
+    calls: list[dict[str, Any]] = []
+
+    def savefun(target: Any, f: Any, **kwargs: Any) -> None:
+        calls.append(kwargs)
+        torch.save(target, f)
+
+    writer = Writer(str(tmp_path), savefun=savefun, tag="v1")
+    writer("state.pt", "", {"w": torch.ones(3)})
+    writer("own.pt", "", {"w": torch.ones(3)}, savefun=savefun)  # the call's savefun gets them too
+    writer.finalize()
+    assert calls == [{"tag": "v1"}, {"tag": "v1"}]
+    assert torch.equal(torch.load(tmp_path / "state.pt")["w"], torch.ones(3))
+    plain = Writer(str(tmp_path), tag="v1")  # as ppe's SimpleWriter(foo=True): for a savefun
+    with pytest.raises(TypeError, match="tag"):
+        plain("aiosnap.file", "", {"w": torch.ones(3)})  # aiosnap's own format has no arguments
+    plain.finalize()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"saver_rank": 0}, {"snapshot_mode": extensions.SnapshotMode.DISTRIBUTED, "saver_rank": 0}],
+    ids=["saver_rank", "snapshot_mode"],
+)
+def test_distributed_snapshots_are_refused_with_a_clear_error(options: dict[str, Any]) -> None:
+    with pytest.raises(NotImplementedError, match="saver_rank") as info:
+        snapshot(**options)
+    assert "ppe's own" in str(info.value)

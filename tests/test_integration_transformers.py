@@ -25,7 +25,9 @@ from transformers import (
     TrainerCallback,
     TrainingArguments,
 )
+from transformers.utils import SAFE_WEIGHTS_NAME as MODEL_NAME  # what from_pretrained reads
 
+import aiosnap
 from aiosnap.integrations.transformers import STATE_NAME, AiosnapTrainer
 from tests.integration_runs import (
     Child,
@@ -119,11 +121,13 @@ def test_killed_run_resumes_from_the_last_checkpoint_bit_identical(tmp_path: Pat
     resumed = Child("tests.test_integration_transformers.child", run, "resume", log=tmp_path / "resumed.log")
     got = resumed.finish()
     start = assert_resumed_exactly(ref, got, EPOCHS * STEPS)
-    # A save call returns with at most max_pending + 1 = 3 saves in flight: the first is durable.
+    # A save call returns with at most 2 * max_pending + 1 = 5 files (2.5 checkpoints) in
+    # flight: the first checkpoint is durable.
     assert start in (4, 8, 12, 16), f"resumed from step {start}: not from a checkpoint of the killed run"
     assert _checkpoints(run) == [f"checkpoint-{EPOCHS * STEPS - EVERY}", f"checkpoint-{EPOCHS * STEPS}"]
     for name in _checkpoints(run):
-        assert sorted(os.listdir(run / name)) == [STATE_NAME, "trainer_state.json"]
+        assert sorted(os.listdir(run / name)) == ["config.json", MODEL_NAME, STATE_NAME, "trainer_state.json"]
+        assert_aiosnap_checkpoint(run / name / MODEL_NAME)
         assert_aiosnap_checkpoint(run / name / STATE_NAME)
         assert json.loads((run / name / "trainer_state.json").read_text())["global_step"] == int(name[11:])
     assert temp_entries(run) == []
@@ -224,3 +228,149 @@ def test_a_resave_of_checkpoint_n_killed_at_its_publish(tmp_path: Path, point: s
         except AssertionError as exc:
             exc.add_note(f"killed before {run.at} (calls made: {run.made})")
             raise
+
+
+# -- what from_pretrained reads -------------------------------------------------------------------
+
+
+class _Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    """Causal LM samples: the labels are the inputs."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = (torch.arange(12) * (i + 1)) % 50
+        return {"input_ids": ids, "labels": ids}
+
+
+def _gpt2_trainer(out: str, **options: Any) -> AiosnapTrainer:
+    """A tiny GPT-2 whose output layer is tied to its input embeddings."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0
+    )
+    args = TrainingArguments(
+        out,
+        per_device_train_batch_size=4,
+        max_steps=4,
+        save_steps=2,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        logging_strategy="no",
+        **options,
+    )
+    return AiosnapTrainer(model=GPT2LMHeadModel(config), args=args, train_dataset=_Tokens())
+
+
+def _header_names(path: Path) -> list[str]:
+    """The entries of a safetensors file's header, as safetensors' own reader lists them."""
+    import safetensors
+
+    with safetensors.safe_open(str(path), "pt") as f:
+        assert f.metadata()["format"] == "pt"
+        return sorted(f.keys())
+
+
+def _assert_reads_back(checkpoint: Path, trained: torch.nn.Module, auto: Any, *, gpt2: bool = False) -> None:
+    """``auto.from_pretrained(checkpoint)`` is ``trained``, every tensor bit for bit, its
+    tied weights (a GPT-2's) tied again; safetensors reads the file under the state dict's
+    names, less the tied copy."""
+    import safetensors.torch
+
+    expected = trained.state_dict()
+    tied = {"lm_head.weight"} if gpt2 else set()
+    assert _header_names(checkpoint / MODEL_NAME) == sorted(set(expected) - tied)
+    plain = safetensors.torch.load_file(str(checkpoint / MODEL_NAME))
+    assert all(torch.equal(plain[k], expected[k]) for k in plain)
+    loaded = auto.from_pretrained(str(checkpoint))
+    got = loaded.state_dict()
+    assert sorted(got) == sorted(expected)
+    different = [k for k in expected if not torch.equal(got[k], expected[k])]
+    assert different == [], different
+    if tied:
+        assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
+
+
+def test_from_pretrained_reads_a_checkpoint_bit_exact(tmp_path: Path) -> None:
+    from transformers import AutoModelForSequenceClassification
+
+    trainer = _trainer(str(tmp_path), epochs=1)
+    trainer.train()  # the last save is of the final weights
+    last = tmp_path / f"checkpoint-{STEPS}"
+    assert sorted(os.listdir(last)) == ["config.json", MODEL_NAME, STATE_NAME, "trainer_state.json"]
+    _assert_reads_back(last, trainer.model, AutoModelForSequenceClassification)
+    assert "model" not in aiosnap.load_sync(str(last / STATE_NAME))  # the weights written once
+
+
+def test_from_pretrained_reads_a_checkpoint_of_a_model_with_tied_weights(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    trainer = _gpt2_trainer(str(tmp_path))
+    trainer.train()
+    last = tmp_path / "checkpoint-4"
+    assert {"config.json", "generation_config.json", MODEL_NAME} <= set(os.listdir(last))
+    _assert_reads_back(last, trainer.model, AutoModelForCausalLM, gpt2=True)
+
+
+def test_save_only_model_writes_the_weights_and_config_alone(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    trainer = _gpt2_trainer(str(tmp_path), save_only_model=True, save_total_limit=1)
+    trainer.train()
+    assert _checkpoints(tmp_path) == ["checkpoint-4"]  # rotated: aiosnap's without a state.aiosnap
+    last = tmp_path / "checkpoint-4"
+    files = ["config.json", "generation_config.json", MODEL_NAME, "trainer_state.json"]
+    assert sorted(os.listdir(last)) == files
+    _assert_reads_back(last, trainer.model, AutoModelForCausalLM, gpt2=True)
+    resumed = _gpt2_trainer(str(tmp_path / "again"), save_only_model=True)
+    resumed._load_from_checkpoint(str(last))  # what train(resume_from_checkpoint=...) calls
+    expected = trainer.model.state_dict()
+    assert all(torch.equal(t, expected[k]) for k, t in resumed.model.state_dict().items())
+
+
+def _to_the_earlier_layout(checkpoint: Path) -> None:
+    """Rewrite ``checkpoint`` as AiosnapTrainer wrote checkpoints before model.safetensors:
+    the model (every key, tied ones too) inside state.aiosnap, no config."""
+    state = aiosnap.load_sync(str(checkpoint / STATE_NAME))
+    weights = aiosnap.load_sync(str(checkpoint / MODEL_NAME))
+    for name in (MODEL_NAME, STATE_NAME, "config.json"):
+        (checkpoint / name).unlink()
+    aiosnap.save_sync(str(checkpoint / STATE_NAME), {"model": weights, **state})
+
+
+def test_a_checkpoint_of_the_earlier_layout_still_resumes_bit_exact(tmp_path: Path) -> None:
+    from transformers import AutoModelForSequenceClassification
+
+    reference = _trainer(str(tmp_path / "ref"), max_steps=2 * EVERY)
+    reference.train()
+    old = tmp_path / "old"
+    shutil.copytree(tmp_path / "ref" / f"checkpoint-{EVERY}", old / f"checkpoint-{EVERY}")
+    _to_the_earlier_layout(old / f"checkpoint-{EVERY}")
+    resumed = _Resumed()
+    _trainer(str(old), max_steps=2 * EVERY, callbacks=(resumed,)).train(resume_from_checkpoint=True)
+    assert resumed.step == EVERY
+    # The resumed run ends where the uninterrupted one did, its new checkpoint in the new layout.
+    _assert_reads_back(old / f"checkpoint-{2 * EVERY}", reference.model, AutoModelForSequenceClassification)
+
+
+def test_a_failed_save_of_the_weights_file_discards_its_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from aiosnap.storage import Posix
+    from tests.faults import enospc, target_of
+
+    real_open = Posix.open
+
+    def full_disk_for_weights(self: Posix, path: str, flags: int, mode: int = 0o644) -> int:
+        if os.path.basename(target_of(path)) == MODEL_NAME and flags & os.O_CREAT:
+            raise enospc(path)
+        return real_open(self, path, flags, mode)
+
+    monkeypatch.setattr(Posix, "open", full_disk_for_weights)
+    with pytest.raises(OSError, match="No space left on device"):
+        _trainer(str(tmp_path), epochs=1).train()
+    assert _checkpoints(tmp_path) == [] and temp_entries(tmp_path) == []

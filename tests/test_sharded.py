@@ -167,7 +167,9 @@ def test_dtensors_saved_by_4_ranks_restore_at_any_world_size_and_placement(
         # A rank reads its part of "big" and little more: at most a block at each end of
         # each saved shard it overlaps (2 at most, here), and the headers. ("wide",
         # restored as rows, needs every saved box whole: they are verified by blocks.)
-        assert r["big_read"] <= r["big"] + 2 * 2 * BLOCK + (256 << 10), (rank, r)
+        # Twice: a load into a target checks every block before it writes any (the
+        # second read comes from the page cache).
+        assert r["big_read"] <= 2 * (r["big"] + 2 * 2 * BLOCK) + (256 << 10), (rank, r)
 
 
 def test_one_process_reads_a_group_checkpoint_whole_and_leaves_the_index_alone(saved_by_four: Path) -> None:
@@ -202,6 +204,30 @@ def test_one_process_reads_a_group_checkpoint_whole_and_leaves_the_index_alone(s
     assert got["rank2"]["rank"] == 2 and got["loaded"]["step"] == 7
     assert got["report"].checksummed and got["report"].tensors > len(LAYOUTS)
     assert (saved_by_four / INDEX_NAME).read_bytes() == index  # byte for byte: no corrupt marks
+
+
+@pytest.mark.parametrize("name", ["big", "row"])  # a box with block checksums; one without
+def test_a_damaged_box_leaves_the_whole_target_as_it_was(
+    saved_by_four: Path, tmp_path: Path, name: str
+) -> None:
+    """load_into is all or nothing for DTensors too: every block a box is read from is
+    checked before the first box is written into the target."""
+    import shutil
+
+    from .hostile import parse
+
+    step = tmp_path / "snapshot_iter_7"
+    shutil.copytree(saved_by_four / "snapshot_iter_7", step)
+    rank_file = step / "rank_00003"
+    raw = bytearray(rank_file.read_bytes())
+    parts = parse(bytes(raw))
+    entry = next(e for e in parts.header if e.startswith(f"dt.{name}") and parts.header[e]["data_offsets"][1])
+    raw[len(raw) - len(parts.data) + parts.header[entry]["data_offsets"][1] - 1] ^= 0x01
+    rank_file.write_bytes(bytes(raw))
+    target = {"dt": {n: torch.full(whole(n).shape, 7, dtype=whole(n).dtype) for n in LAYOUTS}}
+    with pytest.raises(aiosnap.CorruptCheckpointError, match="checksum mismatch"):
+        aiosnap.load_into_sync(str(step), target, keys=["dt"])
+    assert all(bool((t == 7).all()) for t in target["dt"].values())
 
 
 def test_rank_files_are_read_without_parsing_their_entries(saved_by_four: Path) -> None:

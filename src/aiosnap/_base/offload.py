@@ -11,13 +11,16 @@ import asyncio
 import contextlib
 import contextvars
 import gc
+import itertools
 import logging
 import os
 import queue
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
@@ -25,6 +28,7 @@ import anyio.from_thread
 import anyio.to_thread
 from anyio.lowlevel import RunVar
 
+from .errors import RemoteStorageError
 from .notice import notice
 
 logger = logging.getLogger(__name__)
@@ -46,9 +50,6 @@ COORD_THREADS = 4
 #: Calls to a remote tier (``remote_io``): they wait on the network, and must never hold
 #: the threads of the local disk (a remote tier that is down would stall local saves).
 REMOTE_THREADS = 8
-
-#: Set while the remote tier's work runs (``remote_io``).
-_remote: contextvars.ContextVar[bool] = contextvars.ContextVar("aiosnap_remote_io", default=False)
 
 #: Limiters belong to one event loop: one set per running loop (anyio forgets a loop's
 #: set when the loop is gone).
@@ -72,23 +73,52 @@ def _limiter(kind: str) -> anyio.CapacityLimiter:
 async def run_io(fn: Callable[..., T], *args: object) -> T:
     """Run blocking file I/O in a worker thread. Inside ``remote_io()``, the call has
     threads of its own, and a cancelled caller abandons it to them."""
-    if _remote.get():
-        return await _remote_call(fn, *args)
+    remote = _remote.get()
+    if remote is not None:
+        return await _remote_call(remote, fn, *args)
     return await anyio.to_thread.run_sync(_unpinned, fn, *args, limiter=_limiter("io"))
 
 
 #: A remote call that has not answered after this many seconds is told to the user.
 SLOW_REMOTE = 5.0
+#: How a user sets an object store's retry deadline, from Python.
+DEADLINE_KNOB = "aiosnap.storage.from_url(url, deadline=...)"
 
 
-async def _remote_call(fn: Callable[..., T], *args: object) -> T:
+@dataclass(frozen=True, slots=True)
+class Remote:
+    """What the calls inside ``remote_io`` are for, as the user would say it.
+
+    Attributes:
+        doing: What the user asked for, in words ("listing s3://bucket/run"); the
+            notices and errors of its calls name it.
+        limit: Seconds a call may go unanswered before it is abandoned and fails with
+            RemoteStorageError (None: as long as the store keeps retrying).
+        knob: How the user sets how long calls wait (an option, a parameter).
+    """
+
+    doing: str | None = None
+    limit: float | None = None
+    knob: str = DEADLINE_KNOB
+
+
+#: Set while calls go to a remote store (``remote_io``): what they are for.
+_remote: contextvars.ContextVar[Remote | None] = contextvars.ContextVar("aiosnap_remote_io", default=None)
+
+
+async def _remote_call(remote: Remote, fn: Callable[..., T], *args: object) -> T:
     outcome: list[T] = []
     error: list[Exception] = []
+    context = contextvars.copy_context()  # the pool's threads run the call in the caller's
     async with anyio.create_task_group() as tg:
-        tg.start_soon(_watch, fn, args)
+        tg.start_soon(_watch, remote, fn, args)
         try:
             async with _limiter("remote"):
-                outcome.append(await asyncio.wrap_future(_remote_pool().submit(_unpinned, fn, *args)))
+                with anyio.move_on_after(remote.limit) as waited:
+                    future = _remote_pool().submit(context.run, _unpinned, fn, *args)
+                    outcome.append(await asyncio.wrap_future(future))
+                if waited.cancelled_caught:  # abandoned to its thread, as at a Ctrl-C
+                    error.append(_no_answer(remote, fn, args))
         except Exception as exc:  # raised outside the task group, which would wrap it in a group
             error.append(exc)
         finally:
@@ -96,6 +126,15 @@ async def _remote_call(fn: Callable[..., T], *args: object) -> T:
     if error:
         raise error[0]
     return outcome[0]
+
+
+def _no_answer(remote: Remote, fn: Callable[..., object], args: tuple[object, ...]) -> Exception:
+    error = RemoteStorageError(
+        f"{describe_call(remote, fn, args)}: no answer within {remote.limit:g} s; "
+        f"check the endpoint and the network ({remote.knob} sets how long to wait)"
+    )
+    error.permanent = True  # its deadline is spent: trying again is the caller's choice
+    return error
 
 
 class _DaemonPool:
@@ -147,25 +186,70 @@ def _remote_pool() -> _DaemonPool:
         return _remote_threads
 
 
-async def _watch(fn: Callable[..., object], args: tuple[object, ...]) -> None:
+async def _watch(remote: Remote, fn: Callable[..., object], args: tuple[object, ...]) -> None:
     await anyio.sleep(SLOW_REMOTE)
-    what = next((a for a in args if isinstance(a, str)), "")
-    name = getattr(fn, "__qualname__", repr(fn))
     notice(
         logger,
-        f"{name}({what!r}) has not answered for {SLOW_REMOTE:g} s: an object store is retried until "
-        "its deadline (aiosnap.storage.from_url(url, deadline=...) sets it); Ctrl-C stops waiting",
+        f"{describe_call(remote, fn, args)}: no answer for {SLOW_REMOTE:g} s; a remote store is retried "
+        f"until its deadline ({remote.knob} sets it), then fails; Ctrl-C stops waiting",
     )
 
 
+#: The calls to a storage and a lease, in words (what a notice or an error says).
+_VERBS = {
+    "stat": "looking up",
+    "list": "listing",
+    "open_read": "opening",
+    "read_versioned": "reading",
+    "replace_if": "writing",
+    "create": "uploading",
+    "delete": "deleting",
+    "delete_tree": "deleting",
+    "sweep_incomplete": "sweeping unfinished uploads under",
+    "lease": "taking the lease of",
+    "take": "taking the lease of",
+    "renew": "renewing the lease",
+    "release": "releasing the lease",
+}
+
+
+def describe_call(remote: Remote, fn: Callable[..., object], args: tuple[object, ...]) -> str:
+    """A remote call as the user knows it: what they asked for and the URL or path the
+    call reaches, never the name of a function of aiosnap's."""
+    where = next((a for a in args if isinstance(a, str) and a), None)
+    owner_path = getattr(getattr(fn, "__self__", None), "path", None)
+    if where is None and isinstance(owner_path, str):
+        where = owner_path  # a lease: its lock object
+    name = getattr(fn, "__name__", "")
+    verb = _VERBS.get(name)
+    call = f"{verb} {where}" if verb and where else f"a call to {where}" if where else "a remote call"
+    if remote.doing is None:
+        return call
+    return remote.doing if where is not None and remote.doing.endswith(where) else f"{remote.doing} ({call})"
+
+
 @contextlib.contextmanager
-def remote_io() -> Iterator[None]:
-    """Within (and in tasks started within): ``run_io`` calls go to a remote tier. An
+def remote_io(
+    doing: str | None = None, *, limit: float | None = None, knob: str | None = None
+) -> Iterator[None]:
+    """Within (and in tasks started within): ``run_io`` calls go to a remote store. An
     object store that does not answer retries for up to its deadline in one call; a
     caller cancelled meanwhile (Ctrl-C, a timeout) leaves at once, abandoning the
     thread, which ends on its own. What such a call was doing is left for the next
-    open to sweep (an upload never completed is never visible)."""
-    token = _remote.set(True)
+    open to sweep (an upload never completed is never visible).
+
+    ``doing`` says what the calls are for, in words, for the notice of a call held up
+    and its error; ``limit`` abandons a call unanswered for that many seconds with
+    RemoteStorageError; ``knob`` says how the user sets that. Unset, each is the
+    enclosing block's."""
+    outer = _remote.get() or Remote()
+    token = _remote.set(
+        Remote(
+            outer.doing if doing is None else doing,
+            outer.limit if limit is None else limit,
+            outer.knob if knob is None else knob,
+        )
+    )
     try:
         yield
     finally:
@@ -344,6 +428,31 @@ def gc_paused(keep: bool = False) -> Iterator[None]:
                 _gc_promote = False
                 if _gc_was_enabled:
                     gc.enable()
+
+
+#: ``hand_over`` gives the GIL away once per this many calls: 256 tensors walked or
+#: copied are 2-4 ms of Python here.
+HAND_OVER_EVERY = 256
+#: How long it gives it away: long enough for a thread waiting on the GIL to wake and
+#: take it (tens of microseconds); 20,000 leaves pay ~5 ms in all.
+_HAND_OVER_S = 50e-6
+_hand_over_steps = itertools.count()
+
+
+def hand_over() -> None:
+    """Call once per step of a long per-leaf loop in a worker thread that calls into
+    torch: every ``HAND_OVER_EVERY`` calls, the GIL is given away for a moment.
+
+    The interpreter's own switch (every 5 ms) never comes in such a loop. Most torch
+    calls release the GIL and take it straight back; each release wakes a thread
+    waiting for it (the event loop's), which finds it taken again and starts a fresh
+    5 ms wait, so its wait never times out into the request that forces a switch
+    (CPython's convoy effect). A walk of 20,000 tensors held the event loop off for
+    40-240 ms at a time; a short sleep now and then lets the waiter in (measured: ~10
+    ms, as long as plain bytecode in a worker thread gives). ``time.sleep(0)`` does
+    not: it returns before the waiter wakes."""
+    if next(_hand_over_steps) % HAND_OVER_EVERY == 0:
+        time.sleep(_HAND_OVER_S)
 
 
 #: Items ``release`` frees per slice: well under a millisecond's work.

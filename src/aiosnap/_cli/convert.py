@@ -20,6 +20,7 @@ DCP directories have no place for them, and a note says so.
 
 from __future__ import annotations
 
+import collections
 import functools
 import warnings
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ from .._load.standalone import standalone_now
 from .._storage.backends import resolve
 from .._storage.local import LocalStorage
 from .._storage.protocol import write_with
+from . import dcp_keys
 from .dirs import Located, locate
 from .entries import pickle_hint, walk_object
 from .safetensors import rebuild_state, saved_tree, user_metadata, write_safetensors
@@ -118,7 +120,7 @@ def convert(
             write_with(storage, where, functools.partial(_torch_save, state))
             done.notes += _not_weights_only(state)
         else:
-            write_dcp(dst, state)
+            done.notes += write_dcp(dst, state)
         lost = sorted(k for k, v in meta.items() if (k, v) not in DEFAULT_METADATA.items())
         if lost:
             done.notes.append(
@@ -172,7 +174,9 @@ def _not_weights_only(state: Any) -> list[str]:
 
 
 def _weights_only(value: Any) -> bool:
-    return isinstance(value, (torch.Tensor, bytes, bytearray)) or plain_value(value)
+    # An empty container is a leaf of walk_object; torch.load's weights_only takes it.
+    empty = type(value) in (dict, list, tuple, collections.OrderedDict) and not value
+    return empty or isinstance(value, (torch.Tensor, torch.Size, bytes, bytearray)) or plain_value(value)
 
 
 def read_state(place: Located, allow_pickle: bool) -> tuple[Any, str]:
@@ -274,11 +278,12 @@ def read_dcp(place: Located, allow_pickle: bool) -> Any:
             _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
     except Exception as exc:  # what DCP raises for a damaged directory varies
         raise CorruptCheckpointError(path, f"DCP could not read it ({type(exc).__name__}: {exc})") from None
-    return state
+    return dcp_keys.restore(path, state)  # its keys of their types again, if aiosnap wrote it
 
 
-def write_dcp(dst: str, state: Any) -> None:
-    """Save ``state`` (a dict) as a DCP directory, with no process group. Blocking."""
+def write_dcp(dst: str, state: Any) -> list[str]:
+    """Save ``state`` (a dict) as a DCP directory, with no process group, and the types
+    of its keys beside it (see ``dcp_keys``). Blocking. Notes for the user."""
     path = _local_dcp(dst)
     if not isinstance(state, dict):
         raise CheckpointError(f"DCP saves a dict, and this state is a {type(state).__name__}")
@@ -286,4 +291,5 @@ def write_dcp(dst: str, state: Any) -> None:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        save(state, checkpoint_id=path, no_dist=True)
+        metadata = save(state, checkpoint_id=path, no_dist=True)
+    return dcp_keys.record(path, state, metadata.planner_data)

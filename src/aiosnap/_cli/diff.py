@@ -9,6 +9,7 @@ and how many elements differ.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -61,7 +62,30 @@ def diff(a: Any, b: Any, *, atol: float = 0.0) -> list[Change]:
         for path, y in right.items()
         if path not in left
     ]
+    return _key_types(out)
+
+
+def _key_types(changes: list[Change]) -> list[Change]:
+    """The changes, those at paths that print alike (``0`` and ``'0'``: keys a
+    conversion turned into text) saying the types of the keys where they differ."""
+    alike: dict[str, list[Path]] = {}
+    for change in changes:
+        alike.setdefault(format_path(change.path), []).append(change.path)
+    out = []
+    for change in changes:
+        paths = alike[format_path(change.path)]
+        if len(paths) > 1:
+            same = [p for p in paths if len(p) == len(change.path)]
+            keys = [k for i, k in enumerate(change.path) if len({_typed(p[i]) for p in same}) > 1]
+            # Else keys with dots in them: ("a.b",) prints as ("a", "b") does.
+            said = ", ".join(f"key {k!r} is {type(k).__name__}" for k in keys) or f"keys {change.path!r}"
+            change = dataclasses.replace(change, detail=f"{change.detail}; {said}".lstrip("; "))
+        out.append(change)
     return out
+
+
+def _typed(key: object) -> tuple[str, str]:
+    return type(key).__name__, repr(key)
 
 
 def describe(value: Any) -> str:

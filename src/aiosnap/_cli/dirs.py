@@ -1,19 +1,24 @@
 """What the command line asks of paths and checkpoint directories.
 
 A path is a checkpoint file, a step directory (a group's checkpoint, committed by its
-manifest), a DCP directory (torch.distributed.checkpoint's, with a ``.metadata``) or a
-directory of checkpoints, local or at a URL. Directories are read through a read-only
+manifest), an integration's checkpoint folder (a Hugging Face Trainer's or Accelerate's
+``checkpoint-N/``, which stands for the ``state.aiosnap`` in it), a DCP directory
+(torch.distributed.checkpoint's, with a ``.metadata``) or a directory of checkpoints,
+local or at a URL. A directory of checkpoints is a manager's, read through a read-only
 CheckpointManager, which takes no lock and writes nothing, so all of this works while
-training holds the directory; only ``prune`` opens one that writes.
+training holds the directory (only ``prune`` opens one that writes); or an
+integration's (``layouts``), read as it stands.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import anyio
 
@@ -25,8 +30,9 @@ from .._manager.catalog import INDEX_NAME
 from .._manager.manager import CheckpointManager
 from .._manager.records import CheckpointRecord
 from .._manager.retention import RetentionPolicy
-from .._storage.backends import resolve
+from .._storage.backends import object_deadline, resolve, scheme_of
 from .._storage.protocol import Storage, exists, get
+from . import layouts
 
 T = TypeVar("T")
 
@@ -45,15 +51,51 @@ class Located:
     path: str
     kind: Kind
     size: int  # of a file; 0 for a directory
+    #: The integration's checkpoint folder the file stands for (``path`` is its
+    #: ``state.aiosnap``), or None.
+    folder: str | None = None
+
+
+#: How the command line's user sets how long a remote store is waited for.
+DEADLINE_OPTION = "--deadline SECONDS"
+#: Seconds past the deadline that a call may still take: a store's last try (its own
+#: request timeout is longer) gets this long to answer before it is given up.
+ANSWER_MARGIN = 5.0
+
+
+#: What the running command does, and how long a call of ``run`` may go unanswered.
+_reach: contextvars.ContextVar[tuple[str, float | None] | None] = contextvars.ContextVar(
+    "aiosnap_cli_reach", default=None
+)
+
+
+@contextlib.contextmanager
+def reaching(doing: str, deadline: float | None, *paths: str) -> Iterator[None]:
+    """Within (a command's body, on ``paths``): storages made for URLs retry a failing
+    call for ``deadline`` seconds (``--deadline``; None: their own default); the calls
+    ``run`` makes are named by ``doing`` (what the command does, in words: "listing
+    s3://bucket/run") and, where a path is a URL, one still unanswered ANSWER_MARGIN
+    seconds past the deadline is abandoned with RemoteStorageError (a store that accepts
+    and never answers). A local disk is waited for as long as it takes, and so are the
+    bulk reads and writes a command makes outside ``run`` (a verify, a convert)."""
+    remote = any(scheme_of(p) not in (None, "file") for p in paths)
+    token = _reach.set((doing, deadline + ANSWER_MARGIN if remote and deadline is not None else None))
+    try:
+        with object_deadline(deadline):
+            yield
+    finally:
+        _reach.reset(token)
 
 
 def run(fn: Callable[..., Awaitable[T]], *args: object) -> T:
     """``anyio.run(fn, *args)`` for a command: every storage call it makes is abandoned
     at Ctrl-C, and one that an object store holds up is told to the user within seconds
-    (``offload.remote_io``), as the command line reaches local paths and URLs alike."""
+    (``offload.remote_io``), named and bounded as ``reaching`` says, as the command line
+    reaches local paths and URLs alike."""
+    doing, limit = _reach.get() or (None, None)
 
     async def remote() -> T:
-        with _offload.remote_io():
+        with _offload.remote_io(doing, limit=limit, knob=DEADLINE_OPTION):
             return await fn(*args)
 
     return anyio.run(remote)
@@ -80,6 +122,10 @@ def _locate(storage: Storage, path: str, where: str) -> Located:
         return Located(storage, where, "step", 0)
     if exists(storage, storage.join(where, DCP_METADATA)):
         return Located(storage, where, "dcp", 0)
+    state = layouts.folder_state(storage, where)
+    if state is not None:
+        found = storage.stat(state)
+        return Located(storage, state, "file", 0 if found is None else found.size, folder=where)
     return Located(storage, where, "directory", 0)
 
 
@@ -143,25 +189,49 @@ def _literal(text: str) -> str:
 class Row:
     """One checkpoint of a listing."""
 
-    record: CheckpointRecord
+    step: int | None  # None: an integration's file that says none
+    epoch: int | float | None  # the Hugging Face Trainer's is a fraction
+    file: str  # the file or folder, in the listing's directory
+    time: float | None  # when it was committed (None: the index did not record it)
     size: int
-    indexed: bool  # False: the index did not know it (its time is unknown)
+    metrics: dict[str, Any]
+    corrupt: str | None
     latest: bool
-    remote: bool | None  # uploaded to the remote tier (None: no remote tier asked about)
+    remote: bool | None = None  # uploaded to the remote tier (None: no remote tier asked about)
     local: bool = True  # False: only the remote tier holds it
 
 
 @dataclass(frozen=True, slots=True)
 class Listing:
+    """The checkpoints of a directory: a manager's (``layout`` None, ``name`` its
+    template) or an integration's (``layout`` says whose)."""
+
     directory: str
-    name: str
+    name: str | None
     rows: list[Row]
+    layout: layouts.Layout | None = None
+
+
+def _record_row(r: CheckpointRecord, size: int, latest: bool, remote: bool | None, local: bool = True) -> Row:
+    time = r.wall_time if r.timings else None  # every commit the index recorded has its timings
+    return Row(r.step, r.epoch, r.file, time, size, r.metrics, r.corrupt, latest, remote, local)
 
 
 async def listing(directory: str, name: str | None, remote: str | None) -> Listing:
-    """The committed checkpoints of ``directory`` (and which of them ``remote`` holds)."""
+    """The committed checkpoints of ``directory`` (and which of them ``remote`` holds);
+    CheckpointNotFoundError where there are none."""
     place = await directory_at(directory)
-    name = name or guess_name(place.storage, place.path)
+    found = None if remote is not None else await _integration(place, name)
+    if found is not None:
+        top = max((i.step for i in found.items if i.step is not None), default=None)
+        rows = [
+            Row(
+                i.step, i.epoch, i.name, None, i.size, i.metrics, i.corrupt, top is not None and i.step == top
+            )
+            for i in found.items
+        ]
+        return Listing(found.directory, name, rows, found)
+    name = await _name_of(place, name)
     async with CheckpointManager(directory, name=name, read_only=True) as manager:
         records = await manager.records()
         steps = await manager.steps()
@@ -173,19 +243,54 @@ async def listing(directory: str, name: str | None, remote: str | None) -> Listi
     latest = steps[-1] if steps else None
     rows = []
     for r in records:
-        indexed = bool(r.timings)  # every commit the index recorded has its timings
         path = place.storage.join(place.path, r.file)
-        size = r.bytes if r.bytes else size_of(place.storage, path)
-        rows.append(Row(r, size, indexed, r.step == latest, None if uploaded is None else r.step in uploaded))
+        size = r.bytes if r.bytes else await _offload.run_io(size_of, place.storage, path)
+        rows.append(_record_row(r, size, r.step == latest, None if uploaded is None else r.step in uploaded))
     local = {r.step for r in records}
-    rows += [Row(r, r.bytes, bool(r.timings), False, True, False) for r in far if r.step not in local]
-    rows.sort(key=lambda row: row.record.step)
+    rows += [_record_row(r, r.bytes, False, True, False) for r in far if r.step not in local]
+    rows.sort(key=lambda row: row.step or 0)
+    if not rows:
+        raise await _offload.run_io(_nothing, directory, name, place)
     return Listing(directory, name, rows)
+
+
+async def _name_of(place: Located, name: str | None) -> str:
+    """``name``, or the name read off the directory's index."""
+    if name is not None:
+        return name
+    guessed: str = await _offload.run_io(guess_name, place.storage, place.path)
+    return guessed
+
+
+async def _integration(place: Located, name: str | None) -> layouts.Layout | None:
+    """The checkpoints of an integration in ``place`` (a manager's directory, which has
+    an index, is none); with ``name``, folders named by that template."""
+    storage, path = place.storage, place.path
+    if name is None and await _offload.run_io(exists, storage, storage.join(path, INDEX_NAME)):
+        return None
+    return await _offload.run_io(layouts.find, storage, path, name)
+
+
+def _nothing(directory: str, name: str, place: Located) -> CheckpointNotFoundError:
+    """No checkpoint in ``directory``: what was looked for, and how to say what to look for."""
+    looked = f"named like {name!r}"
+    if name == DEFAULT_NAME and not exists(place.storage, place.storage.join(place.path, INDEX_NAME)):
+        looked = (
+            f"no index, nothing named like {name!r} (a manager's default), and none of the trainer "
+            f"integrations' checkpoints ({layouts.DESCRIBED})"
+        )
+    reason = f"no checkpoints in {directory}: {looked}; --name sets the name"
+    return CheckpointNotFoundError(directory, reason)
 
 
 async def directory_at(path: str) -> Located:
     """``path``, which must be a directory of checkpoints."""
     place = await locate_async(path)
+    if place.folder is not None:
+        raise CheckpointError(
+            f"{path} is one checkpoint (a trainer's checkpoint folder holding {layouts.STATE_NAME}), "
+            "not a directory of them: inspect or verify it, or ls the directory above it"
+        )
     if place.kind == "file":
         raise CheckpointError(f"{path} is a file, not a directory of checkpoints (see `aiosnap inspect`)")
     if place.kind == "step":
@@ -195,18 +300,21 @@ async def directory_at(path: str) -> Located:
     return place
 
 
-async def checkpoints(directory: str, name: str | None) -> list[tuple[CheckpointRecord, str, int]]:
-    """Every committed checkpoint of ``directory``, those marked corrupt included:
-    (record, path, bytes)."""
+async def checkpoints(directory: str, name: str | None) -> list[tuple[str, int]]:
+    """Every checkpoint of ``directory`` (path, bytes): a manager's committed ones, those
+    marked corrupt included, or an integration's; CheckpointNotFoundError where there
+    are none."""
     place = await directory_at(directory)
-    name = name or guess_name(place.storage, place.path)
+    found = await _integration(place, name)
+    if found is not None:
+        return [(i.path, i.size) for i in found.items]
+    name = await _name_of(place, name)
     async with CheckpointManager(directory, name=name, read_only=True) as manager:
         records = await manager.records()
-    found = []
-    for r in records:
-        path = place.storage.join(place.path, r.file)
-        found.append((r, path, size_of(place.storage, path)))
-    return found
+    if not records:
+        raise await _offload.run_io(_nothing, directory, name, place)
+    paths = [place.storage.join(place.path, r.file) for r in records]
+    return [(path, await _offload.run_io(size_of, place.storage, path)) for path in paths]
 
 
 async def prune(
@@ -214,9 +322,16 @@ async def prune(
 ) -> tuple[list[CheckpointRecord], list[CheckpointRecord]]:
     """Apply ``keep`` to ``directory`` as its manager would: (what went, or would go; what
     stays, those marked corrupt included: retention leaves them be). A dry run reads
-    only; a real one takes the directory."""
+    only; a real one takes the directory. CheckpointNotFoundError where there are no
+    checkpoints; CheckpointError for an integration's directory, which its trainer rotates."""
     place = await directory_at(directory)
-    name = name or guess_name(place.storage, place.path)
+    found = await _integration(place, name)
+    if found is not None:
+        raise CheckpointError(
+            f"{found.directory} holds {found.title} checkpoints, which the trainer rotates itself "
+            "(its own limit on how many it keeps); prune applies retention to a CheckpointManager's directory"
+        )
+    name = await _name_of(place, name)
     try:
         async with CheckpointManager(directory, name=name, keep=keep, read_only=dry_run) as manager:
             gone = await manager.prune(dry_run=dry_run)
@@ -226,5 +341,7 @@ async def prune(
             f"{exc}. prune deletes checkpoints, so it needs the directory to itself: run it once "
             "training has stopped (--dry-run works meanwhile)"
         ) from None
+    if not records and not gone:
+        raise await _offload.run_io(_nothing, directory, name, place)
     gone_steps = {r.step for r in gone}
     return gone, [r for r in records if r.step not in gone_steps]

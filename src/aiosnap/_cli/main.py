@@ -4,10 +4,12 @@ prune and convert checkpoints, local or at a URL, and measure a disk.
 Everything but ``prune`` and ``convert``'s output only reads, through read-only
 managers and the blocking readers, so it runs beside a training job and never takes
 its directory. Results go to stdout (tables, or JSON with ``--json``), progress bars
-and errors to stderr. Exit codes: 0 done (no difference, for ``diff``); 1 a check
-failed (``verify``) or the two differ (``diff``); 2 an error -- bad input, a missing
-path, a file that is no checkpoint, a directory in use -- said in one line on stderr,
-never a traceback (``AIOSNAP_DEBUG=1`` prints it too).
+and errors to stderr. Exit codes, the same for every command: 0 done, nothing wrong
+found; 1 a check found a problem (``verify``: a checkpoint fails; ``diff``: the two
+differ); 2 the command could not do what was asked -- a usage error, a missing path,
+no checkpoints where some were to be found, a file that is no checkpoint, a store that
+cannot be reached, a directory in use -- said in one line on stderr, never a traceback
+(``AIOSNAP_DEBUG=1`` prints it too); 130 interrupted.
 """
 
 from __future__ import annotations
@@ -20,29 +22,24 @@ import os
 import sys
 import traceback
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Annotated, Any, get_args
 
 import typer
 
 from .. import __version__
-from .._base.errors import (
-    CheckpointError,
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    NotACheckpointError,
-)
-from .._load.verify import verify_blocking
+from .._base.errors import CheckpointError
 from .._manager.retention import AnyPolicy, KeepBest, KeepEvery, KeepLast, KeepWithin, RetentionPolicy
 from . import tables, views
 from .bench import Bench, parse_size
 from .convert import convert, read_state
 from .diff import Status, diff
-from .dirs import checkpoints, listing, locate, prune, run
+from .dirs import listing, locate, prune, reaching, run
 from .entries import describe
 from .help import Command, Group
 from .select import select
 from .tables import Shown
+from .verifying import Verified, verify_all, verify_targets
 
 OK, FAILED, ERROR = 0, 1, 2
 #: The base of the usage errors of the click typer carries inside (it exports no name for it).
@@ -95,6 +92,18 @@ Wide = Annotated[
     bool,
     typer.Option("--wide", help="One line per row, however wide (long names wrap otherwise)."),
 ]
+#: How long the command line waits on an object store by default: a person waits for
+#: it (the library's own default, for training jobs, is 120 s).
+DEADLINE = 30.0
+Deadline = Annotated[
+    float,
+    typer.Option(
+        metavar="SECONDS",
+        min=0.1,
+        help="Seconds a failing call to an object store (s3://, gs://, az://) is retried before the "
+        "command fails; a URL's store that accepts and never answers is given up 5 s later.",
+    ),
+]
 
 
 @app.callback(invoke_without_command=True)
@@ -119,17 +128,19 @@ def ls_command(
         str | None, typer.Option(help="The remote tier (a manager's remote=): shows which steps it holds.")
     ] = None,
     as_json: Json = False,
+    deadline: Deadline = DEADLINE,
 ) -> None:
     """List the checkpoints of a directory.
 
     Steps, epochs, times, sizes, metrics, the latest, those marked corrupt (and which
-    the remote tier holds, with --remote)."""
-    found = run(listing, directory, name, remote)
+    the remote tier holds, with --remote). A CheckpointManager's directory, or the
+    checkpoints of the trainer integrations: Hugging Face Trainer and Accelerate
+    folders (checkpoint-N/, checkpoint_N/), Lightning .ckpt files, here or in a
+    checkpoints/ folder. Exit 2 if there are none."""
+    with reaching(f"listing {directory}", deadline, directory, *([remote] if remote else [])):
+        found = run(listing, directory, name, remote)
     if as_json:
         views.print_json(views.listing_json(found))
-        return
-    if not found.rows:
-        views.err().print(f"no checkpoints in {directory} named like {found.name!r} (--name sets the name)")
         return
     views.print_listing(found, remote is not None)
 
@@ -150,13 +161,16 @@ def inspect_command(
     wide: Wide = False,
     as_json: Json = False,
     allow_pickle: AllowPickle = False,
+    deadline: Deadline = DEADLINE,
 ) -> None:
     """Show what a checkpoint holds: its tree, with dtypes, shapes, sizes and checksums.
 
     Only the header is read. A container of more than 8 plain values (an RNG state, a
     list of parameter ids) is one row unless --expand; --keys, --exclude and --depth
-    choose what is shown. --json lists every entry --keys and --exclude select."""
-    described = describe(locate(checkpoint), allow_pickle)
+    choose what is shown. --json lists every entry --keys and --exclude select. A
+    trainer's checkpoint folder (checkpoint-N/) is its state.aiosnap."""
+    with reaching(f"inspecting {checkpoint}", deadline, checkpoint):
+        described = describe(locate(checkpoint), allow_pickle)
     shown = Shown(keys or (), exclude or (), depth, expand, wide)
     if as_json:
         data = described.to_json()
@@ -171,64 +185,49 @@ def inspect_command(
 
 @app.command("verify", cls=Command)
 def verify_command(
-    target: Annotated[
-        str, typer.Argument(metavar="TARGET", help="A checkpoint, or a directory: every checkpoint in it.")
+    targets: Annotated[
+        list[str],
+        typer.Argument(
+            metavar="TARGET",
+            help="Checkpoints, or directories: every checkpoint of each.",
+            show_default=False,
+        ),
     ],
     name: Name = None,
+    deadline: Deadline = DEADLINE,
 ) -> None:
     """Recompute every checksum; exit 1 if any fails.
 
-    A progress bar runs on stderr (on a terminal), and a failure names every entry that
-    failed. The stored count and bytes are those inspect shows."""
-    place = locate(target)
-    if place.kind == "dcp":
-        raise CheckpointError(f"{target} is a torch.distributed.checkpoint directory: it has no checksums")
-    if place.kind == "directory":
-        found = run(checkpoints, target, name)
-        if not found:
-            raise CheckpointNotFoundError(target, f"no checkpoints in {target} (--name sets the name)")
-        todo = [(path, size) for _, path, size in found]
-    else:
-        todo = [(place.path, place.size)]
-    failed = _verify_all(place.storage, todo, single=place.kind != "directory")
-    if place.kind == "directory":
+    Each TARGET is a checkpoint (a file, a step directory, a trainer's checkpoint
+    folder) or a directory of them (a manager's, or the trainer integrations'). A
+    progress bar runs on stderr (on a terminal), and a failure names every entry that
+    failed. The stored count and bytes are those inspect shows. Exit 1 if a checkpoint
+    fails, 2 if a TARGET could not be read as one (it is said, and the others are
+    still verified)."""
+    todo: list[Verified] = []
+    errors = 0
+    with reaching(f"verifying {' '.join(targets)}", deadline, *targets):
+        for target in targets:
+            try:
+                todo += verify_targets(target, name)
+            except Exception as exc:
+                if len(targets) == 1:
+                    raise
+                errors += 1
+                _error(exc)
+        failed, broken = verify_all(todo, _error)
+    if len(targets) > 1 or any(not v.direct for v in todo):
         verdict = f"{failed} of {len(todo)} FAILED" if failed else "all verified"
-        views.out().print(f"{len(todo)} checkpoint(s) in {target}: {verdict}")
+        where = targets[0] if len(targets) == 1 else f"{len(targets)} targets"
+        views.out().print(f"{len(todo)} checkpoint(s) in {where}: {verdict}")
+    if errors or broken:
+        raise typer.Exit(ERROR)
     if failed:
         raise typer.Exit(FAILED)
 
 
-def _verify_all(storage: Any, todo: list[tuple[str, int]], *, single: bool) -> int:
-    out, failed = views.out(), 0
-    with views.progress(views.err(), bytes_=True) as bar:
-        task = bar.add_task("verifying", total=sum(size for _, size in todo) or None)
-        offset = 0
-        for path, size in todo:
-            advance = functools.partial(_advance, bar.update, task, offset, size)
-            try:
-                report = verify_blocking(storage, path, advance)
-            except NotACheckpointError:
-                if single:
-                    raise  # bad input, not a checkpoint that failed
-                failed += 1
-                out.print(f"FAILED  {path}: not a checkpoint")
-            except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
-                failed += 1
-                out.print(f"FAILED  {views.one_line(str(exc))}")
-            else:
-                tag = "ok     " if report.format != "torch.save" else "pickle "
-                out.print(f"{tag} {path} ({views.verified(report)})")
-            offset += size
-            bar.update(task, completed=offset)
-    return failed
-
-
 def _path(item: Any) -> tuple[object, ...]:
     return item.path  # type: ignore[no-any-return]
-
-
-def _advance(update: Callable[..., None], task: Any, offset: int, size: int, done: int, total: int) -> None:
-    update(task, completed=offset + (size * done // total if total else 0))
 
 
 # -- diff ------------------------------------------------------------------------------------------
@@ -249,6 +248,7 @@ def diff_command(
     wide: Wide = False,
     as_json: Json = False,
     allow_pickle: AllowPickle = False,
+    deadline: Deadline = DEADLINE,
 ) -> None:
     """Compare two checkpoints, of any formats convert reads. Exit 1 if they differ.
 
@@ -256,8 +256,9 @@ def diff_command(
     difference), and counts the equal ones. A container of more than 8 plain values is
     one row unless --expand; --keys and --exclude choose what is compared (the exit
     code too), --depth folds what is deeper into one row per container."""
-    left, _ = read_state(locate(a), allow_pickle)
-    right, _ = read_state(locate(b), allow_pickle)
+    with reaching(f"comparing {a} and {b}", deadline, a, b):
+        left, _ = read_state(locate(a), allow_pickle)
+        right, _ = read_state(locate(b), allow_pickle)
     shown = Shown(keys or (), exclude or (), depth, expand, wide)
     changes = select(diff(left, right, atol=atol), _path, shown.keys, shown.exclude)
     counts = {s: sum(c.status == s for c in changes) for s in get_args(Status)}
@@ -297,6 +298,7 @@ def prune_command(
         bool, typer.Option("--dry-run", help="Show what would go; remove nothing, take no lock.")
     ] = False,
     name: Name = None,
+    deadline: Deadline = DEADLINE,
 ) -> None:
     """Delete the checkpoints no retention policy keeps.
 
@@ -304,7 +306,8 @@ def prune_command(
     keeps it, and the newest always stays. Takes the directory's lock (and fails,
     saying so, while training holds it)."""
     policy = _policy(keep_last, keep_every, keep_best, best_mode, best_n, keep_within)
-    gone, kept = run(functools.partial(prune, directory, name, policy, dry_run=dry_run))
+    with reaching(f"pruning {directory}", deadline, directory):
+        gone, kept = run(functools.partial(prune, directory, name, policy, dry_run=dry_run))
     views.print_pruned(gone, kept, dry_run)
 
 
@@ -370,20 +373,22 @@ def convert_command(
             help="Copy an aiosnap file with the blobs it refers to (an incremental save's) stored in it.",
         ),
     ] = False,
+    deadline: Deadline = DEADLINE,
 ) -> None:
     """Convert between aiosnap, safetensors, torch.save and torch.distributed.checkpoint.
 
     A step directory becomes one file. Safetensors output keeps the tree and the plain
     values in its metadata, so a round trip through it loses nothing; torch output is
     torch.save's own format."""
-    done = convert(
-        src,
-        dst,
-        None if to is None else to.value,
-        allow_pickle=allow_pickle,
-        force=force,
-        standalone=standalone,
-    )
+    with reaching(f"converting {src} to {dst}", deadline, src, dst):
+        done = convert(
+            src,
+            dst,
+            None if to is None else to.value,
+            allow_pickle=allow_pickle,
+            force=force,
+            standalone=standalone,
+        )
     views.out().print(
         f"{src} ({done.source}) -> {dst} ({done.target}): {done.tensors} tensor(s), {views.human(done.bytes)}"
     )
@@ -434,8 +439,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             ``sys.argv[1:]``, as the console script does.
 
     Returns:
-        0 done (for ``diff``: no difference); 1 ``verify`` found a checkpoint that fails, or
-        ``diff`` a difference; 2 an error or a usage error; 130 interrupted.
+        0 done, nothing wrong found; 1 a check found a problem (``verify``: a checkpoint
+        that fails; ``diff``: a difference); 2 the command could not do what was asked (a
+        usage error, a missing path, no checkpoints found, an unreadable input, a store
+        that cannot be reached); 130 interrupted.
     """
     try:
         with _diagnostics():

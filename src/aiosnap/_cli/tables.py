@@ -195,22 +195,29 @@ def table(
     return out
 
 
+#: Where a name may break but at a dot: after a space, a slash, an underscore, an equals
+#: sign or a hyphen, and before an opening bracket (a Lightning callback's key is
+#: ``ModelCheckpoint{'monitor': 'step', ...}``; a path may be a key).
+_WORD_END = re.compile(r"(?<=[ /_=\-])|(?=[{\[(])")
+
+
 def wrap_name(label: str, width: int) -> str:
     """``label`` (a name after its indentation) in lines of at most ``width``, each line
     after the first indented two more spaces than the first: broken after a dot, else
-    after an underscore, else where the line ends."""
+    between words (see _WORD_END), never inside a word unless one word is longer than a
+    whole line."""
     if len(label) <= width:
         return label
     indent = len(label) - len(label.lstrip(" "))
     more = " " * min(indent + 2, max(width - 4, 0))
     lines, line = [], label[:indent]
     for part in re.split(r"(?<=\.)", label[indent:]):
-        pieces = [part] if len(more) + len(part) <= width else re.split(r"(?<=_)", part)
+        pieces = [part] if len(more) + len(part) <= width else [p for p in _WORD_END.split(part) if p]
         for piece in pieces:
             if line.strip() and len(line) + len(piece) > width:
                 lines.append(line)
                 line = more
-            while len(line) + len(piece) > width:
+            while len(line) + len(piece) > width:  # one word longer than a line: cut, as nothing else fits
                 room = max(width - len(line), 1)
                 lines.append(line + piece[:room])
                 line, piece = more, piece[room:]

@@ -62,50 +62,70 @@ def progress(console: Console, *, bytes_: bool) -> Progress:
 
 
 def print_listing(found: Listing, remote: bool) -> None:
-    table = Table("step", "epoch", "saved", "size", "metrics", "status")
+    """A manager's checkpoints by step; an integration's with their file or folder names
+    (what ``inspect`` and ``verify`` take), and no commit time (nothing records it)."""
+    named = found.layout is not None
+    headers = ["checkpoint"] * named + ["step", "epoch"] + ["saved"] * (not named)
+    table = Table(*headers, "size", "metrics", "status")
     if remote:
         table.add_column("remote")
     for row in found.rows:
-        table.add_row(*ls_cells(row, remote))
+        table.add_row(*([row.file] * named), *ls_cells(row, remote, saved=not named))
     out().print(table)
-    latest = next((r.record.step for r in found.rows if r.latest), None)
+    latest = next((r.step for r in found.rows if r.latest), None)
     local = sum(r.local for r in found.rows)
-    out().print(f"{local} checkpoint(s) in {found.directory}; latest: step {latest}")
+    where = found.directory
+    if found.layout is not None:
+        where += f" ({found.layout.title})"
+    out().print(f"{local} checkpoint(s) in {where}; latest: step {latest}")
 
 
-def ls_cells(row: Row, remote: bool) -> list[str]:
-    r = row.record
-    saved = when(r.wall_time) if row.indexed else "-"
+def ls_cells(row: Row, remote: bool, *, saved: bool = True) -> list[str]:
     status = "latest" if row.latest else ""
-    if r.corrupt is not None:
-        status = f"corrupt: {r.corrupt.rpartition(f'{r.file}: ')[2]}"  # the path is in the row
+    if row.corrupt is not None:
+        status = f"corrupt: {row.corrupt.rpartition(f'{row.file}: ')[2]}"  # the path is in the row
     if not row.local:
         status = "remote only"
-    cells = [str(r.step), "-" if r.epoch is None else str(r.epoch), saved, human(row.size or None)]
-    cells += [metrics(r.metrics), status]
+    cells = ["-" if row.step is None else str(row.step), epoch(row.epoch)]
+    cells += [when(row.time) if row.time is not None else "-"] * saved
+    cells += [human(row.size or None), metrics(row.metrics), status]
     return [*cells, "uploaded" if row.remote else "-"] if remote else cells
+
+
+def epoch(value: int | float | None) -> str:
+    """An epoch as its trainer counts it: a whole number, or the Hugging Face Trainer's
+    fraction of epochs done (``2.5``)."""
+    if value is None:
+        return "-"
+    return str(value) if isinstance(value, int) else f"{value:.4g}"
 
 
 def listing_json(found: Listing) -> dict[str, Any]:
     rows = []
     for row in found.rows:
-        r = row.record
         rows.append(
             {
-                "step": r.step,
-                "epoch": r.epoch,
-                "file": r.file,
-                "time": r.wall_time if row.indexed else None,
+                "step": row.step,
+                "epoch": row.epoch,
+                "file": row.file,
+                "time": row.time,
                 "bytes": row.size,
-                "metrics": jsonable(r.metrics),
+                "metrics": jsonable(row.metrics),
                 "latest": row.latest,
-                "corrupt": r.corrupt,
+                "corrupt": row.corrupt,
                 "local": row.local,
                 "uploaded": row.remote,
             }
         )
-    latest = next((r.record.step for r in found.rows if r.latest), None)
-    return {"directory": found.directory, "name": found.name, "latest": latest, "checkpoints": rows}
+    latest = next((r.step for r in found.rows if r.latest), None)
+    layout = "manager" if found.layout is None else found.layout.kind
+    return {
+        "directory": found.directory,
+        "layout": layout,
+        "name": found.name,
+        "latest": latest,
+        "checkpoints": rows,
+    }
 
 
 def stored(tensors: int, nbytes: int) -> str:

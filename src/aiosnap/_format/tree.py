@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from .._base.errors import UnsupportedTypeError
+from .._base.offload import hand_over
 from .dtypes import is_storable_torch, numpy_file_dtype
 from .header import json_string
 
@@ -244,6 +245,7 @@ class _Capture:
         return f"[{self.node(key, path)},{self.node(value, (*path, key))}]"
 
     def tensor(self, t: torch.Tensor, path: tuple[object, ...]) -> str:
+        hand_over()  # the walk runs in a worker thread: the event loop gets its turn
         problem = _tensor_problem(t)
         if problem:
             return self.other(t, path, problem)

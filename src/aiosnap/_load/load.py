@@ -41,6 +41,7 @@ from .._format.tree import (
 )
 from .._storage.backends import resolve
 from .._storage.protocol import Reader, ReaderFile, Storage, exists
+from .fit import Fit, Guard, TreeSide, ValueSide
 from .progress import counted
 from .readers import EntryReader, MapLocation, Shards
 from .refs import follow
@@ -134,13 +135,19 @@ async def load_into(
     target's entries are loaded and the checkpoint's others ignored. ``keys`` loads
     only those subtrees (the rest of the target is left alone). Returns ``target``.
 
+    All or nothing: every key, shape and dtype, a Module's keys and shapes, an
+    Optimizer's parameter groups (as many, as large) and every checksum are checked
+    before the first byte of the target changes; a load that fails leaves it as it was
+    and calls no ``load_state_dict``. An optimizer state whose keys name none of the
+    optimizer's parameters (int keys a conversion turned into text) is refused.
+
     CPU tensors and arrays whose dtype, shape and layout match are read straight into
     their own memory, with no intermediate copy; so are the tensors of a Stateful
     object's ``state_dict()`` (a model's parameters, an optimizer's state), and the
-    local shards of DTensors, whatever their mesh and placements. If a checksum then
-    fails, the error is raised and such a target holds partly new bytes (restore an
-    older checkpoint into it, as CheckpointManager.restore does). ``replicas``,
-    ``rank`` and ``progress`` as in ``load``.
+    local shards of DTensors, whatever their mesh and placements. Their checksums are
+    checked first, in a pass that keeps none of their bytes; from a local file, the
+    read that follows it is served by the page cache. ``replicas``, ``rank`` and
+    ``progress`` as in ``load``.
     """
     request = LoadRequest(
         keys=keys, allow_pickle=allow_pickle, target=target, strict=strict, replicas=replicas, rank=rank
@@ -301,6 +308,7 @@ def load_file(
         if foreign is not None:
             loaded = _load_foreign(files[0], foreign, keys, map_location, allow_pickle)
             if target is not None:
+                Fit(ValueSide(), strict, dests).fit(target, loaded, ())  # all or nothing: see _load/fit.py
                 assign(target, loaded, (), strict, dests)
             return loaded
         files[0], header = follow(storage, files[0], _read_checked(files[0], checksums))
@@ -318,17 +326,22 @@ def load_file(
                 files.append(storage.open_read(replicas))
                 files[1], replicated = follow(storage, files[1], _read_checked(files[1], checksums))
                 reader.add_replicas(files[1], replicated)
+            guard = None
             if target is not None:
                 # An entry of this file, or (with replicas) of theirs: with none, a lookup
                 # in its own table is the same, without a method call a tensor.
                 one = len(reader.sources) == 1 and not header.external
-                find(target, tree, header.tensors.get if one else reader.lookup, dests)
+                lookup = header.tensors.get if one else reader.lookup
+                find(target, tree, lookup, dests)
+                # All or nothing: whatever would be refused, refused before anything is read.
+                fit = Fit(TreeSide(lookup, shards, _own(header), dests), strict, dests)
+                guard = Guard(fit, target, tree, reader.resolve)
             if refuse is not None:
                 asked = (
                     held_paths(dests) if target is not None else {format_path(p) for p, _ in walk_nodes(tree)}
                 )
                 refuse(asked)
-            reader.prefetch(tree, dests)
+            reader.prefetch(tree, dests, guard)
             set_values(dests)
             if known_object(tree, dests.known) is not None:  # the target is a dict find knew whole
                 # Read in place, every tensor: rebuilt and assigned, the tree would be
@@ -353,6 +366,11 @@ def load_file(
             assign(target, loaded, (), strict, dests)
         _offload.release(dests.direct, dests.held, dests.values, dests.known, dests.infos)
     return loaded
+
+
+def _own(header: Header) -> Callable[[str], TensorInfo | None]:
+    """An entry of the file, stored in it or described as another's (see Shards.saved)."""
+    return lambda name: header.tensors.get(name) or header.external.get(name)
 
 
 def _load_foreign(

@@ -3,9 +3,9 @@
 Plain entries are read in file order, neighbours with one scattered read, straight
 into the tensors and arrays that are returned (or the target's own, for
 ``load_into``). External entries come from the file of replicated entries. A DTensor
-of a group checkpoint is read from the boxes the manifest indexes: only the byte runs
-that overlap the box wanted (the target's local shard, or the whole), each checked
-against the checksums of the blocks it lies in.
+of a group checkpoint is read from the boxes the manifest indexes (``_load/boxes.py``).
+A load into a target writes nothing there until everything it reads is checked
+(``_load/proof.py``).
 """
 
 from __future__ import annotations
@@ -13,25 +13,29 @@ from __future__ import annotations
 import ctypes
 import operator
 import pickle
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from .._base import offload as _offload
 from .._base.checksums import crc32c
-from .._base.errors import CorruptCheckpointError, PickleNotAllowedError, StateMismatchError
+from .._base.errors import CorruptCheckpointError, PickleNotAllowedError
+from .._base.offload import hand_over
 from .._format import dtypes as _dtypes
 from .._format.codec import Header, TensorInfo
-from .._format.header import BLOCK
-from .._format.manifest import SavedTensor, holds_box, indexed
-from .._format.shards import Box, Run, is_dtensor, runs, shard_of
+from .._format.manifest import SavedTensor
 from .._format.tree import format_path, walk_leaves
-from .._save.device import as_copyable
 from .._storage.posix import HUGE_MIN, huge_pages, populate
 from .._storage.protocol import Reader
+from .boxes import NUMPY_ADVISES as _NUMPY_ADVISES
+from .boxes import Shards as Shards
+from .boxes import empty_bytes as _empty
+from .boxes import plan_dtensor
+from .boxes import split as split
+from .proof import verify_entries
 from .targets import SMALL, Destinations
 
 #: Neighbouring entries are read together, up to this many bytes and buffers per read.
@@ -40,8 +44,6 @@ READ_IOVECS = 512
 #: Entries under SMALL bytes (see ``_targets``) are read with their neighbours into one
 #: scratch buffer of at most this many bytes, checked there and copied out.
 SMALL_GROUP = 4 << 20
-#: Bytes of shard read through a scratch buffer at a time (partial reads, devices).
-SCRATCH = 64 << 20
 #: Large entries of a local file are read this many bytes at a time, the next piece's
 #: fresh pages faulted in by a helper thread meanwhile (see ``read_all``).
 READ_PIECE = 8 << 20
@@ -51,26 +53,14 @@ MapLocation = str | torch.device | None
 #: uint8 array, or for a tensor under SMALL bytes the address of its data; None for an
 #: entry under SMALL bytes that is made as it is read (``_in_buffer``).
 Made = dict[str, Any]
-#: Opens rank file ``i`` of the step (cached by the caller), checked against the manifest.
-OpenRank = Callable[[int], tuple[Reader, Header]]
 
 
-@dataclass(frozen=True, slots=True)
-class Shards:
-    """A group checkpoint's DTensors, for a reader: where their boxes lie (as the
-    manifest at ``path`` says)."""
+class Guard(Protocol):
+    """What a load into a target checks at the two points it must: before anything is
+    read, and before the first write into the target (see ``_load/fit.py``)."""
 
-    index: dict[str, SavedTensor]
-    open: OpenRank
-    path: str = ""
-
-    def saved(self, where: str, info: TensorInfo | None) -> SavedTensor:
-        """The boxes of the DTensor at tree path ``where`` (see ``indexed``): a DTensor
-        with bytes that the manifest does not index means it is not this step's."""
-        saved = indexed(self.index, where, info)
-        if saved is None:
-            raise CorruptCheckpointError(self.path, f"no boxes of the DTensor at {where}")
-        return saved
+    def before_read(self) -> None: ...
+    def before_write(self) -> None: ...
 
 
 class EntryReader:
@@ -127,11 +117,15 @@ class EntryReader:
     def resolve(self, kind: str, name: str, path: tuple[object, ...]) -> object:
         return self.made[name]  # prefetch() read every leaf the tree refers to
 
-    def prefetch(self, tree: Any, dests: Destinations) -> None:
+    def prefetch(self, tree: Any, dests: Destinations, guard: Guard | None = None) -> None:
         """Check every leaf the tree refers to, then read them all in file order.
 
         Neighbouring entries are read with one scattered read each, straight into the
-        memory of the tensors and arrays that will be returned; checksums follow.
+        memory of the tensors and arrays that will be returned; checksums follow. What
+        goes to a target's memory is read last, once every checksum of the load was
+        checked: a load that fails writes nothing there. ``guard`` is told when every
+        reference of the tree was checked, before anything is read, and again before the
+        first write into a target.
         """
         wanted: dict[str, TensorInfo] = {}
         sharded: dict[str, tuple[str, SavedTensor]] = {}
@@ -191,6 +185,8 @@ class EntryReader:
             wanted[name] = info
             by_source[src].append(info)
         _offload.release(leaves)  # not at once: see release
+        if guard is not None:
+            guard.before_read()
         direct = dests.direct
         # None: an entry under SMALL bytes, made where its group is read (see _read_small).
         made: Made = {
@@ -203,8 +199,18 @@ class EntryReader:
             if unwalked:
                 plain += unwalked
                 reading = {**direct, **made} if made else direct
+        # All or nothing: what a target's own memory takes is read last, once everything
+        # else is read and checked and its checksums are (see _load/proof.py).
+        placed: list[tuple[Reader, Header, list[TensorInfo]]] = []
         for (f, header), infos in zip(self.sources, by_source, strict=True):
-            self.read_all(f, header, sorted(infos, key=_START), reading, direct)
+            infos.sort(key=_START)
+            if direct:
+                mine = [info for info in infos if info.name in direct]
+                if mine:
+                    placed.append((f, header, mine))
+                    infos = [info for info in infos if info.name not in direct]
+            if infos:
+                self.read_all(f, header, infos, reading, direct)
         if reading is not made:  # what read_all made of small entries is in reading
             made = {name: reading[name] for name in made}
         if self.map_location is None and not others:  # only tensors, as they were made
@@ -217,8 +223,36 @@ class EntryReader:
         else:
             self.made = {name: self.finish(wanted[name], obj) for name, (obj, _) in made.items()}
         _offload.release(made)  # its pairs and arrays (the rest only refers to what lives on)
+        self._read_placed(sharded, dests, placed, guard)
+
+    def _read_placed(
+        self,
+        sharded: dict[str, tuple[str, SavedTensor]],
+        dests: Destinations,
+        placed: list[tuple[Reader, Header, list[TensorInfo]]],
+        guard: Guard | None,
+    ) -> None:
+        """The DTensors; then, once every checksum of what goes to a target is checked
+        and the guard has not refused, the entries a target's memory takes."""
+        fills = []
         for name, (where, saved) in sharded.items():
-            self.made[name] = self.read_dtensor(saved, dests.shards.get(name), where)
+            assert self.shards is not None
+            target = dests.shards.get(name)
+            fill = plan_dtensor(self.shards, saved, target, where)
+            if target is None:
+                self.made[name] = fill.run(self.map_location)
+            else:
+                fills.append((name, fill))
+        for f, header, infos in placed:
+            verify_entries(f, header, infos)
+        for _, fill in fills:
+            fill.verify()
+        if guard is not None:
+            guard.before_write()
+        for f, header, infos in placed:
+            self.read_all(f, header, infos, dests.direct, dests.direct)
+        for name, fill in fills:
+            self.made[name] = fill.run()
 
     def read_all(
         self, f: Reader, header: Header, infos: list[TensorInfo], made: Made, placed: Mapping[str, Any]
@@ -264,158 +298,6 @@ class EntryReader:
             return pickle.loads(obj.tobytes())  # the caller opted in
         return obj[()] if info.kind == "npscalar" else obj
 
-    # -- DTensors ---------------------------------------------------------------------------
-    def read_dtensor(self, saved: SavedTensor, target: Any, where: str) -> Any:
-        """Fill ``target`` (a DTensor: its local shard; a tensor: the whole) from the
-        saved boxes, or assemble the whole tensor when there is no target."""
-        dtype, shape = _dtypes.TORCH_DTYPES[saved.dtype], tuple(saved.shape)
-        if target is not None and (tuple(target.shape) != shape or target.dtype != dtype):
-            raise StateMismatchError(
-                f"{where}: checkpoint has {dtype} {shape}, target {target.dtype} {tuple(target.shape)}"
-            )
-        if is_dtensor(target):
-            mine = shard_of(target, where)
-            if mine is not None:
-                self._fill(self._plan(saved, mine.box, where), mine.local)
-            return target
-        # The boxes are found in their files before the whole is allocated: only entries
-        # the files hold, of the manifest's sizes, justify the memory.
-        plan = self._plan(saved, Box((0,) * len(shape), shape), where)
-        whole = target
-        if whole is None:
-            whole = torch.empty(shape, dtype=dtype)
-            if whole.nbytes >= HUGE_MIN:
-                huge_pages(whole.data_ptr(), whole.nbytes)
-        self._fill(plan, whole)
-        if target is None and self.map_location is not None:
-            return whole.to(self.map_location)
-        return whole
-
-    def _plan(
-        self, saved: SavedTensor, box: Box, where: str
-    ) -> list[tuple[Reader, int, TensorInfo, list[Run]]]:
-        """The reads that fill ``box`` of a DTensor: for each saved box it overlaps, its
-        file, its entry (checked to be that box) and the runs to read of it."""
-        assert self.shards is not None
-        itemsize = _dtypes.TORCH_DTYPES[saved.dtype].itemsize
-        plan = []
-        for sb in saved.boxes:
-            overlap = sb.box.intersect(box)
-            if overlap is None or not overlap.numel:
-                continue
-            # The entry first: the runs of a box no file holds could be any number.
-            f, header = self.shards.open(sb.file)
-            info = header.tensors.get(sb.name)
-            if not holds_box(info, saved, sb):
-                raise CorruptCheckpointError(f.path, f"does not hold the box of {where} its manifest says")
-            assert info is not None
-            pieces = [r for run in runs(sb.box, box, itemsize) for r in split(run, SCRATCH, itemsize)]
-            plan.append((f, header.data_start, info, pieces))
-        return plan
-
-    def _fill(self, plan: list[tuple[Reader, int, TensorInfo, list[Run]]], local: torch.Tensor) -> None:
-        for f, data_start, info, pieces in plan:
-            _BoxReader(f, data_start, info, local).read(pieces)
-
-
-class _BoxReader:
-    """Reads runs of one saved box into a local tensor, verifying what it reads."""
-
-    def __init__(self, f: Reader, data_start: int, info: TensorInfo, local: torch.Tensor) -> None:
-        self.f, self.info, self.local = f, info, local
-        self.base = data_start + info.start
-
-    def read(self, pieces: list[Run]) -> None:
-        if self.info.blocks is None:  # small: read it whole, once, and check it whole
-            buf = _empty(self.info.nbytes)
-            self.f.readinto(self.base, buf.data)
-            if crc32c(buf.data) != self.info.crc:
-                raise CorruptCheckpointError(self.f.path, f"checksum mismatch in tensor {self.info.name!r}")
-            for run in pieces:
-                self._copy(run, buf[run.src : run.src + run.nbytes])
-            return
-        pieces = sorted(pieces, key=lambda r: r.src)
-        i = 0
-        while i < len(pieces):
-            run = pieces[i]
-            lo, hi = self._span(run)
-            dest = self._view(run)
-            if (lo, hi) == (run.src, run.src + run.nbytes) and _is_host_contiguous(dest):
-                raw = _bytes_of(dest).data  # the run is whole blocks: read in place
-                self.f.readinto(self.base + lo, raw)
-                self._check(lo, raw)
-                i += 1
-                continue
-            # Runs whose blocks meet share one read (a column shard is a run per row:
-            # each block is read once, not once per row), within the scratch bound.
-            j = i + 1
-            while j < len(pieces):
-                lo_j, hi_j = self._span(pieces[j])
-                if lo_j > hi or hi_j - lo > SCRATCH:
-                    break
-                hi = max(hi, hi_j)
-                j += 1
-            buf = _empty(hi - lo)
-            self.f.readinto(self.base + lo, buf.data)
-            self._check(lo, buf.data)
-            for piece in pieces[i:j]:
-                self._copy(piece, buf[piece.src - lo : piece.src - lo + piece.nbytes])
-            i = j
-
-    def _span(self, run: Run) -> tuple[int, int]:
-        """The blocks a run lies in, as a byte range of the entry."""
-        end = -(-(run.src + run.nbytes) // BLOCK) * BLOCK
-        return run.src // BLOCK * BLOCK, min(self.info.nbytes, end)
-
-    def _check(self, lo: int, raw: memoryview) -> None:
-        assert self.info.blocks is not None
-        first = lo // BLOCK
-        got = [crc32c(raw[i : i + BLOCK]) for i in range(0, len(raw), BLOCK)]
-        if got != list(self.info.blocks[first : first + len(got)]):
-            raise CorruptCheckpointError(self.f.path, f"checksum mismatch in tensor {self.info.name!r}")
-
-    def _view(self, run: Run) -> torch.Tensor:
-        k = len(run.dst) - len(run.shape)
-        index = tuple(run.dst[:k]) + tuple(
-            slice(d, d + n) for d, n in zip(run.dst[k:], run.shape, strict=True)
-        )
-        return self.local[index] if index else self.local
-
-    def _copy(self, run: Run, raw: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
-        dest = self._view(run)
-        src = as_copyable(torch.from_numpy(raw).view(self.local.dtype)).view(run.shape)
-        with torch.no_grad():
-            as_copyable(dest).copy_(src)
-
-
-def _is_host_contiguous(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
-
-
-def _bytes_of(t: torch.Tensor) -> np.ndarray[Any, np.dtype[np.uint8]]:
-    raw: np.ndarray[Any, np.dtype[np.uint8]] = as_copyable(t.detach()).reshape(-1).view(torch.uint8).numpy()
-    return raw
-
-
-def split(run: Run, limit: int, itemsize: int) -> Iterator[Run]:
-    """``run`` in pieces of at most ``limit`` bytes (but never less than one element),
-    cut along its leading dimensions, so each piece still lands in one box."""
-    if run.nbytes <= limit or not run.shape:
-        yield run
-        return
-    k = len(run.dst) - len(run.shape)
-    rows, row_bytes = run.shape[0], run.nbytes // run.shape[0]
-    if row_bytes <= limit:
-        step = max(1, limit // row_bytes)
-        for i in range(0, rows, step):
-            n = min(step, rows - i)
-            dst = (*run.dst[:k], run.dst[k] + i, *run.dst[k + 1 :])
-            yield Run(run.src + i * row_bytes, n * row_bytes, dst, (n, *run.shape[1:]))
-        return
-    for i in range(rows):  # a row alone is too long: one row at a time, cut further
-        dst = (*run.dst[:k], run.dst[k] + i, *run.dst[k + 1 :])
-        yield from split(Run(run.src + i * row_bytes, row_bytes, dst, run.shape[1:]), limit, itemsize)
-
 
 _START, _OBJECT = operator.attrgetter("start"), operator.itemgetter(0)
 
@@ -459,6 +341,7 @@ def _read_small(
     f.read_batch([(start, [raw])])
     check, move, view = crc32c, ctypes.memmove, _in_buffer  # per entry, a global looked up costs
     for info in group:
+        hand_over()
         at, end = info.start - base, info.end - base
         if info.crc is not None and check(raw[at:end]) != info.crc:
             raise CorruptCheckpointError(f.path, f"checksum mismatch in tensor {info.name!r}")
@@ -621,6 +504,7 @@ def _populate(
 
 def _allocate(info: TensorInfo) -> tuple[Any, Any]:
     """The object an entry becomes, and where its bytes go (see Made)."""
+    hand_over()  # per entry, in a worker thread: the event loop gets its turn
     if info.kind == "tensor":
         # Sizes as arguments, not a tuple: torch parses them in 0.6 us instead of 1.1.
         shape, dtype = info.shape, _dtypes.TORCH_DTYPES[info.dtype]
@@ -635,15 +519,3 @@ def _allocate(info: TensorInfo) -> tuple[Any, Any]:
     if array.nbytes >= HUGE_MIN:
         huge_pages(array.ctypes.data, array.nbytes, numpy_advised=_NUMPY_ADVISES)
     return array, array.reshape(-1).view(np.uint8)
-
-
-def _empty(nbytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
-    """Fresh bytes, with the huge-page advice that pays here (see ``huge_pages``)."""
-    raw = np.empty(nbytes, np.uint8)
-    if nbytes >= HUGE_MIN:
-        huge_pages(raw.ctypes.data, nbytes, numpy_advised=_NUMPY_ADVISES)
-    return raw
-
-
-#: Whether NumPy asks for huge pages for its large arrays (NUMPY_MADVISE_HUGEPAGE).
-_NUMPY_ADVISES: bool = getattr(getattr(np, "_core", np).multiarray, "_get_madvise_hugepage", lambda: False)()

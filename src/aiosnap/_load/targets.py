@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from .._base.errors import CheckpointError, StateMismatchError
+from .._base.offload import hand_over
 from .._format import dtypes as _dtypes
 from .._format.codec import TensorInfo
 from .._format.shards import is_dtensor
@@ -27,6 +28,8 @@ from .._format.tree import PLAIN_KEYS, decode_key, format_path, is_stateful, seq
 #: checked there and copied to their tensor's address (``memmove``, 0.3 us for 1 KiB):
 #: cheaper than a buffer object per entry for a scattered read (~2.5 us each).
 SMALL = 64 << 10
+#: Keys a message lists before it says how many there are in all.
+SHOWN = 10
 
 
 @dataclass(slots=True)
@@ -91,6 +94,7 @@ def find(target: Any, node: Any, lookup: Any, out: Destinations, path: tuple[obj
             sub = target[key]
             if type(sub) in _PLAIN_TENSORS and type(value) is dict and value.get("$") == "tensor":
                 # The common leaf, as _leaf takes it, without a call of find or of _leaf.
+                hand_over()  # a walk of torch calls in a worker thread: the loop gets its turn
                 if out.track_held:
                     out.held.append((*path, key))
                 info = lookup(value.get("n"))
@@ -224,7 +228,7 @@ def assign(target: Any, value: Any, path: tuple[object, ...], strict: bool, out:
     if isinstance(target, dict):
         _assign_dict(target, value, path, strict, out)
         return target
-    if isinstance(target, (list, tuple)) and not _holds_live(target):
+    if isinstance(target, (list, tuple)) and not holds_live(target):
         # A sequence of plain values is a value: the checkpoint's replaces it.
         if isinstance(target, list) and isinstance(value, (list, tuple)):
             target[:] = value
@@ -236,14 +240,14 @@ def assign(target: Any, value: Any, path: tuple[object, ...], strict: bool, out:
     return value
 
 
-def _holds_live(obj: Any) -> bool:
+def holds_live(obj: Any) -> bool:
     """Whether obj holds something that must be updated in place."""
     if isinstance(obj, (torch.Tensor, np.ndarray)) or is_stateful(obj):
         return True
     if isinstance(obj, dict):
-        return any(_holds_live(v) for v in obj.values())
+        return any(holds_live(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):
-        return any(_holds_live(v) for v in obj)
+        return any(holds_live(v) for v in obj)
     return False
 
 
@@ -264,7 +268,8 @@ def _assign_dict(
     missing = [k for k in target if k not in value]
     unexpected = [k for k in value if k not in target]
     if strict and (missing or unexpected):
-        raise StateMismatchError(f"{format_path(path)}: missing keys {missing}, unexpected keys {unexpected}")
+        common = [k for k in target if k in value]
+        raise StateMismatchError(keys_mismatch(path, missing, unexpected, common))
     for key in target:
         if key in value:
             old, new = target[key], value[key]
@@ -281,11 +286,11 @@ def _assign_seq(
         result = assign(old, new, (*path, i), strict, out)
         if isinstance(target, list):
             target[i] = result
-        elif result is not old and not _equal(result, old):
+        elif result is not old and not tuple_item_equal(result, old):
             raise StateMismatchError(f"{format_path((*path, i))}: a tuple cannot be updated in place")
 
 
-def _equal(a: object, b: object) -> bool:
+def tuple_item_equal(a: object, b: object) -> bool:
     """Whether a tuple's item may stay as it is; arrays never compare equal here (their
     ``==`` is elementwise, and has no kernel at all for dtypes such as int6)."""
     if isinstance(a, (torch.Tensor, np.ndarray)) or isinstance(b, (torch.Tensor, np.ndarray)):
@@ -308,3 +313,35 @@ def _load_state(target: Any, value: Any, where: str, strict: bool) -> None:
         raise StateMismatchError(f"{where}: load_state_dict failed: {type(exc).__name__}: {exc}") from exc
     if strict and (getattr(result, "missing_keys", None) or getattr(result, "unexpected_keys", None)):
         raise StateMismatchError(f"{where}: {result}")
+
+
+def keys_mismatch(
+    path: tuple[object, ...], missing: list[Any], unexpected: list[Any], common: list[Any]
+) -> str:
+    """What differs between the target's keys and the checkpoint's at ``path``, and what
+    to do about it (issue 40: the bare lists gave no hint at ``strict`` or ``keys``)."""
+    said = []
+    if missing:
+        said.append(f"missing keys {shown(missing)} (in the target, not in the checkpoint)")
+    if unexpected:
+        said.append(f"unexpected keys {shown(unexpected)} (in the checkpoint, not in the target)")
+    text = f"{format_path(path)}: {'; '.join(said)}"
+    printed = {str(m): m for m in missing}
+    alike = [(printed[str(u)], u) for u in unexpected if str(u) in printed]
+    if alike:
+        m, u = alike[0]
+        text += (
+            f". The checkpoint's key {u!r} is a {type(u).__name__} where the target's {m!r} is a "
+            f"{type(m).__name__}: a conversion changed the keys' type (DCP writes every key as text)"
+        )
+    text += ". Pass strict=False to load the keys both have (the rest of the target is left as it is)"
+    if unexpected and not missing and 0 < len(common) <= SHOWN:  # keys= helps where the target has less
+        text += f", or keys={[format_path((*path, k)) for k in common]} to load only those"
+    return text
+
+
+def shown(keys: list[Any]) -> str:
+    """``keys`` as a list, the first SHOWN of them if there are more."""
+    if len(keys) <= SHOWN:
+        return repr(keys)
+    return f"{repr(keys[:SHOWN])[:-1]}, ... {len(keys)} in all]"

@@ -196,6 +196,9 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
         keep_remote: the remote tier's retention policy.
         upload: ``"every"`` committed save is uploaded, or ``"manual"`` (``upload()``).
         uploader: the UploadWriter of the remote tier (retries, waiting uploads).
+        remote_timeout: seconds a process on its own waits for the remote tier's first
+            answer where it must read it (``latest_step``, ``restore``, ``resume``) before
+            RemoteStorageError says it is unavailable and what to do (None: no bound).
         capture: ``"eager"`` (a save returns once its state is copied) or ``"lazy"`` (once
             its tree is walked; see below); None takes the writer's default.
         incremental: store entries of 64 KiB or more once, as blobs shared by the
@@ -226,6 +229,7 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
         keep_remote: RetentionPolicy | None = None,
         upload: Literal["every", "manual"] = "every",
         uploader: UploadWriter | None = None,
+        remote_timeout: float | None = 30.0,
         capture: Literal["eager", "lazy"] | None = None,
         incremental: bool = False,
         frozen: Sequence[str] = (),
@@ -264,7 +268,7 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
             )
             uploads = uploader if uploader is not None else UploadWriter(storage=remote_storage)
             uploads.bind(far.storage)
-            self._tier = Tier(far, uploads, local=self._site.storage)
+            self._tier = Tier(far, uploads, local=self._site.storage, read_timeout=remote_timeout)
         self._upload_mode = upload
         self.read_only = read_only
         self._writer: Writer = _writer_of(
@@ -653,8 +657,8 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
                 raise
             notice(
                 logger,
-                f"the remote tier {self._tier.directory} is unavailable ({self._tier.error!r}): going on "
-                f"with the local steps (newest {local[-1]}); the remote tier may hold newer ones",
+                f"the remote tier {self._tier.directory} is unavailable ({self._tier.error or 'no answer'}): "
+                f"going on with the local steps (newest {local[-1]}); the remote tier may hold newer ones",
             )
             return []
 

@@ -141,10 +141,13 @@ class Member:
         record: CheckpointRecord,
         outer: Resolver,
         report: Callable[[BaseException], SaveFailure],
+        agreed: Callable[[], None] = lambda: None,
     ) -> None:
         """The second phase of a save: wait for this member's part, report it, and let
         rank 0 commit the step (or not); resolve ``outer`` with the outcome. ``turn`` was
-        taken when the save was called, so that members take turns in program order."""
+        taken when the save was called, so that members take turns in program order.
+        ``agreed()`` is called once the group agreed (or failed to): what is left is this
+        member's own work."""
         stats: list[SaveStats] = []
         own: list[SaveFailure] = []  # this member's own part, failed
 
@@ -168,8 +171,11 @@ class Member:
 
         self.busy.add(record.file)
         try:
-            async with turn:
-                verdict = decode(CommitVerdict, await turn.agree(work, decide))
+            try:
+                async with turn:
+                    verdict = decode(CommitVerdict, await turn.agree(work, decide))
+            finally:
+                agreed()
             if not verdict.committed:
                 outer.skip()
                 return

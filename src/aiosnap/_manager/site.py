@@ -115,6 +115,8 @@ class Site:
         #: The saves being voted on: each one's handle -> the writer's own (None: the
         #: writer refused it), whose end says the file is durable.
         self._pending: dict[SaveHandle, SaveHandle | None] = {}
+        #: The saves of ``_pending`` whose group agreed: what is left is this rank's own.
+        self._agreed: set[SaveHandle] = set()
         #: Set once ``open`` went through: the lease is held and the catalog loaded.
         self.opened = anyio.Event()
         #: Called each time a vote ends (whoever waits for the votes to settle).
@@ -362,8 +364,16 @@ class Site:
     ) -> None:
         path = outer.handle.path
         try:
-            await self.member.vote(turn, inner, record, outer, lambda exc: report(path, exc))
+            await self.member.vote(
+                turn,
+                inner,
+                record,
+                outer,
+                lambda exc: report(path, exc),
+                lambda: self._agreed.add(outer.handle),
+            )
         finally:
+            self._agreed.discard(outer.handle)
             self._pending.pop(outer.handle, None)
             if not outer.handle.done():
                 outer.fail(WriterClosedError("the manager closed before the save finished"))
@@ -376,6 +386,12 @@ class Site:
         written. A training loop that yields only in its save calls gives those follow-ups
         no other time to run: without this, retention fell behind by hundreds of files."""
         for handle, inner in list(self._pending.items()):
+            if self.member.size > 1 and handle not in self._agreed:
+                # Its vote waits for the other ranks, whose event loops may be blocked
+                # where this rank's is not: in a collective of the training step (a
+                # synchronous all_reduce) that waits for this rank in turn. Waiting here
+                # for their votes hung torchrun runs.
+                continue
             if inner is None or inner.done():
                 await handle.outcome()
 

@@ -13,8 +13,9 @@ The local directory is the safety net, so nothing local ever waits on the remote
   remote is unavailable (``UploadWriter``). Until its upload ends, local retention
   keeps the checkpoint.
 - **Reading** the remote tier (its steps, a restore) waits for it to open. A process
-  on its own stops waiting once an attempt has failed, and is told the remote is
-  unavailable (``available()``); a group always waits, since its members must agree.
+  on its own stops waiting once an attempt has failed, or ``read_timeout`` seconds
+  passed without an answer, and is told the remote is unavailable and what to do
+  (``available()``); a group always waits, since its members must agree.
 - **Draining** (``flush``, ``aclose``) waits for the uploads for as long as they make
   progress; after ``upload_timeout`` seconds without any, it stops waiting, and at a
   close ends them (one failure reported for all): the next open uploads the newest
@@ -54,10 +55,16 @@ class Tier:
     remote directory; ``local`` the storage uploads read from."""
 
     def __init__(
-        self, site: Site, uploader: UploadWriter, *, local: Storage, max_backoff: float = 60.0
+        self,
+        site: Site,
+        uploader: UploadWriter,
+        *,
+        local: Storage,
+        max_backoff: float = 60.0,
+        read_timeout: float | None = 30.0,
     ) -> None:
         self.site, self.uploader, self.local = site, uploader, local
-        self.max_backoff = max_backoff
+        self.max_backoff, self.read_timeout = max_backoff, read_timeout
         #: Why the remote directory is not open, after an attempt failed (None once open).
         self.error: BaseException | None = None
         #: Set once the first attempt to open it has ended, either way.
@@ -89,7 +96,7 @@ class Tier:
     async def _open_in_background(self) -> None:
         assert self._tg is not None
         attempt = 0
-        with self._opener, _offload.remote_io():
+        with self._opener, _offload.remote_io(f"opening the remote tier {self.directory}"):
             while True:
                 try:
                     await self.site.open(self._tg, on_control=True)
@@ -99,7 +106,7 @@ class Tier:
                     if self.error is None:
                         notice(
                             logger,
-                            f"the remote tier {self.directory} cannot be opened ({exc!r}); local saves go "
+                            f"the remote tier {self.directory} cannot be opened ({exc}); local saves go "
                             f"on, uploads wait, and it is tried again, at most {self.max_backoff:g} s apart",
                         )
                     self.error = exc
@@ -150,7 +157,7 @@ class Tier:
             try:
                 await self.uploader.__aexit__(None, None, None)
             finally:
-                with _offload.remote_io():
+                with _offload.remote_io(f"closing the remote tier {self.directory}"):
                     await self.site.close()
 
     # -- uploading -----------------------------------------------------------------------
@@ -162,7 +169,7 @@ class Tier:
             # Another manager took the remote directory: upload nothing more to it; the
             # turn is still taken, and voted down, as on every member.
             local = skipped(local.path)
-        with _offload.remote_io():
+        with _offload.remote_io(f"uploading step {record.step} to the remote tier {self.directory}"):
             return await self._send(record, local, on_control=False)
 
     async def _send(self, record: CheckpointRecord, local: SaveHandle, *, on_control: bool) -> SaveHandle:
@@ -191,7 +198,7 @@ class Tier:
     async def _catch_up(self, record: CheckpointRecord, local: SaveHandle) -> None:
         assert self._tg is not None
         try:
-            with _offload.remote_io():
+            with _offload.remote_io(f"uploading step {record.step} to the remote tier {self.directory}"):
                 await self._catch_up_once_open(record, local)
         finally:
             self._catching_up -= 1
@@ -208,21 +215,35 @@ class Tier:
     # -- reading -------------------------------------------------------------------------
     async def available(self) -> bool:
         """Whether the remote tier can be read now: it is open. A process on its own waits
-        for the first attempt to open it, and is answered False if it failed; a group
-        waits until it is open (its members must agree, and each answers for itself)."""
+        for the first attempt to open it, at most ``read_timeout`` seconds, and is answered
+        False if it failed or has not ended; a group waits until it is open (its members
+        must agree, and each answers for itself)."""
         if self.site.group.world_size is None:
-            await self.tried.wait()
+            with anyio.move_on_after(self.read_timeout):
+                await self.tried.wait()
             return self.site.opened.is_set()
         await self.site.opened.wait()
         return True
 
     async def read(self, fn: Callable[[Site], Awaitable[T]]) -> T:
         """``fn(site)`` once the remote directory is open (see ``available``); a process
-        on its own gets RemoteStorageError if it is not."""
+        on its own gets RemoteStorageError, saying what to do, if it is not."""
         if not await self.available():
-            raise RemoteStorageError(
-                f"{self.directory}: the remote tier is unavailable ({self.error!r}); it is tried again "
-                "in the background"
-            )
-        with _offload.remote_io():
+            raise RemoteStorageError(f"{self.directory}: {self.unavailable()}")
+        with _offload.remote_io(f"reading the remote tier {self.directory}"):
             return await fn(self.site)
+
+    def unavailable(self) -> str:
+        """Why the remote tier cannot be read, and what to do about it."""
+        if (self.tried.is_set() and self.error is not None) or self.read_timeout is None:
+            why = f"the remote tier is unavailable: it cannot be opened ({self.error})"
+        else:
+            why = (
+                f"the remote tier is unavailable: it has not answered within {self.read_timeout:g} s "
+                "(CheckpointManager(remote_timeout=...) sets how long a read waits)"
+            )
+        return (
+            f"{why}. Check its URL, endpoint, network and credentials and start again; or, to go on "
+            "from the local tier alone, open the manager without remote= (a later open with it "
+            "uploads the newest local step the remote tier lacks). It is tried again in the background"
+        )

@@ -257,6 +257,7 @@ def _fill(
     small = SmallCopy(arena, data_start)
     with _offload.side_thread() as side:
         for i in todo:
+            _offload.hand_over()
             if i in on_device or small.add(leaves[i], infos[i]):
                 continue
             if copies is None:

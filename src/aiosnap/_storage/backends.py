@@ -8,7 +8,10 @@ never taken for a local path, and an unknown scheme is a ValueError.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from .local import LocalStorage
@@ -17,8 +20,26 @@ from .protocol import Storage
 #: Schemes served by obstore (``backend="fsspec"`` sends them to fsspec instead).
 OBJECT_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "azure", "abfs", "abfss")
 
-_cache: dict[tuple[str, str], Storage] = {}
+_cache: dict[tuple[str, str, float | None], Storage] = {}
 _cache_lock = threading.Lock()
+#: The retry deadline of the object stores ``resolve`` makes in this context (None:
+#: their own default); see ``object_deadline``.
+_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("aiosnap_deadline", default=None)
+
+
+@contextlib.contextmanager
+def object_deadline(seconds: float | None) -> Iterator[None]:
+    """Within (and in tasks started within): an object-store URL that ``resolve`` turns
+    into a storage gets ``deadline=seconds`` (how long a failing call is retried), as
+    ``from_url(url, deadline=...)`` would; the command line's ``--deadline``. None
+    leaves the default. Storages made elsewhere, and ``storage=`` given, keep theirs."""
+    if seconds is not None and not seconds > 0:
+        raise ValueError(f"the deadline must be a positive number of seconds, not {seconds!r}")
+    token = _deadline.set(seconds)
+    try:
+        yield
+    finally:
+        _deadline.reset(token)
 
 
 def scheme_of(path: str) -> str | None:
@@ -83,11 +104,12 @@ def resolve(path: str, storage: Storage | None = None) -> tuple[Storage, str]:
         return _default("", ""), path
     if scheme == "file":
         return _default("", ""), path.partition("://")[2]
-    key = (scheme, _bucket_of(path))
+    deadline = _deadline.get() if scheme in OBJECT_SCHEMES else None
+    key = (scheme, _bucket_of(path), deadline)
     with _cache_lock:
         found = _cache.get(key)
         if found is None:
-            found = _cache[key] = from_url(path)
+            found = _cache[key] = from_url(path) if deadline is None else from_url(path, deadline=deadline)
     return found, path
 
 
@@ -96,7 +118,7 @@ def _bucket_of(url: str) -> str:
 
 
 def _default(scheme: str, bucket: str) -> Storage:
-    key = (scheme, bucket)
+    key = (scheme, bucket, None)
     with _cache_lock:
         found = _cache.get(key)
         if found is None:

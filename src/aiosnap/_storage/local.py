@@ -17,7 +17,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-import secrets
+import threading
 import time
 from collections.abc import Sequence
 
@@ -28,6 +28,7 @@ from .._base.errors import (
     DirectoryLockedError,
     ForeignFileError,
 )
+from . import inflight
 from .posix import FileStat, Posix
 from .protocol import ALIGN, LEASE_NAME, TEMP_PREFIX, CommitTimes, Entry, Version
 
@@ -108,7 +109,11 @@ class LocalStorage:
         directory = os.path.dirname(self.check(path))
         self._makedirs(directory)
         # The directory's own flock serialises the check and the replace among processes.
+        # A child forked while it is held (a DataLoader's worker) must not keep it: its
+        # copy would hold the lock after ours is closed, and the next replace here would
+        # wait for it as long as the worker lives (a docs example hung so in CI).
         dfd = self.posix.open(directory or ".", os.O_RDONLY | os.O_DIRECTORY)
+        _track_lock(dfd, directory or ".")
         try:
             self.posix.flock(dfd, wait=True)
             now = self.posix.lstat(path)
@@ -127,7 +132,7 @@ class LocalStorage:
             assert after is not None
             return after.version
         finally:
-            self.posix.close(dfd)  # closing drops the flock
+            _close_lock(self.posix, dfd)  # closing drops the flock
 
     # -- reading -----------------------------------------------------------------------------
     def open_read(self, path: str) -> _LocalReader:
@@ -190,10 +195,10 @@ class LocalStorage:
         return [n for n, st in found if n.startswith(TEMP_PREFIX) and not (st.is_dir or st.special)]
 
     def sweep_incomplete(self, path: str) -> list[str]:
-        swept = [os.path.join(path, n) for n in self.incomplete(path)]
-        for tmp in swept:
-            self.delete(tmp)
-        return swept
+        """As the protocol says, and never a temp file that a live commit (of any writer,
+        in this process or another) holds: see ``inflight``."""
+        found = (os.path.join(path, n) for n in self.incomplete(path))
+        return [tmp for tmp in found if inflight.reclaim(self.posix, tmp, self.delete)]
 
     def lease(self, path: str, ttl: float) -> _FlockLease:
         self._makedirs(self.check(path))
@@ -229,17 +234,18 @@ class _LocalUpload:
         self._posix, self._direct_ok = storage.posix, storage.direct
         directory, name = os.path.split(path)
         self._directory = directory
-        self.tmp = os.path.join(directory, f"{TEMP_PREFIX}{name}.{secrets.token_hex(6)}")
-        self.local_path: str | None = self.tmp
         self._fd: int | None = None
         self._dfd: int | None = None
         self._end = 0  # the furthest byte written
         self._write_s = 0.0
         self._done = False
         try:
-            self._fd = self._posix.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW)
+            # Held locked until it is renamed or deleted: no sweep, of any writer or
+            # process, takes a live commit's temp file (see inflight).
+            self.tmp, self._fd = inflight.create(self._posix, directory, f"{TEMP_PREFIX}{name}.")
         except OSError as exc:
             raise self._named(exc) from exc
+        self.local_path: str | None = self.tmp
 
     def write_at(self, offset: int, data: memoryview) -> None:
         t0 = time.perf_counter()
@@ -299,8 +305,7 @@ class _LocalUpload:
                 size = self._posix.fstat(self._fd).size if self.size is None else self.size
                 self._posix.ftruncate(self._fd, size)
             self._posix.fsync(self._fd)
-            fd, self._fd = self._fd, None
-            self._posix.close(fd)
+            # Renamed before it is closed: closing drops the lock that keeps sweeps away.
             self._posix.rename(self.tmp, self.path)
         except OSError as exc:
             self.abort()
@@ -309,6 +314,13 @@ class _LocalUpload:
             self.abort()
             raise
         self._done = True
+        fd, self._fd = self._fd, None
+        assert fd is not None
+        inflight.forget(os.path.basename(self.tmp), fd)
+        try:
+            self._posix.close(fd)
+        except OSError:
+            pass  # the data is durable (fsynced) and in place: Linux closed it all the same
         # The rename is only durable once the directory is: count it with the fsyncs.
         self._posix.fsync_dir(self._directory)
         return CommitTimes(self._write_s, time.perf_counter() - t0, size)
@@ -317,6 +329,11 @@ class _LocalUpload:
         if self._done:
             return
         self._done = True
+        try:  # while its lock is held: a sweep never sees it unheld and still ours
+            self._posix.unlink(self.tmp)
+        except OSError:
+            pass  # gone already, or unremovable: the next sweep takes it
+        inflight.forget(os.path.basename(self.tmp), self._fd)
         for fd in (self._dfd, self._fd):
             if fd is not None:
                 try:
@@ -324,10 +341,6 @@ class _LocalUpload:
                 except OSError:
                     pass
         self._dfd = self._fd = None
-        try:
-            self._posix.unlink(self.tmp)
-        except OSError:
-            pass  # gone already, or unremovable: the next sweep takes it
 
     def _named(self, exc: OSError) -> OSError:
         """``exc`` with the user's path instead of the hidden temp file's, and on a full
@@ -432,8 +445,7 @@ class _FlockLease:
             posix.close(fd)  # an fd left open would hold the lock for the life of the process
             raise
         self._fd: int | None = fd
-        if _is_real(fd, path):  # not a simulated file system's descriptor
-            _held_locks.add(fd)
+        _track_lock(fd, path)
 
     def renew(self) -> None:
         """A flock lasts as long as its holder: nothing to renew."""
@@ -441,12 +453,28 @@ class _FlockLease:
     def release(self) -> None:
         if self._fd is not None:
             fd, self._fd = self._fd, None
-            _held_locks.discard(fd)
-            self._posix.close(fd)  # closing drops the flock
+            _close_lock(self._posix, fd)  # closing drops the flock
 
 
 #: The descriptors of the locks this process holds, which a forked child must not keep.
 _held_locks: set[int] = set()
+#: Held across a fork: a descriptor is tracked and closed under it, so no fork falls
+#: between the two (a child would keep a lock, or close a number reused meanwhile).
+_fork_guard = threading.Lock()
+
+
+def _track_lock(fd: int, path: str) -> None:
+    """Have forked children close ``fd``. Best called before the lock is taken: a fork in
+    between would leave the child a copy that holds it."""
+    if _is_real(fd, path):  # not a simulated file system's descriptor
+        with _fork_guard:
+            _held_locks.add(fd)
+
+
+def _close_lock(posix: Posix, fd: int) -> None:
+    with _fork_guard:
+        _held_locks.discard(fd)
+        posix.close(fd)
 
 
 def _is_real(fd: int, path: str) -> bool:
@@ -463,6 +491,9 @@ def _close_locks_in_child() -> None:
         except OSError:
             pass
     _held_locks.clear()
+    _fork_guard.release()
 
 
-os.register_at_fork(after_in_child=_close_locks_in_child)
+os.register_at_fork(
+    before=_fork_guard.acquire, after_in_parent=_fork_guard.release, after_in_child=_close_locks_in_child
+)

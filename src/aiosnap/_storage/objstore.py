@@ -17,7 +17,8 @@ Only obstore's synchronous calls are made, from aiosnap's worker threads.
 Failures are translated once, here: a missing object is CheckpointNotFoundError, a
 lost race ConflictError, and anything else after obstore's retries (5xx, resets and
 timeouts are retried until ``deadline`` seconds have passed) RemoteStorageError,
-naming the URL.
+naming the URL; missing or refused credentials and a missing bucket are permanent,
+never retried (``objerrors``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import contextlib
 import json
 import os
 import random
-import re
 import time
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
@@ -40,6 +40,7 @@ from .._base.errors import (
     RemoteStorageError,
 )
 from .lease import VersionedLease
+from .objerrors import NO_BUCKET, check_credentials, permanent, translate
 from .protocol import LEASE_NAME, CommitTimes, Entry, UrlPaths, Version
 
 #: Objects up to this size are one PUT; larger ones a multipart upload of parts this big
@@ -141,10 +142,11 @@ class ObjectStorage(UrlPaths):
                     },
                 },
             )
+            check_credentials(self.scheme, self.bucket, self.options)
             try:
                 self._store = obs.store.from_url(f"{self.scheme}://{self.bucket}", **options)
-            except Exception as exc:
-                raise RemoteStorageError(f"{self.scheme}://{self.bucket}: {exc}") from exc
+            except Exception as exc:  # a configuration no retry changes
+                raise permanent(f"{self.scheme}://{self.bucket}: {exc}") from exc
         return self._store
 
     # -- paths -----------------------------------------------------------------------------
@@ -258,12 +260,10 @@ class ObjectStorage(UrlPaths):
             raise self._no_bucket(path) from None
 
     def _no_bucket(self, path: str) -> RemoteStorageError:
-        error = RemoteStorageError(
+        return permanent(
             f"{path}: the bucket {self._root()} does not exist (was it deleted, or did the object "
             "store restart without it?)"
         )
-        error.permanent = True
-        return error
 
     def _call(self, fn: Any, path: str, *args: Any, **kwargs: Any) -> Any:
         """``fn(*args)``, its failures translated: the one place obstore's errors come in."""
@@ -275,42 +275,29 @@ class ObjectStorage(UrlPaths):
         except (obs.exceptions.AlreadyExistsError, obs.exceptions.PreconditionError) as exc:
             raise ConflictError(path) from exc
         except (obs.exceptions.BaseError, OSError) as exc:
-            if _NO_BUCKET.search(str(exc)):
+            if NO_BUCKET.search(str(exc)):
                 raise self._no_bucket(path) from exc
-            raise RemoteStorageError(_describe(path, exc)) from exc
+            raise translate(path, exc, self.deadline) from exc
 
     def _idempotent(self, fn: Any, path: str, *args: Any, **kwargs: Any) -> Any:
         """``_call`` of a call that may be repeated (a read, a listing, a delete): obstore
         retries what fails before an answer, not a body cut off midway; this retries
-        that too, with backoff and jitter, until the deadline."""
+        that too, with backoff and jitter, until the deadline. An attempt is made only if
+        one as long as the last would end by then: obstore's own retries of an endpoint
+        that refuses take seconds per attempt, and the call must fail by its deadline,
+        not one attempt past it."""
         deadline = time.monotonic() + self.deadline
         delay = 0.1
         while True:
+            started = time.monotonic()
             try:
                 return self._call(fn, path, *args, **kwargs)
             except RemoteStorageError as exc:
-                if exc.permanent or time.monotonic() + delay > deadline:
+                now = time.monotonic()
+                if exc.permanent or now + delay + (now - started) > deadline:
                     raise
                 time.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, 5.0)
-
-
-#: How S3, GCS and Azure say that a bucket (a container) does not exist.
-_NO_BUCKET = re.compile(r"NoSuchBucket|ContainerNotFound|bucket does not exist|The specified bucket", re.I)
-
-
-def _describe(path: str, exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    first = text[0] if text else type(exc).__name__
-    lowered = str(exc).lower()
-    if "credential" in lowered or "token" in lowered or "unauthenticated" in lowered or "169.254" in lowered:
-        hint = (
-            "no usable credentials: set them in the environment (AWS_ACCESS_KEY_ID and "
-            "AWS_SECRET_ACCESS_KEY; GOOGLE_SERVICE_ACCOUNT; AZURE_STORAGE_ACCOUNT_NAME and "
-            "AZURE_STORAGE_ACCOUNT_KEY) or pass them to aiosnap.storage.from_url"
-        )
-        return f"{path}: {hint} ({first})"
-    return f"{path}: {type(exc).__name__}: {first}"
 
 
 def _mode(expect: Version) -> dict[str, str]:
@@ -458,8 +445,8 @@ class _ObjectReader:
         while sink.left:
             try:
                 self._storage._call(self._stream, self.path, start + sink.filled, sink)
-            except RemoteStorageError:
-                if time.monotonic() + delay > deadline:
+            except RemoteStorageError as exc:
+                if exc.permanent or time.monotonic() + delay > deadline:
                     raise
             else:
                 if not sink.left:

@@ -60,6 +60,8 @@ class WriterOptions(TypedDict, total=False):
 
 
 _OPTION_NAMES = frozenset(WriterOptions.__annotations__)
+#: ``aiosnap.QueueWriter``'s default ``max_pending``.
+_MAX_PENDING = 2
 
 
 def check_options(options: dict[str, Any] | None) -> WriterOptions:
@@ -127,28 +129,31 @@ class _Core:
     # -- called through the portal --------------------------------------------------------
     async def save(
         self,
-        path: str,
-        target: object,
+        files: Sequence[tuple[str, object]],
         savefun: Callable[[Any, str], object] | None,
         then: Blocking | None,
         on_failure: Blocking | None,
-    ) -> aiosnap.SaveHandle:
-        directory, name = os.path.split(path)
+    ) -> list[aiosnap.SaveHandle]:
+        """Each ``(path, target)`` of ``files`` saved in turn, and one step for them all."""
+        handles: list[aiosnap.SaveHandle] = []
         try:
-            handle = await self.writer(name, directory, target, savefun=savefun)
+            for path, target in files:
+                directory, name = os.path.split(path)
+                handles.append(await self.writer(name, directory, target, savefun=savefun))
         except Exception as exc:
             # The writer reports an earlier save's failure after accepting this one, whose
             # handle is then lost: the step waits for every accepted save instead.
             self._raised.append(exc)
             self._open_window()
             self._window_failed = True
-            self.add_step([], None, on_failure, incomplete=True)
+            self._window.extend(handles)
+            self.add_step(handles, None, on_failure, incomplete=True)
             raise
         self._open_window()
-        self._window.append(handle)
-        self.add_step([handle], then, on_failure)
+        self._window.extend(handles)
+        self.add_step(handles, then, on_failure)
         self.report()
-        return handle
+        return handles
 
     def _open_window(self) -> None:
         if self._window_closed:
@@ -250,12 +255,15 @@ def _skipped(then: Blocking) -> Blocking:
 class _Running:
     """A started portal and the core entered in it; closed once."""
 
-    def __init__(self, options: WriterOptions) -> None:
+    def __init__(self, options: WriterOptions, files_per_save: int) -> None:
         self._portal_cm = anyio.from_thread.start_blocking_portal()
         self.portal = self._portal_cm.__enter__()
         self._loop = self.portal.call(asyncio.get_running_loop)
         try:
-            self.core = _Core(aiosnap.QueueWriter(**options))
+            # The queue holds files: room for max_pending saves of files_per_save files each.
+            scaled = WriterOptions(**options)
+            scaled["max_pending"] = options.get("max_pending", _MAX_PENDING) * files_per_save
+            self.core = _Core(aiosnap.QueueWriter(**scaled))
             self._core_cm: AbstractContextManager[_Core] = self.portal.wrap_async_context_manager(self.core)
             self._core_cm.__enter__()
         except BaseException:
@@ -300,6 +308,9 @@ class SyncWriter:
 
     def __init__(self, **options: Any) -> None:
         self._options = check_options(options)
+        #: How many files each save of a caller writes (``save_files``): the queue, sized
+        #: when the writer opens, holds ``max_pending`` such saves.
+        self.files_per_save = 1
         self._running: _Running | None = None
         self._finalizer: weakref.finalize[Any, Any] | None = None
         self._lock = threading.Lock()
@@ -316,10 +327,11 @@ class SyncWriter:
     def __getstate__(self) -> dict[str, Any]:
         """A copy (a framework pickles itself to spawned processes) has the options only:
         the loop, its threads and its saves in flight belong to this process."""
-        return {"_options": self._options}
+        return {"_options": self._options, "files_per_save": self.files_per_save}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._options = check_options(state["_options"])
+        self.files_per_save = state.get("files_per_save", 1)
         self._running = None
         self._finalizer = None
         self._lock = threading.Lock()
@@ -337,7 +349,7 @@ class SyncWriter:
     def _open(self) -> _Running:
         with self._lock:
             if self._running is None:
-                running = _Running(self._options)
+                running = _Running(self._options, self.files_per_save)
                 # Saves accepted but not yet durable are drained at exit (the portal's
                 # thread is a daemon: left alone, it would die with them in flight).
                 self._finalizer = weakref.finalize(self, running.close_quietly)
@@ -370,7 +382,20 @@ class SyncWriter:
         """Save ``target`` to ``path``; return once it is captured. ``then`` runs once the
         file is durable (after every earlier step), ``on_failure`` if it failed or was
         skipped. Raises an earlier failure not reported yet, after accepting this save."""
-        return self._call(self._open().core.save, path, target, savefun, then, on_failure)
+        return self.save_files([(path, target)], savefun=savefun, then=then, on_failure=on_failure)[0]
+
+    def save_files(
+        self,
+        files: Sequence[tuple[str, object]],
+        *,
+        savefun: Callable[[Any, str], object] | None = None,
+        then: Blocking | None = None,
+        on_failure: Blocking | None = None,
+    ) -> list[aiosnap.SaveHandle]:
+        """``save`` of several files, ``(path, target)`` each, in order: ``then`` runs once
+        every one of them is durable, ``on_failure`` (once) if any failed or was skipped,
+        or if a later one of them was refused (the others accepted are waited for first)."""
+        return self._call(self._open().core.save, files, savefun, then, on_failure)
 
     def after(self, then: Blocking) -> None:
         """Run ``then`` once every save accepted so far is durable and every earlier step

@@ -7,6 +7,7 @@ Every function here blocks; the bridge runs them in worker threads of its loop.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -15,6 +16,7 @@ import struct
 
 import crc32c
 
+from aiosnap._storage import inflight
 from aiosnap.storage import TEMP_PREFIX, LocalStorage
 
 logger = logging.getLogger(__name__)
@@ -59,10 +61,16 @@ def is_aiosnap_file(path: str) -> bool:
     return int(found[0].group(1), 16) == crc32c.crc32c(zeroed)
 
 
-def is_aiosnap_dir(path: str, marker: str) -> bool:
+Marker = str | tuple[str, ...]
+"""The name of the aiosnap file that marks an integration's checkpoint directory, or the
+names of which any one does (a layout whose files vary)."""
+
+
+def is_aiosnap_dir(path: str, marker: Marker) -> bool:
     """Whether ``path`` is a checkpoint directory an integration wrote: it holds the
-    aiosnap file ``marker``."""
-    return os.path.isdir(path) and is_aiosnap_file(os.path.join(path, marker))
+    aiosnap file ``marker`` (one of them, for several)."""
+    names = (marker,) if isinstance(marker, str) else marker
+    return os.path.isdir(path) and any(is_aiosnap_file(os.path.join(path, name)) for name in names)
 
 
 def remove_file(path: str) -> bool:
@@ -78,7 +86,7 @@ def remove_file(path: str) -> bool:
     return True
 
 
-def remove_dir(path: str, marker: str, *, storage: LocalStorage | None = None) -> bool:
+def remove_dir(path: str, marker: Marker, *, storage: LocalStorage | None = None) -> bool:
     """Delete the checkpoint directory ``path`` if an integration wrote it (it holds the
     aiosnap file ``marker``); else leave it, with a warning. ``storage``: the local disk
     to do it through (tests give one whose system calls fail or stop midway)."""
@@ -93,18 +101,27 @@ def remove_dir(path: str, marker: str, *, storage: LocalStorage | None = None) -
     # without its marker (which nothing would recognise as aiosnap's any more).
     parent, name = os.path.split(path)
     doomed = os.path.join(parent, _temp_name(REMOVED, name))
-    storage.posix.rename(path, doomed)
-    storage.posix.fsync_dir(parent or ".")
-    storage.delete_tree(doomed)
+    held = inflight.lock_aside(storage.posix, path, os.path.basename(doomed))
+    try:
+        storage.posix.rename(path, doomed)
+        storage.posix.fsync_dir(parent or ".")
+        storage.delete_tree(doomed)
+    finally:
+        inflight.release(storage.posix, os.path.basename(doomed), held)
     return True
 
 
-def sweep_temps(directory: str, marker: str | None = None) -> list[str]:
+def sweep_temps(directory: str, marker: Marker | None = None) -> list[str]:
     """Remove what interrupted commits left directly in ``directory`` (temp files and temp
     directories, whose names start with ``aiosnap.TEMP_PREFIX``) and return their paths;
     first put back the checkpoint directories a publish cut short had moved aside
     (``repair_publishes``). An old directory whose name holds a checkpoint again goes only
-    where that checkpoint is an integration's (it holds the aiosnap file ``marker``)."""
+    where that checkpoint is an integration's (it holds the aiosnap file ``marker``).
+
+    A writer calls it without holding the directory (no lease): it removes only what no
+    live commit holds, of any writer of this process or of another process (the commit
+    locks its temp file until the rename, and the kernel drops the lock of a dead one;
+    see ``aiosnap._storage.inflight``). A symbolic link is never removed, whatever its name."""
     try:
         names = [n for n in os.listdir(directory) if n.startswith(TEMP_PREFIX)]
     except (FileNotFoundError, NotADirectoryError):
@@ -118,11 +135,9 @@ def sweep_temps(directory: str, marker: str | None = None) -> list[str]:
             continue
         if temp is not None and temp["role"] == OLD and not _superseded(directory, temp["name"], marker):
             continue  # an old checkpoint still needed, or one nobody can tell is: kept
-        if os.path.isdir(path) and not os.path.islink(path):
-            _local.delete_tree(path)
-        else:
-            _local.delete(path)
-        swept.append(path)
+        remove = _local.delete_tree if os.path.isdir(path) and not os.path.islink(path) else _local.delete
+        if inflight.reclaim(_local.posix, path, remove):  # never one live work holds
+            swept.append(path)
     if swept:
         logger.info("removed %d temp file(s) of interrupted commits in %s", len(swept), directory)
     return swept
@@ -155,14 +170,20 @@ def repair_publishes(directory: str, name: str | None = None) -> list[str]:
                 ", ".join(paths),
             )
             continue
-        logger.warning("restoring %s from %s: a save that was replacing it was cut short", final, paths[0])
-        _local.posix.rename(paths[0], final)  # replaces an empty directory in one step
+        # Never one a live publish (of any writer or process) holds, between its renames.
+        if not inflight.reclaim(_local.posix, paths[0], functools.partial(_put_back, final)):
+            continue
         _local.posix.fsync_dir(directory or ".")  # durable before a sweep deletes the new one
         restored.append(paths[0])
     return restored
 
 
-def _superseded(directory: str, name: str, marker: str | None) -> bool:
+def _put_back(final: str, aside: str) -> None:
+    logger.warning("restoring %s from %s: a save that was replacing it was cut short", final, aside)
+    _local.posix.rename(aside, final)  # replaces an empty directory in one step
+
+
+def _superseded(directory: str, name: str, marker: Marker | None) -> bool:
     """Whether an old directory of checkpoint ``name`` may go: the name holds one of the
     integrations' checkpoints again (a new one put in place, or the old one restored)."""
     final = os.path.join(directory, name)
@@ -178,16 +199,29 @@ def _superseded(directory: str, name: str, marker: str | None) -> bool:
 
 
 def temp_dir(parent: str, name: str) -> str:
-    """Create and return a fresh temp directory for checkpoint ``name`` inside ``parent``."""
+    """Create and return a fresh temp directory for checkpoint ``name`` inside ``parent``,
+    held (no sweep takes it) until ``publish_dir`` or ``discard`` ends it."""
     os.makedirs(parent, exist_ok=True)
-    path = os.path.join(parent, _temp_name(NEW, name))
-    os.mkdir(path)
+    path, fd = inflight.create_dir(_local.posix, parent, lambda token: _temp_name(NEW, name, token))
+    _filling[path] = fd
     return path
 
 
 def discard(path: str) -> None:
     """Remove the temp directory ``path`` of a checkpoint that will not be published."""
-    _local.delete_tree(path)
+    try:
+        _local.delete_tree(path)
+    finally:
+        _let_go(path)
+
+
+#: The temp directories being filled in this process, and the descriptors holding them.
+_filling: dict[str, int] = {}
+
+
+def _let_go(path: str) -> None:
+    """``path``, a temp directory of ``temp_dir``, is published or deleted: no longer held."""
+    inflight.release(_local.posix, os.path.basename(path), _filling.pop(path, None))
 
 
 def write_durably(path: str, data: bytes) -> None:
@@ -202,7 +236,7 @@ def write_durably(path: str, data: bytes) -> None:
         raise
 
 
-def publish_dir(tmp: str, final: str, marker: str) -> None:
+def publish_dir(tmp: str, final: str, marker: Marker) -> None:
     """Make the complete directory ``tmp`` visible as ``final``: every file in it made
     durable (a framework's hook may have added files aiosnap did not write), then one
     rename, then the parent directory fsynced.
@@ -225,16 +259,23 @@ def publish_dir(tmp: str, final: str, marker: str) -> None:
                 "discarded; move that directory away or save under another name)"
             )
         aside = os.path.join(parent, _temp_name(OLD, name))
-        _local.posix.rename(final, aside)
+    held = None if aside is None else inflight.lock_aside(_local.posix, final, os.path.basename(aside))
     try:
-        _local.posix.rename(tmp, final)
-    except BaseException:
         if aside is not None:
-            _local.posix.rename(aside, final)  # the previous checkpoint stays where it was
-        raise
-    _local.posix.fsync_dir(parent or ".")
-    if aside is not None:
-        _local.delete_tree(aside)
+            _local.posix.rename(final, aside)
+        try:
+            _local.posix.rename(tmp, final)
+        except BaseException:
+            if aside is not None:
+                _local.posix.rename(aside, final)  # the previous checkpoint stays where it was
+            raise
+        _local.posix.fsync_dir(parent or ".")
+        _let_go(tmp)
+        if aside is not None:
+            _local.delete_tree(aside)
+    finally:
+        if aside is not None:
+            inflight.release(_local.posix, os.path.basename(aside), held)
 
 
 def _sync_tree(path: str) -> None:
@@ -249,11 +290,11 @@ def _sync_tree(path: str) -> None:
         posix.fsync_dir(root)
 
 
-def _temp_name(role: str, name: str) -> str:
+def _temp_name(role: str, name: str, token: str | None = None) -> str:
     """The temp name of a directory of checkpoint ``name`` in ``role``: the role and a
     random token in fixed places, the checkpoint's name last, whole, so each is read back
     without doubt (``_DIR_TEMP``) whatever the checkpoint's name holds."""
-    return f"{TEMP_PREFIX}{role}-{secrets.token_hex(6)}-{name}"
+    return f"{TEMP_PREFIX}{role}-{token or secrets.token_hex(6)}-{name}"
 
 
 def _is_empty_dir(path: str) -> bool:

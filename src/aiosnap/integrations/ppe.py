@@ -60,44 +60,51 @@ class _OwnFiles:
 
 
 class _FileSaveFun:
-    """A ppe ``savefun(target, file)`` as aiosnap's ``savefun(target, path)``."""
+    """A ppe ``savefun(target, file, **kwargs)`` as aiosnap's ``savefun(target, path)``."""
 
-    def __init__(self, savefun: Any) -> None:
-        self.savefun = savefun
+    def __init__(self, savefun: Any, kwargs: dict[str, Any]) -> None:
+        self.savefun, self.kwargs = savefun, kwargs
 
     def __call__(self, target: Any, path: str) -> None:
         with open(path, "wb") as f:
-            self.savefun(target, f)
+            self.savefun(target, f, **self.kwargs)
 
 
 class Writer(_PpeWriter):
     """A ppe snapshot writer that saves through aiosnap.
 
     ``out_dir`` and ``fs`` as ppe's writers (only POSIX filesystems: ppe's default);
-    the rest are ``aiosnap.QueueWriter``'s options. ``allow_pickle=True`` stores values
-    that are not tensors, arrays or plain containers pickled (and autoload then unpickles
-    them): leave it off unless the state holds such values.
+    ``max_pending`` to ``allow_pickle`` are ``aiosnap.QueueWriter``'s options.
+    ``allow_pickle=True`` stores values that are not tensors, arrays or plain containers
+    pickled (and autoload then unpickles them): leave it off unless the state holds such
+    values.
 
-    A call with ``savefun`` (ppe's ``savefun(target, file)``, e.g. ``torch.save``) writes
-    that function's file, still committed durably in the background; ``append=True`` (log
-    files) writes synchronously through ``fs``, as ppe's ``SimpleWriter`` does.
+    ``savefun`` (ppe's ``savefun(target, file, **kwargs)``, e.g. ``torch.save``), here or
+    in a call, writes that function's file instead of aiosnap's, still committed durably
+    in the background; further keyword arguments go to the savefun a save uses, as ppe's
+    writers pass theirs (a save in aiosnap's format with them raises TypeError).
+    ``append=True`` (log files) writes synchronously through ``fs``, as ppe's
+    ``SimpleWriter`` does.
     """
 
     def __init__(
         self,
         out_dir: str = "",
         *,
+        savefun: Any = None,
         fs: Any = None,
         max_pending: int = 2,
         when_full: Literal["block", "skip", "replace"] = "block",
         offload: Literal["thread", "process"] = "thread",
         max_host_bytes: int | None = None,
         allow_pickle: bool = False,
+        **savefun_kwargs: Any,
     ) -> None:
         fs = fs if fs is not None else _PosixFileSystem()
         if not isinstance(fs, _PosixFileSystem):
             raise TypeError(f"aiosnap's ppe Writer writes to POSIX filesystems only, not {type(fs).__name__}")
         super().__init__(fs=_OwnFiles(fs), out_dir=out_dir)
+        self.savefun, self.savefun_kwargs = savefun, savefun_kwargs
         self.allow_pickle = allow_pickle
         self._bridge = SyncWriter(
             max_pending=max_pending,
@@ -133,15 +140,21 @@ class Writer(_PpeWriter):
         if not self._initialized:
             self.initialize(directory)
         path = os.path.join(directory, filename)
+        savefun = savefun if savefun is not None else self.savefun
         if append:
             with self.fs.open(path, "ab") as f:
-                (savefun or torch.save)(target, f)
+                (savefun or torch.save)(target, f, **self.savefun_kwargs)
             return
+        if savefun is None and self.savefun_kwargs:
+            raise TypeError(
+                f"the writer's keyword argument(s) {sorted(self.savefun_kwargs)} go to a savefun, and "
+                "this save has none (aiosnap's own format takes no arguments)"
+            )
         self._sweep(os.path.dirname(path))
         self._bridge.save(
             self.fs.get_actual_path(path),
             target,
-            savefun=_FileSaveFun(savefun) if savefun is not None else None,
+            savefun=_FileSaveFun(savefun, self.savefun_kwargs) if savefun is not None else None,
             then=self._post_save,
         )
 
@@ -169,6 +182,13 @@ class _AiosnapSnapshot(_snapshot._Snapshot):
         loaded = self._load_latest(manager) if self.autoload else None
         self._add_cleanup_hook(self.writer)
         return loaded
+
+    def _make_snapshot(self, manager: ExtensionsManagerProtocol) -> None:
+        # Called before ``initialize`` (a call by hand, ``snapshot_on_error``), ppe's own
+        # would take the manager's writer, a torch.save one, which our autoload skips.
+        if self.writer is None:
+            self.writer = Writer(out_dir=manager.out)
+        super()._make_snapshot(manager)
 
     def _load_latest(self, manager: ExtensionsManagerProtocol) -> str | None:
         writer = self.writer
@@ -214,7 +234,8 @@ def snapshot(
     """ppe's ``extensions.snapshot``, saving through aiosnap and autoloading aiosnap files.
 
     Without ``writer``, it saves through an aiosnap ``Writer`` into the manager's output
-    directory (pass ``writer=Writer(...)`` for its options). ``autoload`` reads the newest
+    directory, also when called before the manager initialised it (pass
+    ``writer=Writer(...)`` for its options). ``autoload`` reads the newest
     snapshot that loads, verifying checksums (a damaged one is skipped, with a warning).
     ``n_retains`` deletes older snapshots only after a newer one is durable, and only
     aiosnap files. Distributed snapshots (``saver_rank``, ``snapshot_mode``) are ppe's

@@ -3,11 +3,14 @@ subclass of your own).
 
 A callback cannot take over the save (``on_save`` fires after the Trainer wrote
 everything synchronously), so the mixin overrides ``_save_checkpoint`` and the loaders.
-Each save captures the model, optimizer, scheduler, scaler and RNG states into one
-aiosnap file, ``checkpoint-N/state.aiosnap``, and returns; in the background the file is
-committed into a temp directory (``.aiosnap-tmp-new-*-checkpoint-N``), ``trainer_state.json``
-is written durably beside it, and the directory is renamed to ``checkpoint-N`` once every
-file in it is durable. So ``train(resume_from_checkpoint=True)``, which takes the
+Each save captures the model's weights into ``checkpoint-N/model.safetensors`` (an aiosnap
+file that is the safetensors file ``from_pretrained`` reads, with ``config.json`` beside it:
+see ``_hf_export``) and the optimizer, scheduler, scaler and RNG states into
+``checkpoint-N/state.aiosnap``, and returns; in the background both files are committed
+into a temp directory (``.aiosnap-tmp-new-*-checkpoint-N``), ``trainer_state.json`` is
+written durably beside them, and the directory is renamed to ``checkpoint-N`` once every
+file in it is durable. Checkpoints of the earlier layout (the model inside
+``state.aiosnap``) are still read. So ``train(resume_from_checkpoint=True)``, which takes the
 highest-numbered ``checkpoint-N`` without checking it, only ever finds complete ones. A
 re-save of an existing ``checkpoint-N`` moves the old one aside first; a process killed
 between the two renames leaves it to be put back by the next ``train()``.
@@ -37,6 +40,7 @@ from ._bridge import SyncWriter, check_options, run_sync
 from ._files import (
     discard,
     is_aiosnap_dir,
+    is_aiosnap_file,
     publish_dir,
     remove_dir,
     repair_publishes,
@@ -44,13 +48,18 @@ from ._files import (
     temp_dir,
     write_durably,
 )
+from ._hf_export import MODEL_NAME, Export
 
-__all__ = ["STATE_NAME", "AiosnapTrainer", "AiosnapTrainerMixin"]
+__all__ = ["MODEL_NAME", "STATE_NAME", "AiosnapTrainer", "AiosnapTrainerMixin"]
 
 logger = logging.getLogger(__name__)
 
 STATE_NAME = "state.aiosnap"
-"""The aiosnap file of a checkpoint directory."""
+"""The aiosnap file of a checkpoint directory's training state (and, in checkpoints of
+the earlier layout, its model)."""
+MARKERS = (STATE_NAME, MODEL_NAME)
+"""A checkpoint directory is aiosnap's if one of these is an aiosnap file
+(``save_only_model`` writes no ``state.aiosnap``)."""
 TRAINER_STATE_NAME = "trainer_state.json"
 _CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
@@ -84,7 +93,9 @@ class AiosnapTrainerMixin(_Base):
         if isinstance(resume_from_checkpoint, str):
             repair_publishes(*os.path.split(os.path.abspath(resume_from_checkpoint)))
         if self.args.should_save and self.args.output_dir is not None:
-            sweep_temps(self.args.output_dir, STATE_NAME)
+            sweep_temps(self.args.output_dir, MARKERS)
+        if not self._aiosnap.is_open:  # max_pending counts checkpoints, of two files each
+            self._aiosnap.files_per_save = 1 if self.args.save_only_model else 2
         self._aiosnap.open()
         try:
             output = super().train(resume_from_checkpoint, *args, **kwargs)
@@ -121,7 +132,8 @@ class AiosnapTrainerMixin(_Base):
         if not self.args.should_save:
             return
         assert self.model is not None
-        state: dict[str, Any] = {"model": self.model.state_dict()}
+        export = Export.of(self)
+        state: dict[str, Any] = {} if export.weights is not None else {"model": self.model.state_dict()}
         if not self.args.save_only_model:
             assert self.optimizer is not None
             assert self.lr_scheduler is not None
@@ -134,13 +146,20 @@ class AiosnapTrainerMixin(_Base):
         self._aiosnap_export_callbacks()
         trainer_state = json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True) + "\n"
         tmp = temp_dir(run_dir, name)
+        try:
+            export.write_config(tmp)
+        except BaseException:
+            discard(tmp)
+            raise
+        # The larger file first: the second one's copy overlaps the first one's commit.
+        files = [(os.path.join(tmp, STATE_NAME), state)] if state else []
+        if export.weights is not None:
+            files.append((os.path.join(tmp, MODEL_NAME), export.weights))
         publish = functools.partial(
             self._aiosnap_publish, tmp, output_dir, trainer_state, run_dir, self.state.best_model_checkpoint
         )
         self._aiosnap_dirs.add(output_dir)
-        self._aiosnap.save(
-            os.path.join(tmp, STATE_NAME), state, then=publish, on_failure=functools.partial(discard, tmp)
-        )
+        self._aiosnap.save_files(files, then=publish, on_failure=functools.partial(discard, tmp))
         if self.args.push_to_hub:
             self._aiosnap.flush()  # the upload reads the directory: it must be there
             self._push_from_checkpoint(output_dir)
@@ -170,11 +189,11 @@ class AiosnapTrainerMixin(_Base):
     def _aiosnap_publish(
         self, tmp: str, final: str, trainer_state: str, run_dir: str, best: str | None
     ) -> None:
-        """In the background, once ``state.aiosnap`` is durable: the Trainer's state file,
-        the rename into place, then rotation."""
+        """In the background, once the aiosnap files are durable: the Trainer's state file,
+        the rename into place (every file made durable first), then rotation."""
         try:
             write_durably(os.path.join(tmp, TRAINER_STATE_NAME), trainer_state.encode())
-            publish_dir(tmp, final, STATE_NAME)
+            publish_dir(tmp, final, MARKERS)
         except BaseException:
             discard(tmp)
             raise
@@ -191,18 +210,25 @@ class AiosnapTrainerMixin(_Base):
 
     # -- loading ---------------------------------------------------------------------------
     def _aiosnap_load(self, checkpoint: str, key: str) -> Any:
-        """``key`` of the checkpoint's aiosnap file; None where that part was not saved."""
+        """``key`` of the checkpoint's ``state.aiosnap``; None where that part was not saved."""
+        path = os.path.join(checkpoint, STATE_NAME)
+        if not os.path.isfile(path):
+            return None  # save_only_model: the weights only
         try:
             part = run_sync(
-                aiosnap.load,
-                os.path.join(checkpoint, STATE_NAME),
-                keys=[key],
-                map_location="cpu",
-                allow_pickle=self._aiosnap.allow_pickle,
+                aiosnap.load, path, keys=[key], map_location="cpu", allow_pickle=self._aiosnap.allow_pickle
             )
         except aiosnap.CheckpointKeyError:
             return None
         return part[key]
+
+    def _aiosnap_model(self, checkpoint: str) -> Any:
+        """The model's state dict: ``model.safetensors`` (read and verified by aiosnap), or
+        the ``model`` of ``state.aiosnap`` in a checkpoint of the earlier layout."""
+        path = os.path.join(checkpoint, MODEL_NAME)
+        if not os.path.isfile(path):
+            return self._aiosnap_load(checkpoint, "model")
+        return run_sync(aiosnap.load, path, map_location="cpu", allow_pickle=self._aiosnap.allow_pickle)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         if not _ours(resume_from_checkpoint):
@@ -210,7 +236,7 @@ class AiosnapTrainerMixin(_Base):
             return
         model = self.model if model is None else model
         logger.info("Loading model from %s.", resume_from_checkpoint)
-        result = model.load_state_dict(self._aiosnap_load(resume_from_checkpoint, "model"), False)
+        result = model.load_state_dict(self._aiosnap_model(resume_from_checkpoint), False)
         self._issue_warnings_after_load(result)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
@@ -253,7 +279,7 @@ class AiosnapTrainerMixin(_Base):
             return
         logger.info("Loading best model from %s (score: %s).", best, self.state.best_metric)
         assert self.model is not None
-        result = self.model.load_state_dict(self._aiosnap_load(best, "model"), False)
+        result = self.model.load_state_dict(self._aiosnap_model(best), False)
         self._issue_warnings_after_load(result)
 
 
@@ -275,7 +301,11 @@ def _rng_states() -> dict[str, Any]:
 
 
 def _ours(checkpoint: str) -> bool:
-    return os.path.isfile(os.path.join(checkpoint, STATE_NAME))
+    """Whether aiosnap wrote ``checkpoint`` (the Trainer's own checkpoints hold a
+    ``model.safetensors`` too, a plain one, and no ``state.aiosnap``)."""
+    return os.path.isfile(os.path.join(checkpoint, STATE_NAME)) or is_aiosnap_file(
+        os.path.join(checkpoint, MODEL_NAME)
+    )
 
 
 def _rotate(run_dir: str, limit: int | None, best: str | None) -> None:
@@ -286,7 +316,7 @@ def _rotate(run_dir: str, limit: int | None, best: str | None) -> None:
     for name in os.listdir(run_dir):
         match = _CHECKPOINT.match(name)
         path = os.path.join(run_dir, name)
-        if match and is_aiosnap_dir(path, STATE_NAME):
+        if match and is_aiosnap_dir(path, MARKERS):
             found.append((int(match.group(1)), path))
     found.sort()
     if len(found) <= limit:
@@ -301,5 +331,5 @@ def _rotate(run_dir: str, limit: int | None, best: str | None) -> None:
         if os.path.normpath(path) in protected:
             continue
         logger.info("Deleting older checkpoint [%s] due to args.save_total_limit", path)
-        remove_dir(path, STATE_NAME)
+        remove_dir(path, MARKERS)
         remaining -= 1
