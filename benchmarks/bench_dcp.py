@@ -126,6 +126,8 @@ def measure(ranks: int, args: argparse.Namespace, scratch: Path, out: Path) -> d
 
 def render(rows: list[dict[str, Any]], size: int, reps: int) -> str:
     lines = [
+        "Machine: " + ", ".join(f"{k} {v}" for k, v in machine().items()),
+        "",
         f"### dcp.save of {size / MiB:.0f} MiB of DTensor shards: aiosnap's writer vs FileSystemWriter",
         "",
         f"Median of {reps} repetitions in one run; ratio: aiosnap's time / FileSystemWriter's in the same "
