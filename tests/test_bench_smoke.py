@@ -99,3 +99,10 @@ def test_incremental_benchmark_runs_small(tmp_path: Path) -> None:
         read = [run[k]["blob_bytes_read"] for k in ("without", "first", "next")]
         assert read == [0, data["lora"]["base_bytes"], 0]
     assert "first save after a restart" in (out / "incremental.md").read_text()
+
+
+def test_dcp_benchmark_runs_small(tmp_path: Path) -> None:
+    out = run_bench("bench_dcp.py", tmp_path, "--size", "16MiB", "--reps", "1", "--ranks", "1")
+    (row,) = json.loads((out / "dcp.json").read_text())["rows"]
+    assert row["ranks"] == 1 and row["ratio"] > 0 and all(s > 0 for s in row["median_s"].values())
+    assert "AiosnapStorageWriter" in (out / "dcp.md").read_text()
