@@ -34,18 +34,18 @@ import operator
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from .._base import offload as _offload
 from .._base.checksums import content_hash
-from .._base.errors import CorruptCheckpointError, ForeignFileError
+from .._base.errors import ForeignFileError
 from .._base.names import BLOB_DIR
 from .._format.codec import Header, Ref, TensorInfo, header_template, read_header
 from .._format.compress import check as check_compression
 from .._format.compress import compress
 from .._format.header import seal
-from .._storage.protocol import CommitTimes, Storage, describe, lstat, put, write_image
+from .._storage.protocol import CommitTimes, MemoryReader, Storage, describe, lstat, put, write_image
 from .stage import StagedImage
 from .trust import verified, wrote
 
@@ -147,27 +147,6 @@ class Pins:
 PINS = Pins()
 
 
-class _ImageReader:
-    """A staged image, read as a file (to parse its sealed header)."""
-
-    def __init__(self, path: str, image: memoryview) -> None:
-        self.path, self.size, self._image = path, len(image), image
-
-    def readinto(self, offset: int, buf: memoryview) -> None:
-        if offset + buf.nbytes > self.size:
-            raise CorruptCheckpointError(self.path, "read past the end of the staged image")
-        buf.cast("B")[:] = self._image[offset : offset + buf.nbytes]
-
-    def read_batch(self, requests: Sequence[tuple[int, Sequence[memoryview]]]) -> None:
-        for offset, bufs in requests:
-            for buf in bufs:
-                self.readinto(offset, buf)
-                offset += buf.nbytes
-
-    def close(self) -> None:
-        pass
-
-
 @dataclass(slots=True)
 class _Outcome:
     kept: list[TensorInfo] = field(default_factory=list)
@@ -184,7 +163,7 @@ def commit_incremental(
     image = staged.image()
     if not staged.sealed:
         seal(image, staged.template, staged.spans)
-    header = read_header(_ImageReader(path, image))
+    header = read_header(MemoryReader(path, image, "the staged image"))
     folder = blob_dir(storage, path, dedup.rank_dir)
     check_blob_folder(storage, folder, dedup.rank_dir)
     t0 = time.perf_counter()

@@ -24,6 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
+from .._base.errors import CorruptCheckpointError
+
 TEMP_PREFIX = ".aiosnap-tmp-"
 """Temp files and uploads of unfinished commits start with this; nothing else does."""
 LEASE_NAME = ".aiosnap.lock"
@@ -341,3 +343,26 @@ class ReaderFile(io.RawIOBase):
             self._reader.readinto(self._pos, view[:n])
             self._pos += n
         return n
+
+
+class MemoryReader:
+    """Bytes in memory as a Reader, without a copy: a staged image whose sealed header is
+    parsed, a verified item that torch.load reads through ``ReaderFile``. ``what`` names
+    them in the error a read past their end raises."""
+
+    def __init__(self, path: str, data: memoryview, what: str = "the bytes in memory") -> None:
+        self.path, self.size, self._data, self._what = path, len(data), data, what
+
+    def readinto(self, offset: int, buf: memoryview) -> None:
+        if offset + buf.nbytes > self.size:
+            raise CorruptCheckpointError(self.path, f"read past the end of {self._what}")
+        buf.cast("B")[:] = self._data[offset : offset + buf.nbytes]
+
+    def read_batch(self, requests: Sequence[tuple[int, Sequence[memoryview]]]) -> None:
+        for offset, bufs in requests:
+            for buf in bufs:
+                self.readinto(offset, buf)
+                offset += buf.nbytes
+
+    def close(self) -> None:
+        pass
