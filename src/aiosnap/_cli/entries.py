@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from .._base.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError, PickleNotAllowedError
+from .._format.blobs import blob_file
 from .._format.codec import Header, how_to_read, itemsize, read_header, sniff
 from .._format.manifest import Manifest, read_manifest
 from .._format.tree import (
@@ -25,7 +26,6 @@ from .._format.tree import (
     walk_leaves,
 )
 from .._load.load import load_blocking
-from .._save.incremental import blob_file
 from .._storage.protocol import Storage
 from .dirs import Located
 from .safetensors import TREE_KEY, saved_tree

@@ -235,3 +235,11 @@ def st_nbytes(code: str, shape: list[int]) -> int | None:
         return nbytes(shape, bits // 8)
     elements = nbytes(shape, 1)
     return None if elements is None or elements * bits % 8 else elements * bits // 8
+
+
+_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def as_copyable(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as same-width integers: torch has no copy kernel for int1, uint3, ..."""
+    return t.view(_SAME_WIDTH_INT.get(t.dtype.itemsize, t.dtype))

@@ -22,7 +22,7 @@ from .._format.codec import Header, TensorInfo
 from .._format.header import BLOCK
 from .._format.manifest import SavedTensor, holds_box, indexed
 from .._format.shards import Box, Run, is_dtensor, runs, shard_of
-from .._save.device import as_copyable
+from .._format.dtypes import as_copyable
 from .._storage.posix import HUGE_MIN, huge_pages
 from .._storage.protocol import Reader
 

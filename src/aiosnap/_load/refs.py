@@ -20,9 +20,9 @@ from collections.abc import Sequence
 
 from .._base.errors import CorruptCheckpointError
 from .._base.names import BLOB_DIR
+from .._format.blobs import blob_dir, blob_file
 from .._format.codec import Header, Ref, TensorInfo
 from .._format.compress import FRAME_HEAD, Stream, check_frame, decompress
-from .._save.incremental import blob_dir, blob_file
 from .._storage.protocol import ALIGN, Reader, Storage
 
 

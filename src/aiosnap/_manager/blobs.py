@@ -22,8 +22,9 @@ from collections.abc import Callable
 from .._base.checksums import is_content_hash
 from .._base.errors import CheckpointError
 from .._base.names import BLOB_DIR, RESERVED_PREFIXES
+from .._format.blobs import SUFFIXES, blob_file
 from .._format.codec import read_header, written_by_aiosnap
-from .._save.incremental import PINS, SUFFIXES, blob_file
+from .._save.incremental import PINS
 from .._save.trust import TRUSTED
 from .._storage.protocol import TEMP_PREFIX, Storage, lstat
 

@@ -42,11 +42,12 @@ from .._base.errors import (
 )
 from .._base.notice import notice
 from .._base.tasks import TaskGroupOwner
+from .._format.blobs import blob_dir, blob_file
 from .._format.codec import read_header, written_by_aiosnap
 from .._format.tree import ExternalLeaves
 from .._save.engine import SaveFun
 from .._save.handle import Failures, Resolver, SaveFailure, SaveHandle, SaveStats, raise_first
-from .._save.incremental import PINS, blob_dir, blob_file, check_blob_folder
+from .._save.incremental import PINS, check_blob_folder
 from .._save.trust import TRUSTED, Check, verified, wrote
 from .._storage.backends import resolve
 from .._storage.protocol import CommitTimes, Storage, describe, lstat

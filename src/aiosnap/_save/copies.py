@@ -14,11 +14,12 @@ import torch
 from .._base import offload as _offload
 from .._format import dtypes as _dtypes
 from .._format.codec import TensorInfo
+from .._format.dtypes import as_copyable
 from .._format.header import ALIGN
 from .._format.plans import Plan
 from .._format.tree import Leaf
 from .arena import Arena
-from .device import DeviceCopier, as_copyable, host_view
+from .device import DeviceCopier, host_view
 
 #: Leaves under this size are "small": copied by one memmove each (and, in a lazy
 #: capture, before its call returns).

@@ -28,9 +28,9 @@ from typing import Any, Protocol
 
 import torch
 
-logger = logging.getLogger(__name__)
+from .._format.dtypes import as_copyable
 
-_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+logger = logging.getLogger(__name__)
 
 
 class DeviceCopier(Protocol):
@@ -71,11 +71,6 @@ class DeviceCopier(Protocol):
     def order_after(self, fence: object) -> None:
         """Make the work the calling thread queues from now on (an optimizer's step) run
         after the copies ``fence`` marks, without blocking the host where possible."""
-
-
-def as_copyable(t: torch.Tensor) -> torch.Tensor:
-    """``t`` viewed as same-width integers: torch has no copy kernel for int1, uint3, ..."""
-    return t.view(_SAME_WIDTH_INT.get(t.dtype.itemsize, t.dtype))
 
 
 def host_view(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

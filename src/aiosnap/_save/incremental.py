@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from .._base import offload as _offload
 from .._base.checksums import content_hash
 from .._base.errors import ForeignFileError
-from .._base.names import BLOB_DIR
+from .._format.blobs import blob_dir, blob_file
 from .._format.codec import Header, Ref, TensorInfo, header_template, read_header
 from .._format.compress import check as check_compression
 from .._format.compress import compress
@@ -51,23 +51,6 @@ from .trust import verified, wrote
 
 #: Entries smaller than this stay in the file: a blob costs a file and its fsync.
 MIN_BLOB = 64 << 10
-#: The file name of a blob of each kind (raw bytes, or a zstd frame of them).
-SUFFIXES = {None: "", "zstd": ".zst"}
-
-
-def blob_file(blob: str, compression: str | None) -> str:
-    """The file name of blob ``blob`` stored with ``compression``."""
-    return blob + SUFFIXES[compression]
-
-
-def blob_dir(storage: Storage, path: str, rank_dir: str | None = None) -> str:
-    """The blob folder of the checkpoint file at ``path``: beside it; or for a rank's file
-    of a step directory (``rank_dir``: the rank's folder name), that rank's folder beside
-    the step directory, which all the rank's steps share."""
-    directory = storage.split(path)[0]
-    if rank_dir is None:
-        return storage.join(directory, BLOB_DIR)
-    return storage.join(storage.split(directory)[0], BLOB_DIR, rank_dir)
 
 
 @dataclass(frozen=True, slots=True)
