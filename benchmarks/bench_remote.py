@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 import aiosnap
-from aiosnap._manager.upload import copy_object
+from aiosnap._save.transfer import copy_object
 from aiosnap.storage import LocalStorage, from_url
 
 sys.path.insert(0, str(Path(__file__).parent))
