@@ -160,14 +160,14 @@ _PACKAGES: set[str] = set()
 
 
 def _state_machines(rel: str, tree: ast.Module) -> list[str]:
-    """Classes that keep an open/close state of their own: a ``self._state`` set to "closed"."""
+    """Classes that keep an open/close state of their own: an attribute of theirs set to "closed"."""
     found = []
     for cls in ast.walk(tree):
         if not isinstance(cls, ast.ClassDef):
             continue
         for node in ast.walk(cls):
             if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant):
-                targets = [t for t in node.targets if isinstance(t, ast.Attribute) and t.attr == "_state"]
+                targets = [t for t in node.targets if isinstance(t, ast.Attribute)]
                 if targets and node.value.value == "closed":
                     found.append(f"{rel} {cls.name}")
                     break

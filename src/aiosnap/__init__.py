@@ -58,6 +58,7 @@ from ._base.errors import UnsupportedTypeError as UnsupportedTypeError
 from ._base.errors import WorkerCrashedError as WorkerCrashedError
 from ._base.errors import WriterClosedError as WriterClosedError
 from ._base.notice import AiosnapWarning as AiosnapWarning
+from ._base.tasks import SaveFailure as SaveFailure
 from ._load.load import VerifyReport as VerifyReport
 from ._load.load import load as load
 from ._load.load import load_into as load_into
@@ -81,7 +82,6 @@ from ._manager.triggers import EveryNSteps as EveryNSteps
 from ._manager.triggers import Moment as Moment
 from ._manager.triggers import Trigger as Trigger
 from ._manager.upload import UploadWriter as UploadWriter
-from ._save.handle import SaveFailure as SaveFailure
 from ._save.handle import SaveHandle as SaveHandle
 from ._save.handle import SaveStats as SaveStats
 from ._save.writers import ProcessQueueWriter as ProcessQueueWriter

@@ -37,8 +37,8 @@ from .._base.errors import (
 )
 from .._base.names import check_step, render, template
 from .._base.notice import notice
-from .._base.tasks import TaskGroupOwner
-from .._save.handle import Failures, Resolver, SaveFailure, SaveHandle, SaveStats, raise_first, skipped
+from .._base.tasks import Failures, SaveFailure, TaskGroupOwner, raise_collected, raise_first
+from .._save.handle import Resolver, SaveHandle, SaveStats, skipped
 from .._save.writers import QueueWriter, Writer, _WriterBase
 from .._storage.protocol import Storage
 from .member import Attempt, Listing, restore_first
@@ -290,7 +290,6 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
         self._releases: dict[anyio.Event, SaveHandle] = {}
         self._failures = Failures()
         self._signals: list[int] = []
-        self._state: Literal["new", "opening", "open", "closing", "closed"] = "new"
         #: Set once a signal given to ``save_on_signal`` has arrived and its save is done.
         self.preempted = anyio.Event()
 
@@ -301,9 +300,7 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
 
     # -- lifecycle ---------------------------------------------------------------------
     async def __aenter__(self) -> Self:
-        if self._state != "new":
-            raise WriterClosedError("a CheckpointManager can be opened only once")
-        self._state = "opening"
+        self._opening("a CheckpointManager can be opened only once")
         tg = await self._open_tasks()
         writer_open = False
         try:
@@ -332,7 +329,7 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
                 finally:
                     await self._leave(remote=True)
             raise
-        self._state = "open"
+        self._opened()
         if self._uploads_every_save() and not self.read_only:
             try:
                 await self._catch_up()
@@ -370,7 +367,7 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
     async def _leave(self, *, remote: bool) -> None:
         """Leave the directories (``remote``: the remote tier's too, which closing it did
         not: after a failed open)."""
-        self._state = "closed"
+        self._closed()
         with anyio.CancelScope(shield=True):
             try:
                 if remote and self._tier is not None:
@@ -385,9 +382,8 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
         Uploads are waited for as long as they make progress: after ``upload_timeout``
         seconds without any (None: no bound), those still pending are ended and
         reported (their checkpoints stay local, and the next open uploads the newest)."""
-        if self._state != "open":
+        if not self._closing():
             return
-        self._state = "closing"
         loop = asyncio.get_running_loop()
         for sig in self._signals:
             loop.remove_signal_handler(sig)
@@ -424,14 +420,7 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
                         await self._close_tasks(cancel=True)
                     finally:
                         await self._leave(remote=False)
-        if errors:
-            first = errors[0]
-            for other in errors[1:]:
-                first.add_note(f"aiosnap: closing failed in another way too: {other!r}")
-            for failure in self.take_failures():
-                first.add_note(f"aiosnap: the save of {failure.path} failed too: {failure.error!r}")
-            raise first
-        self._raise_pending()
+        raise_collected(errors, self.take_failures())
 
     async def flush(self, *, upload_timeout: float | None = UPLOAD_TIMEOUT) -> None:
         """Wait until every accepted save is committed, indexed and rotated, and its upload
@@ -533,7 +522,7 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
         its tree is walked: ``handle.wait_captured()`` says when its tensors are copied).
         """
         mode = _check_capture(capture) if capture is not None else self._default_capture()
-        if self._state != "open":
+        if not self._is_open:
             raise WriterClosedError("the manager is not open: use `async with manager:`")
         if self.read_only:
             raise CheckpointError(f"{self.directory}: this manager is read-only (read_only=True)")
@@ -677,7 +666,7 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
         records of the checkpoints it removed; with ``dry_run``, of those it would remove
         (a read-only manager can tell that too). As after a commit, the newest checkpoint
         and those with an upload pending stay. Only a process on its own prunes."""
-        if self._state != "open":
+        if not self._is_open:
             raise WriterClosedError("the manager is not open: use `async with manager:`")
         return await self._site.prune(dry_run=dry_run)
 
@@ -802,7 +791,7 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
             self._signals.append(sig)
 
     def _on_signal(self, sig: int, state_fn: StateFn, deadline: float) -> None:
-        if self._state == "open":
+        if self._is_open:
             self._tasks.start_soon(self._save_for_signal, sig, state_fn, deadline)
 
     async def _save_for_signal(self, sig: int, state_fn: StateFn, deadline: float) -> None:

@@ -30,12 +30,13 @@ from .._base.errors import (
     StateMismatchError,
 )
 from .._base.notice import notice
+from .._base.tasks import SaveFailure
 from .._base.typed import decode, encode
 from .._dist.channel import Channel, Turn
 from .._dist.decisions import Refused, agree_on_config, commit, judge_restore
 from .._dist.messages import CommitVerdict, FileReport, LoadReport, OpenReport
 from .._format.manifest import replicated_matcher
-from .._save.handle import Resolver, SaveFailure, SaveHandle, SaveStats
+from .._save.handle import Resolver, SaveHandle, SaveStats
 from .blobs import collect
 from .catalog import Catalog
 from .layouts import Layout

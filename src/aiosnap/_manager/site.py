@@ -31,10 +31,11 @@ from .._base.errors import (
     SaveCancelledError,
     WriterClosedError,
 )
+from .._base.tasks import Failures
 from .._dist.channel import Channel, LocalChannel
 from .._dist.messages import OpenReport
 from .._format.tree import ExternalLeaves
-from .._save.handle import Failures, Resolver, SaveHandle
+from .._save.handle import Resolver, SaveHandle
 from .._storage.backends import resolve
 from .._storage.local import LocalStorage
 from .._storage.protocol import Lease, Storage, describe

@@ -26,7 +26,7 @@ import random
 import time
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Literal, Self, final
+from typing import Self, final
 
 import anyio
 import anyio.abc
@@ -40,10 +40,10 @@ from .._base.errors import (
     WriterClosedError,
 )
 from .._base.notice import notice
-from .._base.tasks import TaskGroupOwner
+from .._base.tasks import Failures, SaveFailure, TaskGroupOwner, raise_first
 from .._format.tree import ExternalLeaves
 from .._save.engine import SaveFun
-from .._save.handle import Failures, Resolver, SaveFailure, SaveHandle, SaveStats, raise_first
+from .._save.handle import Resolver, SaveHandle, SaveStats
 from .._save.transfer import copy_checkpoint
 from .._storage.backends import resolve
 from .._storage.protocol import Storage
@@ -109,7 +109,6 @@ class UploadWriter(TaskGroupOwner):
         self._running: _Job | None = None
         self._wake = anyio.Event()
         self._failures = Failures()
-        self._state: Literal["new", "open", "closing", "closed"] = "new"
         #: The last failure of a copy, while the remote tier is unavailable.
         self.unavailable: BaseException | None = None
         #: Grows with every piece handed over and every upload that ends.
@@ -135,11 +134,10 @@ class UploadWriter(TaskGroupOwner):
             raise ValueError("the uploader's storage= is not the manager's remote_storage=")
 
     async def __aenter__(self) -> Self:
-        if self._state != "new":
-            raise WriterClosedError("a writer can be opened only once")
+        self._opening("a writer can be opened only once")
         self._loop = asyncio.get_running_loop()
         tg = await self._open_tasks()
-        self._state = "open"
+        self._opened()
         tg.start_soon(self._consume)
         return self
 
@@ -155,7 +153,7 @@ class UploadWriter(TaskGroupOwner):
         self, filename: str, out_dir: str, target: object, *, savefun: SaveFun | None = None
     ) -> SaveHandle:
         """Queue the upload of ``target`` (a LocalCopy) to ``out_dir/filename``; returns at once."""
-        if self._state != "open":
+        if not self._is_open:
             raise WriterClosedError("the upload writer is not open")
         if isinstance(target, ExternalLeaves):  # a group's replicated leaves: the file says so already
             target = target.state
@@ -318,14 +316,12 @@ class UploadWriter(TaskGroupOwner):
     async def aclose(self) -> None:
         """Wait for the uploads, raise any unreported failure. Idempotent. The task
         group is exited by ``__aexit__`` (task groups end in the order they began)."""
-        if self._state in ("new", "closed"):
-            self._state = "closed"
+        if not self._closing():
             return
-        self._state = "closing"
         try:
             await self._wait()
         finally:
-            self._state = "closed"
+            self._closed()
         raise_first(self._failures.take())
 
     def take_failures(self) -> list[SaveFailure]:

@@ -1,15 +1,14 @@
-"""What a save call gives back, and how failures of background saves are reported.
+"""What a save call gives back: its handle, its capture's two stages, its stats.
 
 A save's outcome reaches the caller through its handle (``await handle.wait()``), and
 a failure also through the owner of the save (the next call, ``flush()``,
 ``aclose()``, ``take_failures()``). Whichever comes first reports it, and it is never
-raised again: a failure is one ``SaveFailure`` record, shared by every handle and
-list that can report it.
+raised again: a failure is one ``SaveFailure`` record (``_base/tasks.py``), shared by
+every handle and list that can report it.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,7 +16,7 @@ from typing import final
 
 import anyio
 
-logger = logging.getLogger(__name__)
+from .._base.tasks import SaveFailure
 
 
 @final
@@ -35,17 +34,6 @@ class SaveStats:
     fsync_s: float
     total_s: float
     skipped: bool = False
-
-
-@final
-@dataclass(eq=False, slots=True)
-class SaveFailure:
-    """A background save that failed: where it was going, and the exception (with its
-    original type). ``reported`` once it was raised to the caller or taken."""
-
-    path: str
-    error: BaseException
-    reported: bool = False
 
 
 @final
@@ -238,47 +226,3 @@ def skipped(path: str) -> SaveHandle:
     resolver = Resolver(path)
     resolver.skip()
     return resolver.handle
-
-
-@final
-class Failures:
-    """The failures of an owner's background saves that are still to be reported."""
-
-    def __init__(self) -> None:
-        self._items: list[SaveFailure] = []
-
-    def add(self, path: str, error: BaseException) -> SaveFailure:
-        failure = SaveFailure(path, error)
-        self._items = [f for f in self._items if not f.reported]
-        self._items.append(failure)
-        return failure
-
-    def take(self) -> list[SaveFailure]:
-        """The unreported failures, oldest first; they count as reported from now on."""
-        found = [f for f in self._items if not f.reported]
-        self._items = []
-        for failure in found:
-            failure.reported = True
-        return found
-
-    def __bool__(self) -> bool:
-        return any(not f.reported for f in self._items)
-
-
-def raise_first(failures: list[SaveFailure], *, accepted: str | None = None) -> None:
-    """Raise the oldest of ``failures`` (all now reported), noting the others and, if this
-    is a save call, that its own save was accepted."""
-    if not failures:
-        return
-    error, rest = failures[0].error, failures[1:]
-    for other in rest:
-        logger.error("the background save of %s failed too", other.path, exc_info=other.error)
-    if rest:
-        paths = ", ".join(f.path for f in rest)
-        error.add_note(f"aiosnap: {len(rest)} more background save(s) failed ({paths}); see the log")
-    if accepted is not None:
-        error.add_note(
-            f"aiosnap: this is the failure of an earlier save ({failures[0].path}); this call's "
-            f"own save of {accepted} was accepted and goes on (flush() waits for it)"
-        )
-    raise error

@@ -39,7 +39,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from .._base import offload as _offload
 from .._base.errors import SaveCancelledError, WriterClosedError
 from .._base.names import check_component
-from .._base.tasks import TaskGroupOwner
+from .._base.tasks import Failures, SaveFailure, TaskGroupOwner, raise_first
 from .._format.header import seal
 from .._format.plans import Plan, PlanCache
 from .._storage.backends import resolve
@@ -48,7 +48,7 @@ from .arena import Arena, ArenaPool
 from .device import DeviceCopier, default_copier
 from .engine import Engine, ProcessEngine, SaveFun, ThreadEngine
 from .guard import Guard
-from .handle import Capture, Failures, Resolver, SaveFailure, SaveHandle, SaveStats, raise_first
+from .handle import Capture, Resolver, SaveHandle, SaveStats
 from .incremental import Dedup, Known, commit_incremental
 from .pipeline import CaptureEnded, Pipe, commit_pipelined
 from .stage import GAVE_UP, Lazy, StagedImage, StageRequest, stage_or_plan, write_in_pieces
@@ -206,7 +206,6 @@ class _WriterBase(TaskGroupOwner, abc.ABC):
         )
         self._allow_pickle = allow_pickle
         self._pipeline = pipeline
-        self._state: Literal["new", "open", "closing", "closed"] = "new"
         self._inflight: set[_Save] = set()
         self._failures = Failures()
         self._hooks: list[PostSaveHook] = []
@@ -221,19 +220,18 @@ class _WriterBase(TaskGroupOwner, abc.ABC):
 
     # -- lifecycle ---------------------------------------------------------------------
     async def __aenter__(self) -> Self:
-        if self._state != "new":
-            raise WriterClosedError("a writer can be opened only once")
-        tg = await self._open_tasks()
-        self._state = "open"
+        self._opening("a writer can be opened only once")
         try:
+            tg = await self._open_tasks()
             await self._engine.start()
             if self.capture == "lazy":
                 await _offload.run_cpu(warm_window)  # not in the first lazy save's stall
             self._on_open(tg)
         except BaseException:
-            self._state = "closed"
+            self._closed()
             await self._close_tasks(cancel=True)
             raise
+        self._opened()
         return self
 
     async def __aexit__(
@@ -253,10 +251,8 @@ class _WriterBase(TaskGroupOwner, abc.ABC):
 
         Idempotent. Cancelling it stops the wait, not the saves that are running.
         """
-        if self._state in ("new", "closed"):
-            self._state = "closed"
+        if not self._closing():
             return
-        self._state = "closing"
         try:
             await self._drain()
         finally:
@@ -265,7 +261,7 @@ class _WriterBase(TaskGroupOwner, abc.ABC):
             with anyio.CancelScope(shield=True):
                 await _offload.run_io(self._pool.close)
                 await _offload.run_cpu(self._plans.clear)
-            self._state = "closed"
+            self._closed()
         raise_first(self._failures.take())
 
     async def flush(self) -> None:
@@ -381,10 +377,10 @@ class _WriterBase(TaskGroupOwner, abc.ABC):
         t0 = time.perf_counter()
         take_off_finished()  # a boundary: the last lazy save's window, if its copies ended
         mode = self.capture if capture is None else _check_capture(capture)
-        if self._state != "open":
+        if not self._is_open:
             raise WriterClosedError(
                 "the writer is closed"
-                if self._state != "new"
+                if self._lifecycle not in ("new", "opening")
                 else "the writer is not open: use `async with writer:` around the saves"
             )
         if out_dir:
@@ -491,7 +487,7 @@ class _WriterBase(TaskGroupOwner, abc.ABC):
     def _begin_pipeline(self, save: _Save, after: _After, pipe: Pipe) -> bool:
         """On the loop, asked by the staging thread once the arena is taken: start the
         commit now, if nothing is ahead of it. True if it started."""
-        if save.abandoned or self._state != "open" or not self._commit_free():
+        if save.abandoned or not self._is_open or not self._commit_free():
             return False
         save.pipe, save.arena = pipe, pipe.arena
         self._hand_over(save, after)
