@@ -66,6 +66,8 @@ from ._load.load import verify as verify
 from ._load.standalone import standalone as standalone
 from ._manager.manager import CheckpointManager as CheckpointManager
 from ._manager.manager import Restored as Restored
+from ._manager.options import Ranks as Ranks
+from ._manager.options import Remote as Remote
 from ._manager.records import CheckpointRecord as CheckpointRecord
 from ._manager.retention import AnyPolicy as AnyPolicy
 from ._manager.retention import KeepBest as KeepBest
@@ -84,6 +86,8 @@ from ._manager.triggers import Trigger as Trigger
 from ._manager.upload import UploadWriter as UploadWriter
 from ._save.handle import SaveHandle as SaveHandle
 from ._save.handle import SaveStats as SaveStats
+from ._save.options import Incremental as Incremental
+from ._save.options import WriterOptions as WriterOptions
 from ._save.writers import ProcessQueueWriter as ProcessQueueWriter
 from ._save.writers import ProcessWriter as ProcessWriter
 from ._save.writers import QueueWriter as QueueWriter
@@ -92,7 +96,6 @@ from ._save.writers import StandardWriter as StandardWriter
 from ._save.writers import ThreadQueueWriter as ThreadQueueWriter
 from ._save.writers import ThreadWriter as ThreadWriter
 from ._save.writers import Writer as Writer
-from ._save.writers import WriterOptions as WriterOptions
 from ._storage.local import LocalStorage as LocalStorage
 from ._storage.protocol import TEMP_PREFIX as TEMP_PREFIX
 from ._storage.protocol import CommitTimes as CommitTimes
@@ -128,6 +131,7 @@ __all__ = [
     "EveryNSteps",
     "ForeignFileError",
     "Group",
+    "Incremental",
     "IndexWriteError",
     "Job",
     "JobRunner",
@@ -146,6 +150,8 @@ __all__ = [
     "QueueWriter",
     "RNGState",
     "RankFailedError",
+    "Ranks",
+    "Remote",
     "RemoteStorageError",
     "Restored",
     "RetentionPolicy",

@@ -37,7 +37,7 @@ def check(compression: str | None, level: int) -> None:
     if compression != "zstd":
         raise ValueError(f'compression must be None or "zstd", not {compression!r}')
     if level not in LEVELS:
-        raise ValueError(f"compression_level must be 1..22 for zstd, not {level!r}")
+        raise ValueError(f"level must be 1..22 for zstd, not {level!r}")
     _zstd()
 
 

@@ -20,7 +20,6 @@ import contextlib
 import inspect
 import logging
 import signal
-import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -39,12 +38,14 @@ from .._base.names import check_step, render, template
 from .._base.notice import notice
 from .._base.tasks import Failures, SaveFailure, TaskGroupOwner, raise_collected, raise_first
 from .._save.handle import Resolver, SaveHandle, SaveStats, skipped
+from .._save.options import Incremental, check_capture, incremental_of
 from .._save.writers import QueueWriter, Writer, _WriterBase
 from .._storage.protocol import Storage
 from .member import Attempt, Listing, restore_first
+from .options import Ranks, Remote, check_writer_given, group_of, remote_of
 from .records import CheckpointRecord
 from .retention import RetentionPolicy
-from .site import Accept, Group, Naming, Site
+from .site import Accept, Naming, Site
 from .tier import Tier
 from .triggers import EveryNSteps, Moment, Trigger, deterministic
 from .upload import UploadWriter
@@ -68,59 +69,11 @@ class Restored:
     state: Any
 
 
-def _check_capture(capture: str) -> Literal["eager", "lazy"]:
-    if capture not in ("eager", "lazy"):
-        raise ValueError(f"capture must be 'eager' or 'lazy', not {capture!r}")
-    return capture  # type: ignore[return-value]
-
-
-def _in_a_group(group: object) -> bool:
-    """Whether this process checkpoints with a group (torch.distributed is only looked at
-    if its user imported it)."""
-    if group is False:
-        return False
-    if group is not None:
-        return True
-    dist = sys.modules.get("torch.distributed")
-    return dist is not None and dist.is_available() and dist.is_initialized()
-
-
-def _group_of(name: str, group: Any, rank: int, replicated: Sequence[str], timeout: float) -> Group:
-    if not _in_a_group(group):
-        if replicated:
-            raise ValueError("replicated= needs a process group")
-        return Group(None, rank, 1, None, (), timeout)
-    if "{rank}" in name:
-        raise ValueError(f"name {name!r}: in a group each step is a directory; drop {{rank}}")
-    from .._dist import coord
-
-    parent = None if group is None else group
-    rank, size = coord.rank_and_size(parent)
-    return Group(parent, rank, size, size, tuple(replicated), timeout)
-
-
-def _writer_of(
-    writer: Writer | None,
-    storage: Storage,
-    *,
-    incremental: bool,
-    frozen: Sequence[str],
-    compression: str | None,
-    compression_level: int,
-) -> Writer:
-    """The manager's writer: the one given, or a QueueWriter with the manager's options
-    (which a writer given must carry itself)."""
-    if writer is None:
-        return QueueWriter(
-            storage=storage,
-            incremental=incremental,
-            frozen=frozen,
-            compression=compression,
-            compression_level=compression_level,
-        )
-    if incremental or frozen or compression is not None:
-        raise ValueError("incremental=, frozen= and compression= go to the writer when one is given")
-    return writer
+def _writer_of(writer: Writer | None, storage: Storage, incremental: Incremental | None) -> Writer:
+    """The manager's writer: the one given (which carries its own incremental options),
+    or a QueueWriter with the manager's."""
+    check_writer_given(writer, incremental)
+    return QueueWriter(storage=storage, incremental=incremental) if writer is None else writer
 
 
 @final
@@ -217,32 +170,18 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
         keep: RetentionPolicy | None = None,
         save_every: int | Trigger | None = None,
         storage: Storage | None = None,
-        rank: int = 0,
         allow_pickle: bool = False,
-        group: Any = None,
-        replicated: Sequence[str] = (),
-        timeout: float = 300.0,
+        ranks: Ranks | None = None,
         read_only: bool = False,
         lease_ttl: float = 60.0,
-        remote: str | None = None,
-        remote_storage: Storage | None = None,
-        keep_remote: RetentionPolicy | None = None,
-        upload: Literal["every", "manual"] = "every",
-        uploader: UploadWriter | None = None,
-        remote_timeout: float | None = 30.0,
+        remote: str | Remote | None = None,
         capture: Literal["eager", "lazy"] | None = None,
-        incremental: bool = False,
-        frozen: Sequence[str] = (),
-        compression: str | None = None,
-        compression_level: int = 3,
+        incremental: bool | Incremental | None = None,
     ) -> None:
-        self._capture = None if capture is None else _check_capture(capture)
-        if upload not in ("every", "manual"):
-            raise ValueError(f"upload must be 'every' or 'manual', not {upload!r}")
-        if remote is None and (remote_storage is not None or keep_remote is not None or uploader is not None):
-            raise ValueError("remote_storage=, keep_remote= and uploader= need remote=")
+        self._capture = None if capture is None else check_capture(capture)
+        far = remote_of(remote)
         naming = Naming(name, template(name))
-        self._group = _group_of(name, group, rank, replicated, timeout)
+        self._group = group_of(name, ranks)
         self._site = Site(
             directory,
             storage=storage,
@@ -255,30 +194,14 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
         )
         self.directory = self._site.directory
         self._tier: Tier | None = None
-        if remote is not None:
-            far = Site(
-                remote,
-                storage=remote_storage,
-                naming=naming,
-                keep=keep_remote,
-                group=self._group,
-                read_only=read_only,
-                lease_ttl=lease_ttl,
-                allow_pickle=allow_pickle,
-            )
-            uploads = uploader if uploader is not None else UploadWriter(storage=remote_storage)
-            uploads.bind(far.storage)
-            self._tier = Tier(far, uploads, local=self._site.storage, read_timeout=remote_timeout)
-        self._upload_mode = upload
+        if far is not None:
+            site = self._site.beside(far.url, storage=far.storage, keep=far.keep)
+            uploads = far.uploader if far.uploader is not None else UploadWriter(storage=far.storage)
+            uploads.bind(site.storage)
+            self._tier = Tier(site, uploads, local=self._site.storage, read_timeout=far.timeout)
+        self._upload_mode = "every" if far is None else far.upload
         self.read_only = read_only
-        self._writer: Writer = _writer_of(
-            writer,
-            self._site.storage,
-            incremental=incremental,
-            frozen=frozen,
-            compression=compression,
-            compression_level=compression_level,
-        )
+        self._writer: Writer = _writer_of(writer, self._site.storage, incremental_of(incremental))
         self._trigger: Trigger | None = EveryNSteps(save_every) if isinstance(save_every, int) else save_every
         #: This process's rank in the group (or as given, on its own).
         self.rank = self._group.rank
@@ -521,7 +444,7 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
         save was accepted. ``capture`` overrides the manager's (a lazy save returns once
         its tree is walked: ``handle.wait_captured()`` says when its tensors are copied).
         """
-        mode = _check_capture(capture) if capture is not None else self._default_capture()
+        mode = check_capture(capture) if capture is not None else self._default_capture()
         if not self._is_open:
             raise WriterClosedError("the manager is not open: use `async with manager:`")
         if self.read_only:

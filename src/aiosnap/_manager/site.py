@@ -123,6 +123,20 @@ class Site:
         #: Called each time a vote ends (whoever waits for the votes to settle).
         self.on_settled: Callable[[], object] | None = None
 
+    def beside(self, directory: str, *, storage: Storage | None, keep: RetentionPolicy | None) -> Site:
+        """A Site of another directory (a remote tier's), named, grouped and opened as this
+        one is."""
+        return Site(
+            directory,
+            storage=storage,
+            naming=self.naming,
+            keep=keep,
+            group=self.group,
+            read_only=self.read_only,
+            lease_ttl=self.lease_ttl,
+            allow_pickle=self.allow_pickle,
+        )
+
     @property
     def is_local(self) -> bool:
         """Whether the directory is on a local filesystem (its calls are never abandoned)."""

@@ -240,7 +240,7 @@ class Tier:
         else:
             why = (
                 f"the remote tier is unavailable: it has not answered within {self.read_timeout:g} s "
-                "(CheckpointManager(remote_timeout=...) sets how long a read waits)"
+                "(Remote(..., timeout=...) sets how long a read waits)"
             )
         return (
             f"{why}. Check its URL, endpoint, network and credentials and start again; or, to go on "

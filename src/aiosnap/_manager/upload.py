@@ -126,12 +126,16 @@ class UploadWriter(TaskGroupOwner):
     def resume(self) -> None:
         self._go.set()
 
+    @property
+    def storage(self) -> Storage | None:
+        """Where uploads go: the storage given, or once bound, the remote tier's."""
+        return self._storage
+
     def bind(self, storage: Storage) -> None:
-        """Upload through the remote tier's storage (one made from its URL, unless given)."""
+        """Upload through the remote tier's storage (one made from its URL, unless given:
+        ``Remote`` checks that one given is the tier's)."""
         if self._storage is None:
             self._storage = storage
-        elif self._storage is not storage:
-            raise ValueError("the uploader's storage= is not the manager's remote_storage=")
 
     async def __aenter__(self) -> Self:
         self._opening("a writer can be opened only once")

@@ -42,10 +42,14 @@ from .._base.checksums import content_hash
 from .._base.errors import ForeignFileError
 from .._format.blobs import blob_dir, blob_file
 from .._format.codec import Header, Ref, TensorInfo, header_template, read_header
-from .._format.compress import check as check_compression
 from .._format.compress import compress
 from .._format.header import seal
+<<<<<<< HEAD
 from .._storage.protocol import CommitTimes, MemoryReader, Storage, describe, lstat, put, write_image
+=======
+from .._storage.protocol import CommitTimes, Storage, describe, lstat, put, write_image
+from .options import Incremental
+>>>>>>> ebaf6e0 (WIP options)
 from .stage import StagedImage
 from .trust import verified, wrote
 
@@ -55,8 +59,9 @@ MIN_BLOB = 64 << 10
 
 @dataclass(frozen=True, slots=True)
 class Dedup:
-    """A writer's incremental options: ``frozen`` globs of entry names (the dotted
-    paths of the tensors), and how blobs are compressed."""
+    """A writer's incremental options as its commits use them (``Incremental``, checked
+    there): ``frozen`` globs of entry names (the dotted paths of the tensors), how blobs
+    are compressed, and the rank's blob folder."""
 
     frozen: tuple[str, ...] = ()
     compression: str | None = None
@@ -64,11 +69,9 @@ class Dedup:
     #: Saves of a rank into step directories: the rank's blob folder (see ``blob_dir``).
     rank_dir: str | None = None
 
-    def __post_init__(self) -> None:
-        if isinstance(self.frozen, str):
-            raise ValueError("frozen must be a sequence of globs, not one string")
-        check_compression(self.compression, self.level)
-        content_hash(b"")  # an ImportError naming the package now, not at the first commit
+    @classmethod
+    def of(cls, options: Incremental) -> Dedup:
+        return cls(tuple(options.frozen), options.compression, options.level)
 
     def is_frozen(self, name: str) -> bool:
         return any(fnmatch.fnmatchcase(name, glob) for glob in self.frozen)

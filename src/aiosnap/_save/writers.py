@@ -27,10 +27,10 @@ import functools
 import inspect
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Literal, Protocol, Self, TypedDict, Unpack, final
+from typing import Any, Protocol, Self, Unpack, final
 
 import anyio
 import anyio.abc
@@ -50,6 +50,17 @@ from .engine import Engine, ProcessEngine, SaveFun, ThreadEngine
 from .guard import Guard
 from .handle import Capture, Resolver, SaveHandle, SaveStats
 from .incremental import Dedup, Known, commit_incremental
+from .options import (
+    CaptureMode,
+    Incremental,
+    Offload,
+    WhenFull,
+    WriterOptions,
+    check_capture,
+    check_queue,
+    check_writer,
+    incremental_of,
+)
 from .pipeline import CaptureEnded, Pipe, commit_pipelined
 from .stage import GAVE_UP, Lazy, StagedImage, StageRequest, stage_or_plan, write_in_pieces
 from .window import Window, take_off_finished
@@ -57,57 +68,9 @@ from .window import warm as warm_window
 
 logger = logging.getLogger(__name__)
 
-Offload = Literal["thread", "process"]
-WhenFull = Literal["block", "skip", "replace"]
-CaptureMode = Literal["eager", "lazy"]
-#: Below this, a budget could not even hold one header page and one piece.
-_MIN_BUDGET = 1 << 20
 _After = Callable[["_Save"], Coroutine[Any, Any, None]]
 """What follows a save's capture: its commit, or its place in a queue."""
 PostSaveHook = Callable[[SaveStats], object] | Callable[[SaveStats], Awaitable[object]]
-
-
-class WriterOptions(TypedDict, total=False):
-    """Options every writer takes (keyword-only).
-
-    ``storage``: where files go (by default, what each ``out_dir`` names: a local path,
-    or a URL such as ``s3://bucket/run``). ``allow_pickle``: store
-    values that are not state types pickled. ``max_host_bytes``: the most host memory
-    staging may hold, queued saves included; a state larger than that is staged and
-    written in pieces before the call returns. ``pipeline``: let a save with nothing
-    ahead of it be written while it is still being copied (the default: durable about one
-    disk write after the call); False commits only after the capture, which stalls the
-    caller ~15-25 % less (the copy then has the memory bus and the cores to itself).
-    ``capture``: when a save call returns. ``"eager"`` (the default) once every tensor is
-    copied; ``"lazy"`` once the tree is walked and its plain values taken, the tensors
-    copied in the background while ``optimizer.step()`` of every optimizer in the state
-    waits for them (see docs/concepts.md, "Lazy capture"); a call's own ``capture=``
-    overrides it. ``device_copier``: what copies device tensors to host memory (by
-    default, CUDA's side streams where CUDA is available; tests pass a fake device).
-    ``device_staging``: copy CUDA tensors into a spare buffer on their GPU first, then to
-    the host from there: a lazy capture then holds ``optimizer.step()`` for a
-    device-to-device copy rather than the transfer over PCIe, at the cost of as much GPU
-    memory again as the state's CUDA tensors during the transfer (see docs/concepts.md).
-    ``incremental``: store each entry of 64 KiB or more as a content-addressed blob in
-    ``aiosnap-blobs/`` beside the file, written only if no earlier save stored the same
-    bytes; the file refers to its blobs (see docs/format.md, "References and blobs").
-    Hashing runs in the commit, never in the caller's wait. ``frozen``: globs of entry
-    names (dotted tensor paths) that do not change: not hashed again while their
-    crc32c is unchanged. ``compression``: ``"zstd"`` stores blobs compressed
-    (``compression_level``, 1-22; needs ``incremental`` and the ``zstd`` extra).
-    """
-
-    storage: Storage | None
-    allow_pickle: bool
-    max_host_bytes: int | None
-    pipeline: bool
-    capture: CaptureMode
-    device_copier: DeviceCopier | None
-    device_staging: bool
-    incremental: bool
-    frozen: Sequence[str]
-    compression: str | None
-    compression_level: int
 
 
 class Writer(Protocol):
@@ -183,21 +146,19 @@ class _WriterBase(TaskGroupOwner, abc.ABC):
         capture: CaptureMode = "eager",
         device_copier: DeviceCopier | None = None,
         device_staging: bool = False,
-        incremental: bool = False,
-        frozen: Sequence[str] = (),
-        compression: str | None = None,
-        compression_level: int = 3,
+        incremental: bool | Incremental | None = None,
     ) -> None:
-        if (frozen or compression is not None) and not incremental:
-            raise ValueError("frozen= and compression= need incremental=True (compressed entries are blobs)")
+        options = incremental_of(incremental)
+        check_writer(
+            offload=offload,
+            capture=capture,
+            max_host_bytes=max_host_bytes,
+            device_copier=device_copier,
+            device_staging=device_staging,
+        )
         #: Incremental saves' options and what they stored (None: full saves).
-        self._dedup = Dedup(tuple(frozen), compression, compression_level) if incremental else None
+        self._dedup = None if options is None else Dedup.of(options)
         self._known = Known()
-        if offload not in ("thread", "process"):
-            raise ValueError(f"offload must be 'thread' or 'process', not {offload!r}")
-        _check_capture(capture)
-        if max_host_bytes is not None and max_host_bytes < _MIN_BUDGET:
-            raise ValueError(f"max_host_bytes must be at least {_MIN_BUDGET}")
         self.offload = offload
         self._storage = storage
         self._engine: Engine = ProcessEngine() if offload == "process" else ThreadEngine()
@@ -211,8 +172,6 @@ class _WriterBase(TaskGroupOwner, abc.ABC):
         self._hooks: list[PostSaveHook] = []
         self._capture_lock = anyio.Lock()
         self._plans = PlanCache()  # used under the capture lock
-        if device_copier is not None and device_staging:
-            raise ValueError("device_staging= applies to the default CUDA copier, not to a device_copier")
         self._copier = (
             device_copier if device_copier is not None else default_copier(device_staging=device_staging)
         )
@@ -376,7 +335,7 @@ class _WriterBase(TaskGroupOwner, abc.ABC):
         failures are not raised here (``flush()``, ``take_failures()``)."""
         t0 = time.perf_counter()
         take_off_finished()  # a boundary: the last lazy save's window, if its copies ended
-        mode = self.capture if capture is None else _check_capture(capture)
+        mode = self.capture if capture is None else check_capture(capture)
         if not self._is_open:
             raise WriterClosedError(
                 "the writer is closed"
@@ -652,12 +611,6 @@ class StagingMemory:
     waiting: int
 
 
-def _check_capture(capture: str) -> CaptureMode:
-    if capture not in ("eager", "lazy"):
-        raise ValueError(f"capture must be 'eager' or 'lazy', not {capture!r}")
-    return capture  # type: ignore[return-value]
-
-
 async def _call_hook(hook: PostSaveHook, stats: SaveStats) -> None:
     if inspect.iscoroutinefunction(hook) or inspect.iscoroutinefunction(
         getattr(hook, "__call__", None)  # noqa: B004 - async callable objects
@@ -748,10 +701,7 @@ class QueueWriter(_WriterBase):
         offload: Offload = "thread",
         **options: Unpack[WriterOptions],
     ) -> None:
-        if max_pending < 1:
-            raise ValueError(f"max_pending must be at least 1, not {max_pending}")
-        if when_full not in ("block", "skip", "replace"):
-            raise ValueError(f"when_full must be 'block', 'skip' or 'replace', not {when_full!r}")
+        check_queue(max_pending, when_full)
         self._arenas_kept = max_pending + 1
         super().__init__(offload=offload, **options)
         self.max_pending = max_pending

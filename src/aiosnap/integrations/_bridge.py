@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractContextManager, AsyncExitStack
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Literal, ParamSpec, Self, TypedDict, TypeVar, cast
+from typing import Any, ParamSpec, Self, TypeVar, cast
 
 import anyio
 import anyio.from_thread
@@ -40,6 +40,7 @@ import anyio.to_thread
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 import aiosnap
+from aiosnap._save.options import QueueOptions
 
 logger = logging.getLogger(__name__)
 
@@ -49,28 +50,21 @@ Blocking = Callable[[], object]
 """A step's work: a blocking function, run in a worker thread."""
 
 
-class WriterOptions(TypedDict, total=False):
-    """The options every integration passes on to its ``aiosnap.QueueWriter``."""
-
-    max_pending: int
-    when_full: Literal["block", "skip", "replace"]
-    offload: Literal["thread", "process"]
-    max_host_bytes: int | None
-    allow_pickle: bool
+#: The options an integration passes on to its writer: a QueueWriter's.
+_OPTION_NAMES = frozenset(QueueOptions.__annotations__)
 
 
-_OPTION_NAMES = frozenset(WriterOptions.__annotations__)
 #: ``aiosnap.QueueWriter``'s default ``max_pending``.
 _MAX_PENDING = 2
 
 
-def check_options(options: dict[str, Any] | None) -> WriterOptions:
+def check_options(options: dict[str, Any] | None) -> QueueOptions:
     """``options`` (an integration's ``aiosnap_options``), refused if it names an unknown key."""
     options = dict(options or {})
     unknown = sorted(set(options) - _OPTION_NAMES)
     if unknown:
         raise TypeError(f"unknown aiosnap option(s) {unknown}; the options are {sorted(_OPTION_NAMES)}")
-    return cast(WriterOptions, options)
+    return cast(QueueOptions, options)
 
 
 @dataclass(eq=False)
@@ -255,13 +249,13 @@ def _skipped(then: Blocking) -> Blocking:
 class _Running:
     """A started portal and the core entered in it; closed once."""
 
-    def __init__(self, options: WriterOptions, files_per_save: int) -> None:
+    def __init__(self, options: QueueOptions, files_per_save: int) -> None:
         self._portal_cm = anyio.from_thread.start_blocking_portal()
         self.portal = self._portal_cm.__enter__()
         self._loop = self.portal.call(asyncio.get_running_loop)
         try:
             # The queue holds files: room for max_pending saves of files_per_save files each.
-            scaled = WriterOptions(**options)
+            scaled = QueueOptions(**options)
             scaled["max_pending"] = options.get("max_pending", _MAX_PENDING) * files_per_save
             self.core = _Core(aiosnap.QueueWriter(**scaled))
             self._core_cm: AbstractContextManager[_Core] = self.portal.wrap_async_context_manager(self.core)
