@@ -352,9 +352,9 @@ async def zstd_saves(scratch: Path, nbytes: int) -> list[dict[str, Any]]:
     rows = []
     for label, options in (
         ("raw blobs", {}),
-        ("zstd level 1", {"compression": "zstd", "compression_level": 1}),
+        ("zstd level 1", {"compression": "zstd", "level": 1}),
     ):
-        async with aiosnap.ThreadWriter(incremental=True, **options) as writer:
+        async with aiosnap.ThreadWriter(incremental=aiosnap.Incremental(**options)) as writer:
             t0 = time.perf_counter()
             handle = await writer("ckpt", str(scratch / label.replace(" ", "-")), state)
             stall = time.perf_counter() - t0

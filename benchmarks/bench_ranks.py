@@ -65,7 +65,9 @@ def _flat(state: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 async def aiosnap_group(state: dict[str, Any], directory: Path, step: int) -> tuple[float, float]:
     async with aiosnap.CheckpointManager(
-        str(directory / "aiosnap"), replicated=["model.*"], keep=aiosnap.KeepLast(1), timeout=120
+        str(directory / "aiosnap"),
+        ranks=aiosnap.Ranks(replicated=["model.*"], timeout=120),
+        keep=aiosnap.KeepLast(1),
     ) as mgr:
         await (await mgr.save(0, state)).wait()  # warm: arenas, threads, channels
         dist.barrier()

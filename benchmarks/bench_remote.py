@@ -189,7 +189,7 @@ class Bench:
     def stall(self, tiered: bool, saves: int, overlap: bool) -> float:
         directory = tempfile.mkdtemp(dir=self.scratch)
         remote = self.url(f"tiered/{os.path.basename(directory)}") if tiered else None
-        extra: dict[str, Any] = {"remote": remote, "remote_storage": self.storage} if tiered else {}
+        extra: dict[str, Any] = {"remote": aiosnap.Remote(remote, storage=self.storage)} if tiered else {}
 
         async def run() -> list[float]:
             stalls = []

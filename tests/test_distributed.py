@@ -129,7 +129,7 @@ def ok(results: dict[int, Any], world: int) -> None:
 # -- a round trip -----------------------------------------------------------------------
 async def _round_trip(rank: int, world: int, directory: str) -> dict[str, Any]:
     async with aiosnap.CheckpointManager(
-        directory, replicated=["model.*"], keep=aiosnap.KeepLast(2), timeout=30
+        directory, ranks=aiosnap.Ranks(replicated=["model.*"], timeout=30), keep=aiosnap.KeepLast(2)
     ) as mgr:
         assert mgr.rank == rank
         for step in (1, 2, 3):
@@ -191,7 +191,7 @@ async def _failing_write(rank: int, world: int, directory: str, victim: int) -> 
     storage = FailingStorage(f"snapshot_iter_2/rank_{victim:05d}", "raise")
     writer = aiosnap.QueueWriter(storage=storage)
     async with aiosnap.CheckpointManager(
-        directory, writer=writer, storage=storage, replicated=["model.*"], timeout=20
+        directory, writer=writer, storage=storage, ranks=aiosnap.Ranks(replicated=["model.*"], timeout=20)
     ) as mgr:
         await (await mgr.save(1, state_of(rank, 1))).wait()
         handle = await mgr.save(2, state_of(rank, 2))
@@ -229,13 +229,15 @@ def test_an_error_on_one_rank_commits_nothing_and_every_rank_raises(
 async def _killed_mid_save(rank: int, world: int, directory: str, victim: int, silence: float) -> Any:
     storage = FailingStorage(f"snapshot_iter_2/rank_{victim:05d}", "kill")
     writer = aiosnap.QueueWriter(storage=storage)
-    async with aiosnap.CheckpointManager(directory, writer=writer, storage=storage, timeout=silence) as mgr:
+    async with aiosnap.CheckpointManager(
+        directory, writer=writer, storage=storage, ranks=aiosnap.Ranks(timeout=silence)
+    ) as mgr:
         await (await mgr.save(1, state_of(rank, 1))).wait()
         return await failure_of(mgr, await mgr.save(2, state_of(rank, 2)))
 
 
 async def _restart(rank: int, world: int, directory: str) -> Any:
-    async with aiosnap.CheckpointManager(directory, timeout=20) as mgr:
+    async with aiosnap.CheckpointManager(directory, ranks=aiosnap.Ranks(timeout=20)) as mgr:
         restored = await mgr.restore()
         return {"step": restored.step, "m": float(restored.state["optim"]["m"][0])}
 
@@ -262,7 +264,7 @@ def test_a_rank_killed_mid_save_fails_the_survivors_at_once_and_the_restart_resu
 
 async def _hung_rank(rank: int, world: int, directory: str, silence: float) -> Any:
     reported = os.path.join(directory, "rank0-reported")
-    async with aiosnap.CheckpointManager(directory, timeout=silence) as mgr:
+    async with aiosnap.CheckpointManager(directory, ranks=aiosnap.Ranks(timeout=silence)) as mgr:
         await (await mgr.save(1, state_of(rank, 1))).wait()
         handle = await mgr.save(2, state_of(rank, 2))
         if rank == 0:
@@ -282,7 +284,7 @@ async def _hung_rank(rank: int, world: int, directory: str, silence: float) -> A
 async def _timed_saves(rank: int, world: int, directory: str) -> float:
     """How long opening and one save take when every rank answers: the baseline."""
     t0 = time.monotonic()
-    async with aiosnap.CheckpointManager(directory, timeout=300) as mgr:
+    async with aiosnap.CheckpointManager(directory, ranks=aiosnap.Ranks(timeout=300)) as mgr:
         await (await mgr.save(1, state_of(rank, 1))).wait()
     return time.monotonic() - t0
 
@@ -300,13 +302,17 @@ def test_a_silent_rank_is_named_while_it_is_still_stuck(tmp_path: Path) -> None:
 
 # -- world sizes ------------------------------------------------------------------------
 async def _save_at(rank: int, world: int, directory: str) -> Any:
-    async with aiosnap.CheckpointManager(directory, replicated=["model"], timeout=20) as mgr:
+    async with aiosnap.CheckpointManager(
+        directory, ranks=aiosnap.Ranks(replicated=["model"], timeout=20)
+    ) as mgr:
         await (await mgr.save(5, state_of(rank, 5))).wait()
     return {}
 
 
 async def _restore_at(rank: int, world: int, directory: str, keys: list[str] | None) -> Any:
-    async with aiosnap.CheckpointManager(directory, replicated=["model"], timeout=20) as mgr:
+    async with aiosnap.CheckpointManager(
+        directory, ranks=aiosnap.Ranks(replicated=["model"], timeout=20)
+    ) as mgr:
         try:
             restored = await mgr.restore(keys=keys)
         except aiosnap.StateMismatchError as exc:
@@ -349,7 +355,9 @@ async def _in_subgroups(rank: int, world: int, root: str) -> Any:
     directory = os.path.join(root, f"pair{rank // 2}")
     seen = []
     for round_ in range(2):  # a second manager over the same subgroup opens and works
-        async with aiosnap.CheckpointManager(directory, group=pair, replicated=["model"], timeout=20) as mgr:
+        async with aiosnap.CheckpointManager(
+            directory, ranks=aiosnap.Ranks(pair, replicated=["model"], timeout=20)
+        ) as mgr:
             seen.append((mgr.rank, mgr.world_size))
             step = 10 * round_ + rank // 2
             await (await mgr.save(step, state_of(rank, step))).wait()
@@ -374,7 +382,9 @@ def test_managers_over_subgroups_checkpoint_independently(tmp_path: Path) -> Non
 async def _clock_trigger(rank: int, world: int, directory: str) -> Any:
     # The ranks' clocks (here: their triggers) disagree; rank 0's decision is followed.
     trigger = aiosnap.EveryNSeconds(0.0 if rank == 0 else 1e9)
-    async with aiosnap.CheckpointManager(directory, save_every=trigger, timeout=20) as mgr:
+    async with aiosnap.CheckpointManager(
+        directory, save_every=trigger, ranks=aiosnap.Ranks(timeout=20)
+    ) as mgr:
         for step in range(3):
             await mgr.save(step, state_of(rank, step))
         await mgr.flush()
@@ -390,7 +400,9 @@ def test_clock_triggers_follow_rank_0(tmp_path: Path) -> None:
 
 
 async def _different_replicas(rank: int, world: int, directory: str) -> Any:
-    async with aiosnap.CheckpointManager(directory, replicated=["model.*"], timeout=20) as mgr:
+    async with aiosnap.CheckpointManager(
+        directory, ranks=aiosnap.Ranks(replicated=["model.*"], timeout=20)
+    ) as mgr:
         state = state_of(rank, 1)
         if rank == 1:
             state["model"]["w"] = torch.zeros(3)
@@ -408,7 +420,7 @@ def test_replicated_entries_that_differ_in_shape_are_refused(tmp_path: Path) -> 
 
 
 async def _out_of_step(rank: int, world: int, directory: str) -> Any:
-    async with aiosnap.CheckpointManager(directory, timeout=20) as mgr:
+    async with aiosnap.CheckpointManager(directory, ranks=aiosnap.Ranks(timeout=20)) as mgr:
         try:
             await (mgr.steps() if rank == 0 else mgr.history())
         except aiosnap.RankFailedError as exc:
@@ -428,7 +440,9 @@ def test_ranks_calling_different_methods_are_caught(tmp_path: Path) -> None:
 
 async def _misconfigured(rank: int, world: int, directory: str) -> Any:
     try:
-        async with aiosnap.CheckpointManager(directory, replicated=["model"] if rank else [], timeout=20):
+        async with aiosnap.CheckpointManager(
+            directory, ranks=aiosnap.Ranks(replicated=["model"] if rank else [], timeout=20)
+        ):
             pass
     except aiosnap.RankFailedError as exc:
         return {"failed": sorted(exc.failed)}
@@ -500,7 +514,7 @@ class HeldCapture:
 
 
 async def _cancelled_save(rank: int, world: int, directory: str) -> Any:
-    async with aiosnap.CheckpointManager(directory, timeout=20) as mgr:
+    async with aiosnap.CheckpointManager(directory, ranks=aiosnap.Ranks(timeout=20)) as mgr:
         await (await mgr.save(1, state_of(rank, 1))).wait()
         held = HeldCapture()
         big = {**state_of(rank, 2), "held": held}
@@ -564,7 +578,9 @@ async def _synchronous_loop_with_a_collective(rank: int, world: int, directory: 
     storage = aiosnap.LocalStorage(posix=HookedPosix(hook))
     writer = aiosnap.QueueWriter(storage=storage)
     mine = Path(directory, "snapshot_iter_1", f"rank_{rank:05d}")
-    async with aiosnap.CheckpointManager(directory, writer=writer, storage=storage, timeout=60) as mgr:
+    async with aiosnap.CheckpointManager(
+        directory, writer=writer, storage=storage, ranks=aiosnap.Ranks(timeout=60)
+    ) as mgr:
         for step in range(1, 5):
             if step == 3 and rank == 0:
                 while not mine.exists():  # durable: renamed into place (a worker thread's)

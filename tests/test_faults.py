@@ -262,13 +262,13 @@ async def _group_flow(rank: int, directory: str, storage: aiosnap.Storage | None
         storage=storage,
         writer=aiosnap.QueueWriter(storage=storage, incremental=big),
         keep=aiosnap.KeepLast(1),
-        timeout=30,
+        ranks=aiosnap.Ranks(timeout=30),
     ) as mgr:
         await (await mgr.save(2, group_state(2, big))).wait()
 
 
 async def _group_seed(directory: str, big: bool = False) -> None:
-    async with aiosnap.CheckpointManager(directory, timeout=30, incremental=big) as mgr:
+    async with aiosnap.CheckpointManager(directory, ranks=aiosnap.Ranks(timeout=30), incremental=big) as mgr:
         await (await mgr.save(1, group_state(1, big))).wait()
 
 

@@ -147,7 +147,7 @@ def test_standalone_copies_are_plain_files_that_load_bit_equal(
 
 async def test_frozen_entries_are_trusted_only_while_their_checksum_holds(tmp_path: Path) -> None:
     base = make_base()
-    async with aiosnap.ThreadWriter(incremental=True, frozen=["base.*"]) as writer:
+    async with aiosnap.ThreadWriter(incremental=aiosnap.Incremental(frozen=["base.*"])) as writer:
         await (await writer("a", str(tmp_path), lora_state(1, base))).wait()
         before = blobs(tmp_path)
         base["layer0"][0, 0] += 1  # declared frozen, changed all the same
@@ -254,7 +254,7 @@ async def test_zstd_blobs_are_recorded_compressed_and_checked(tmp_path: Path) ->
     pytest.importorskip("zstandard")
     periodic = (torch.arange(4 * ROWS * 64) % 7).float().reshape(4 * ROWS, 64)
     state = {"periodic": periodic, "step": 3}
-    async with aiosnap.ThreadWriter(incremental=True, compression="zstd", compression_level=3) as writer:
+    async with aiosnap.ThreadWriter(incremental=aiosnap.Incremental(compression="zstd", level=3)) as writer:
         stats = await (await writer("a", str(tmp_path), state)).wait()
     (blob,) = (tmp_path / BLOBS).iterdir()
     assert blob.name.endswith(".zst") and blob.stat().st_size < periodic.nbytes // 20
@@ -285,13 +285,9 @@ async def test_zstd_blobs_are_recorded_compressed_and_checked(tmp_path: Path) ->
         await aiosnap.load(str(tmp_path / "a"))
 
 
-async def test_options_that_need_incremental_are_refused_without_it(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="incremental=True"):
-        aiosnap.ThreadWriter(compression="zstd")
-    with pytest.raises(ValueError, match="incremental=True"):
-        aiosnap.ThreadWriter(frozen=["base.*"])
+async def test_incremental_options_that_are_none_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="compression"):
-        aiosnap.ThreadWriter(incremental=True, compression="lz4")
+        aiosnap.ThreadWriter(incremental=aiosnap.Incremental(compression="lz4"))
     with pytest.raises(ValueError, match="go to the writer"):
         aiosnap.CheckpointManager(str(tmp_path), writer=aiosnap.ThreadWriter(), incremental=True)
     with pytest.raises(ValueError, match="reserved|aiosnap's own"):
@@ -324,7 +320,7 @@ async def test_the_remote_tier_is_sent_only_the_blobs_it_lacks(tmp_path: Path) -
     local, remote = tmp_path / "local", tmp_path / "remote"
     sent = []
     async with aiosnap.CheckpointManager(
-        str(local), remote=str(remote), incremental=True, keep_remote=aiosnap.KeepLast(2)
+        str(local), remote=aiosnap.Remote(str(remote), keep=aiosnap.KeepLast(2)), incremental=True
     ) as mgr:
         for step in range(4):
             handle = await mgr.save(step, lora_state(step, base))
@@ -360,10 +356,8 @@ async def test_incremental_checkpoints_on_an_object_store_and_as_its_remote_tier
     remote = f"s3://{s3.bucket()}/tier"
     async with aiosnap.CheckpointManager(
         str(tmp_path),
-        remote=remote,
-        remote_storage=from_url(remote, **s3.options),
+        remote=aiosnap.Remote(remote, storage=from_url(remote, **s3.options), keep=aiosnap.KeepLast(1)),
         incremental=True,
-        keep_remote=aiosnap.KeepLast(1),
     ) as mgr:
         for step in range(3):
             handle = await mgr.save(step, lora_state(step, base))
@@ -423,7 +417,10 @@ async def _group_incremental(rank: int, world: int, directory: str) -> dict[str,
     whole = torch.randn(8 * ROWS, 64, generator=torch.Generator().manual_seed(0))
     frozen = distribute_tensor(whole, mesh, [Shard(0)])
     async with aiosnap.CheckpointManager(
-        directory, incremental=True, replicated=["model.*"], keep=aiosnap.KeepLast(2), timeout=60
+        directory,
+        incremental=True,
+        ranks=aiosnap.Ranks(replicated=["model.*"], timeout=60),
+        keep=aiosnap.KeepLast(2),
     ) as mgr:
         for step in range(3):
             await (await mgr.save(step, group_state(rank, step, frozen))).wait()
@@ -469,11 +466,9 @@ async def _tiered_group(rank: int, world: int, local: str, remote: str) -> dict[
     sent = []
     async with aiosnap.CheckpointManager(
         local,
-        remote=remote,
+        remote=aiosnap.Remote(remote, keep=aiosnap.KeepLast(1)),
         incremental=True,
-        replicated=["model.*"],
-        keep_remote=aiosnap.KeepLast(1),
-        timeout=60,
+        ranks=aiosnap.Ranks(replicated=["model.*"], timeout=60),
     ) as mgr:
         for step in range(3):
             handle = await mgr.save(step, group_state(rank, step, frozen))

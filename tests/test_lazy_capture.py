@@ -378,7 +378,7 @@ async def test_a_lazy_manager_save_commits_and_uploads_as_an_eager_one(tmp_path:
 async def _lazy_group(rank: int, world: int, directory: str) -> bool:
     state, x = make_state(seed=rank, width=256)
     wants = {}
-    async with aiosnap.CheckpointManager(directory, capture="lazy", timeout=60) as mgr:
+    async with aiosnap.CheckpointManager(directory, capture="lazy", ranks=aiosnap.Ranks(timeout=60)) as mgr:
         for step in (1, 2):
             wants[step] = expected(state)
             handle = await mgr.save(step, state)

@@ -170,7 +170,7 @@ async def test_a_reader_of_two_tiers_lists_both_again(
     """With a remote tier, the step the reader chose goes from both tiers (each keeps one)
     before it reads it: it takes the newer one, from the local tier."""
     local, remote = str(tmp_path / "local"), str(tmp_path / "remote")
-    tiers: dict[str, Any] = {"remote": remote, "keep_remote": aiosnap.KeepLast(1)}
+    tiers: dict[str, Any] = {"remote": aiosnap.Remote(remote, keep=aiosnap.KeepLast(1))}
     async with aiosnap.CheckpointManager(local, keep=aiosnap.KeepLast(1), **tiers) as writer:
         handle = await writer.save(0, state(0))
         assert handle.upload is not None

@@ -193,7 +193,7 @@ async def test_a_fresh_resume_with_a_dead_remote_tier_says_what_to_do_within_its
     storage = from_url(remote, deadline=LONG)
     t0 = time.monotonic()
     async with aiosnap.CheckpointManager(
-        str(tmp_path / "local"), remote=remote, remote_storage=storage, remote_timeout=1.0
+        str(tmp_path / "local"), remote=aiosnap.Remote(remote, storage=storage, timeout=1.0)
     ) as mgr:
         with pytest.raises(aiosnap.RemoteStorageError) as caught:
             await mgr.resume()  # a fresh start: no local step to go on with

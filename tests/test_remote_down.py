@@ -76,7 +76,7 @@ async def test_a_remote_tier_down_from_the_start_holds_up_no_save(moto: Moto, tm
     moto.stop()  # down before the manager opens
     storage = _storage(moto, url, deadline=120.0)  # a deadline as long as the default
     t0 = time.monotonic()
-    mgr = aiosnap.CheckpointManager(str(tmp_path / "local"), remote=url, remote_storage=storage)
+    mgr = aiosnap.CheckpointManager(str(tmp_path / "local"), remote=aiosnap.Remote(url, storage=storage))
     async with mgr:
         opened = time.monotonic() - t0
         handle = await mgr.save(1, _state(1))
@@ -89,7 +89,7 @@ async def test_a_remote_tier_down_from_the_start_holds_up_no_save(moto: Moto, tm
     assert opened < OPEN_BOUND and saved < OPEN_BOUND and closed < CLOSE_BOUND, (opened, saved, closed)
     moto.start()  # it comes back: the next open catches up the newest local step
     async with aiosnap.CheckpointManager(
-        str(tmp_path / "local"), remote=url, remote_storage=_storage(moto, url)
+        str(tmp_path / "local"), remote=aiosnap.Remote(url, storage=_storage(moto, url))
     ) as mgr:
         await mgr.flush()
         assert await mgr.remote_steps() == [1]
@@ -105,9 +105,7 @@ async def test_a_remote_tier_that_dies_mid_run_is_waited_for_then_caught_up(
     # a short one, so that the reopen below takes it over soon.
     async with aiosnap.CheckpointManager(
         local,
-        remote=url,
-        remote_storage=_storage(moto, url),
-        uploader=uploader,
+        remote=aiosnap.Remote(url, storage=_storage(moto, url), uploader=uploader),
         keep=aiosnap.KeepLast(1),
         lease_ttl=2.0,
     ) as mgr:
@@ -136,7 +134,7 @@ async def test_a_remote_tier_that_dies_mid_run_is_waited_for_then_caught_up(
         assert time.monotonic() - t0 < CLOSE_BOUND
     moto.start()
     async with aiosnap.CheckpointManager(
-        local, remote=url, remote_storage=_storage(moto, url), lease_ttl=2.0
+        local, remote=aiosnap.Remote(url, storage=_storage(moto, url)), lease_ttl=2.0
     ) as mgr:
         await mgr.flush()  # the upload the close gave up on, made at this open
         assert await mgr.remote_steps() == [1, 2, 3]
@@ -164,7 +162,7 @@ async def main():
     url = sys.argv[2]
     storage = from_url(url, endpoint=sys.argv[3], access_key_id="testing", secret_access_key="testing",
                        region="us-east-1", client_options={"allow_http": True})
-    async with aiosnap.CheckpointManager(sys.argv[1], remote=url, remote_storage=storage) as mgr:
+    async with aiosnap.CheckpointManager(sys.argv[1], remote=aiosnap.Remote(url, storage=storage)) as mgr:
         await (await mgr.save(1, {"w": torch.ones(4)})).wait()
         print("closing", flush=True)
         await mgr.aclose(upload_timeout=None)  # would wait for the remote tier for ever
@@ -280,7 +278,7 @@ async def test_a_resume_never_starts_afresh_while_the_remote_tier_cannot_be_read
             raise OSError(errno.EIO, "injected: the remote tier is down", path)
 
     async with aiosnap.CheckpointManager(
-        str(local), remote=str(remote), remote_storage=aiosnap.LocalStorage(posix=HookedPosix(down))
+        str(local), remote=aiosnap.Remote(str(remote), storage=aiosnap.LocalStorage(posix=HookedPosix(down)))
     ) as mgr:
         with pytest.raises(aiosnap.RemoteStorageError, match="unavailable"):
             await mgr.resume()  # it may hold checkpoints: not a fresh start

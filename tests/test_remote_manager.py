@@ -134,7 +134,7 @@ async def test_an_index_changed_behind_the_managers_back_is_not_overwritten(s3: 
 async def _group_on_s3(rank: int, world: int, url: str, env: dict[str, str]) -> Any:
     os.environ.update(env)
     state = {"model": {"w": torch.full((64,), 1.0)}, "mine": torch.full((8,), float(rank))}
-    async with aiosnap.CheckpointManager(url, replicated=["model"], timeout=60) as mgr:
+    async with aiosnap.CheckpointManager(url, ranks=aiosnap.Ranks(replicated=["model"], timeout=60)) as mgr:
         for step in (1, 2):
             await (await mgr.save(step, state)).wait()
         restored = await mgr.restore()

@@ -92,7 +92,7 @@ async def _save(rank: int, world: int, directory: str) -> Any:
         "step": 7,
         "rank": rank,  # differs between ranks: per-rank state
     }
-    async with aiosnap.CheckpointManager(directory, timeout=60) as mgr:
+    async with aiosnap.CheckpointManager(directory, ranks=aiosnap.Ranks(timeout=60)) as mgr:
         await (await mgr.save(7, state)).wait()
     return {}
 
@@ -109,7 +109,7 @@ async def _restore(rank: int, world: int, directory: str) -> Any:
     target = {"dt": dtensors(specs, world, fill=False), "step": 0}
     posix = CountingPosix()
     storage = aiosnap.LocalStorage(posix=posix)
-    async with aiosnap.CheckpointManager(directory, storage=storage, timeout=60) as mgr:
+    async with aiosnap.CheckpointManager(directory, storage=storage, ranks=aiosnap.Ranks(timeout=60)) as mgr:
         before = posix.read
         await mgr.restore(target={"dt": {"big": target["dt"]["big"]}}, keys=["dt.big"])
         big_read = posix.read - before
@@ -310,7 +310,7 @@ async def _fsdp_save(rank: int, world: int, directory: str, dcp_dir: str) -> Any
     model = _model(0, world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     losses = _train(model, opt, 0, rank, world)
-    async with aiosnap.CheckpointManager(directory, timeout=60) as mgr:
+    async with aiosnap.CheckpointManager(directory, ranks=aiosnap.Ranks(timeout=60)) as mgr:
         await (await mgr.save(3, {"model": model, "optim": opt})).wait()
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=dcp_dir)
@@ -324,7 +324,7 @@ async def _fsdp_restore(rank: int, world: int, directory: str, dcp_dir: str) -> 
     # Other seeds and hyper-parameters: everything must come from the checkpoints.
     ours = _model(123, world)
     ours_opt = torch.optim.AdamW(ours.parameters(), lr=999.0, weight_decay=0.0)
-    async with aiosnap.CheckpointManager(directory, timeout=60) as mgr:
+    async with aiosnap.CheckpointManager(directory, ranks=aiosnap.Ranks(timeout=60)) as mgr:
         restored = await mgr.restore(target={"model": ours, "optim": ours_opt})
     theirs = _model(456, world)
     theirs_opt = torch.optim.AdamW(theirs.parameters(), lr=999.0, weight_decay=0.0)

@@ -49,10 +49,8 @@ async def test_saves_upload_in_the_background_and_each_tier_keeps_its_own(s3: An
     url = f"s3://{bucket}/run"
     async with aiosnap.CheckpointManager(
         str(tmp_path),
-        remote=url,
-        remote_storage=from_url(url, **s3.options),
+        remote=aiosnap.Remote(url, storage=from_url(url, **s3.options), keep=aiosnap.KeepLast(3)),
         keep=aiosnap.KeepLast(1),
-        keep_remote=aiosnap.KeepLast(3),
     ) as mgr:
         for step in range(1, 6):
             handle = await mgr.save(step, _state(step), metrics={"loss": 1 / step})
@@ -78,10 +76,12 @@ async def test_a_local_checkpoint_is_kept_until_its_upload_ends(tmp_path: Path) 
     gate = Gate(remote)
     async with aiosnap.CheckpointManager(
         str(local),
-        remote=str(remote),
-        remote_storage=aiosnap.LocalStorage(posix=HookedPosix(gate)),
+        remote=aiosnap.Remote(
+            str(remote),
+            storage=aiosnap.LocalStorage(posix=HookedPosix(gate)),
+            uploader=aiosnap.UploadWriter(max_pending=4),
+        ),
         keep=aiosnap.KeepLast(1),
-        uploader=aiosnap.UploadWriter(max_pending=4),
     ) as mgr:
         first = await mgr.save(1, _state(1))
         await first.wait()
@@ -105,9 +105,11 @@ async def test_a_full_upload_queue_drops_the_oldest_waiting_never_the_newest(tmp
     gate = Gate(remote)
     async with aiosnap.CheckpointManager(
         str(local),
-        remote=str(remote),
-        remote_storage=aiosnap.LocalStorage(posix=HookedPosix(gate)),
-        uploader=aiosnap.UploadWriter(max_pending=1),
+        remote=aiosnap.Remote(
+            str(remote),
+            storage=aiosnap.LocalStorage(posix=HookedPosix(gate)),
+            uploader=aiosnap.UploadWriter(max_pending=1),
+        ),
     ) as mgr:
         handles = []
         for step in range(1, 5):
@@ -139,9 +141,11 @@ async def test_a_failing_upload_is_retried_then_reported_with_its_own_type(
 
     async with aiosnap.CheckpointManager(
         str(local),
-        remote=str(remote),
-        remote_storage=aiosnap.LocalStorage(posix=HookedPosix(flaky)),
-        uploader=aiosnap.UploadWriter(retries=3, backoff=0.01),
+        remote=aiosnap.Remote(
+            str(remote),
+            storage=aiosnap.LocalStorage(posix=HookedPosix(flaky)),
+            uploader=aiosnap.UploadWriter(retries=3, backoff=0.01),
+        ),
     ) as mgr:
         handle = await mgr.save(1, _state(1))
         assert handle.upload is not None
@@ -156,9 +160,11 @@ async def test_a_failing_upload_is_retried_then_reported_with_its_own_type(
 
     mgr = aiosnap.CheckpointManager(
         str(local),
-        remote=str(remote),
-        remote_storage=aiosnap.LocalStorage(posix=HookedPosix(dying)),
-        uploader=aiosnap.UploadWriter(retries=2, backoff=0.01, max_backoff=0.05),
+        remote=aiosnap.Remote(
+            str(remote),
+            storage=aiosnap.LocalStorage(posix=HookedPosix(dying)),
+            uploader=aiosnap.UploadWriter(retries=2, backoff=0.01, max_backoff=0.05),
+        ),
     )
     await mgr.__aenter__()
     handle = await mgr.save(2, _state(2))
@@ -197,7 +203,8 @@ async def test_a_remote_tier_that_cannot_be_opened_never_holds_up_the_local_one(
 
     try:
         async with aiosnap.CheckpointManager(
-            str(local), remote=str(remote), remote_storage=aiosnap.LocalStorage(posix=HookedPosix(hanging))
+            str(local),
+            remote=aiosnap.Remote(str(remote), storage=aiosnap.LocalStorage(posix=HookedPosix(hanging))),
         ) as mgr:
             handle = await mgr.save(1, _state(1))
             await handle.wait()  # opened and committed locally while the remote hangs
@@ -215,7 +222,7 @@ async def test_a_remote_tier_that_cannot_be_opened_never_holds_up_the_local_one(
 async def test_restore_takes_the_newest_valid_step_of_either_tier(tmp_path: Path) -> None:
     local, remote = tmp_path / "local", tmp_path / "remote"
     async with aiosnap.CheckpointManager(
-        str(local), remote=str(remote), keep_remote=aiosnap.KeepLast(2)
+        str(local), remote=aiosnap.Remote(str(remote), keep=aiosnap.KeepLast(2))
     ) as mgr:
         for step in (1, 2, 3):
             await (await mgr.save(step, _state(step))).wait()
@@ -261,7 +268,9 @@ async def test_manual_uploads_and_the_job_runner_upload_the_final_epoch(tmp_path
             model.weight.add_(1.0)
 
     aiosnap.epoch_limiter(job, 3)
-    async with aiosnap.CheckpointManager(str(local), remote=str(remote), upload="manual") as mgr:
+    async with aiosnap.CheckpointManager(
+        str(local), remote=aiosnap.Remote(str(remote), upload="manual")
+    ) as mgr:
         runner = aiosnap.JobRunner(job, mgr, state={"model": model}, upload=True)
         assert await runner.train() == 3
         assert await mgr.steps() == [0, 1, 2, 3]
@@ -280,7 +289,7 @@ async def test_the_caller_waits_for_the_local_capture_only(tmp_path: Path) -> No
     local, remote = tmp_path / "local", tmp_path / "remote"
     gate = Gate(remote)
     async with aiosnap.CheckpointManager(
-        str(local), remote=str(remote), remote_storage=aiosnap.LocalStorage(posix=HookedPosix(gate))
+        str(local), remote=aiosnap.Remote(str(remote), storage=aiosnap.LocalStorage(posix=HookedPosix(gate)))
     ) as mgr:
         for step in (1, 2, 3):
             await (await mgr.save(step, _state(step))).wait()
@@ -294,7 +303,7 @@ def _save_then_die_uploading(local: str, url: str, env: dict[str, str]) -> None:
     remote = StuckCommits(from_url(url))
 
     async def main() -> None:
-        async with aiosnap.CheckpointManager(local, remote=url, remote_storage=remote) as mgr:
+        async with aiosnap.CheckpointManager(local, remote=aiosnap.Remote(url, storage=remote)) as mgr:
             await (await mgr.save(1, _state(1))).wait()
             await mgr.flush()
             remote.stuck = True  # the next upload's parts go up, and it never completes
@@ -318,7 +327,7 @@ async def test_a_crash_mid_upload_is_caught_up_at_the_next_open(s3: Any, tmp_pat
     os.kill(child.pid, signal.SIGKILL)
     await asyncio.to_thread(child.join)
     storage = from_url(url, **s3.options)
-    async with aiosnap.CheckpointManager(local, remote=url, remote_storage=storage) as mgr:
+    async with aiosnap.CheckpointManager(local, remote=aiosnap.Remote(url, storage=storage)) as mgr:
         assert await mgr.steps() == [1, 2]
         await mgr.flush()  # the upload the crash cut short, made again at open
         assert await mgr.remote_steps() == [1, 2]
@@ -331,7 +340,7 @@ async def test_a_crash_mid_upload_is_caught_up_at_the_next_open(s3: Any, tmp_pat
 async def _tiered_group(rank: int, world: int, local: str, remote: str) -> Any:
     state = {"model": {"w": torch.full((64,), 1.0)}, "mine": torch.full((8,), float(rank))}
     async with aiosnap.CheckpointManager(
-        local, remote=remote, replicated=["model"], keep=aiosnap.KeepLast(1), timeout=60
+        local, remote=remote, ranks=aiosnap.Ranks(replicated=["model"], timeout=60), keep=aiosnap.KeepLast(1)
     ) as mgr:
         for step in (1, 2, 3):
             state["mine"] += 1
@@ -342,7 +351,9 @@ async def _tiered_group(rank: int, world: int, local: str, remote: str) -> Any:
 
 
 async def _restore_group(rank: int, world: int, local: str, remote: str) -> Any:
-    async with aiosnap.CheckpointManager(local, remote=remote, replicated=["model"], timeout=60) as mgr:
+    async with aiosnap.CheckpointManager(
+        local, remote=remote, ranks=aiosnap.Ranks(replicated=["model"], timeout=60)
+    ) as mgr:
         restored = await mgr.restore()
     return {"step": restored.step, "path": restored.path, "mine": float(restored.state["mine"][0])}
 

@@ -77,7 +77,9 @@ async def test_a_damaged_shared_blob_is_written_again_and_the_newest_checkpoint_
     blob = blob_path(tmp_path, base["layer1"], suffix)
 
     def manager() -> aiosnap.CheckpointManager:
-        return aiosnap.CheckpointManager(str(tmp_path), keep=aiosnap.KeepLast(2), incremental=True, **options)
+        return aiosnap.CheckpointManager(
+            str(tmp_path), keep=aiosnap.KeepLast(2), incremental=aiosnap.Incremental(**options)
+        )
 
     mgr = await manager().__aenter__()
     try:
@@ -127,7 +129,7 @@ async def test_a_foreign_object_under_a_blobs_name_on_the_remote_is_replaced_not
     upload.write_at(0, memoryview(planted))
     upload.commit()
     async with aiosnap.CheckpointManager(
-        str(tmp_path / "local"), remote=remote, remote_storage=storage, incremental=True
+        str(tmp_path / "local"), remote=aiosnap.Remote(remote, storage=storage), incremental=True
     ) as mgr:
         for step in (0, 1):
             handle = await mgr.save(step, lora_state(step, base))

@@ -19,10 +19,10 @@ from .._base.checksums import crc32c
 from .._base.errors import CorruptCheckpointError, StateMismatchError
 from .._format import dtypes as _dtypes
 from .._format.codec import Header, TensorInfo
+from .._format.dtypes import as_copyable
 from .._format.header import BLOCK
 from .._format.manifest import SavedTensor, holds_box, indexed
 from .._format.shards import Box, Run, is_dtensor, runs, shard_of
-from .._format.dtypes import as_copyable
 from .._storage.posix import HUGE_MIN, huge_pages
 from .._storage.protocol import Reader
 

@@ -91,42 +91,28 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
     nothing -- no save, no index, no sweeping, no corrupt marks -- so evaluation and
     tooling can list, inspect and restore while training holds the directory.
 
-    **Process groups.** When torch.distributed is initialised (or ``group=`` is given;
-    ``group=False`` opts out), every rank of the group opens a manager on the same
-    directory (a shared filesystem or an object store) and calls the same methods in
-    the same order. Each step is then a directory (``name``, which must not use
-    ``{rank}``) with one file per rank, written in parallel, and a manifest that rank 0
-    writes last, once every rank's file is durable. Rank 0 decides everything that must
-    agree (which step is latest, what a restore takes, retention, the index) and tells
-    the others over a gloo group the manager creates; every wait has a deadline of
-    ``timeout`` seconds of silence, so a failed, dead or hung rank makes every live rank
-    raise RankFailedError naming it, instead of hanging. DTensors (FSDP2, tensor
-    parallelism) are saved as each rank's shard, one copy of each, and restore into any
-    mesh and placements at any world size. Tree paths matching a ``replicated`` glob
-    (``["model.*"]``) must hold the same values on every rank: rank 0 alone stores them.
-    A process on its own that opens a directory of step directories reads and writes
-    them as a group of one.
+    **Process groups** (``ranks=aiosnap.Ranks(...)``). When torch.distributed is
+    initialised (or a group is given; ``Ranks(False)`` opts out), every rank opens a
+    manager on the same directory and calls the same methods in the same order. Each step
+    is a directory (``name`` without ``{rank}``) with one file per rank and a manifest
+    rank 0 writes last, once every rank's file is durable; rank 0 decides what must agree
+    and tells the others over a gloo group of the manager's own. Every wait has a deadline
+    (``Ranks(timeout=...)`` seconds of silence): a failed, dead or hung rank makes every
+    live rank raise RankFailedError naming it. DTensors are saved as each rank's shard and
+    restore at any world size; ``Ranks(replicated=["model.*"])`` entries, the same on
+    every rank, are stored by rank 0 alone (docs/sharded.md).
 
-    **Two tiers.** With ``remote="s3://bucket/run"`` (any URL or path), saves commit to
-    ``directory`` as ever, and each committed checkpoint is then uploaded in the
-    background to ``remote``, committed there as a save is (``keep_remote`` rotates
-    it). The local tier never waits on the remote one: opening returns at once and the
-    remote directory is opened in the background, tried again while it is unavailable;
-    uploads wait meanwhile (the user is told once). ``handle.upload`` is the upload's
-    own handle; ``flush()`` and ``aclose()`` wait for uploads too, for as long as they
-    make progress (``upload_timeout``), and a failed upload is reported as a failed save
-    is. A local checkpoint is not rotated away while its upload is pending. ``uploader``
-    (an UploadWriter) sets the retries and how many uploads may wait (the oldest waiting
-    one is dropped when more come; the newest never is). ``upload="manual"`` uploads
-    only what ``upload()`` is asked to. ``latest_step()``, ``restore()`` and
-    ``resume()`` take the newest valid checkpoint of either tier, the local one when
-    both hold that step.
+    **Two tiers** (``remote="s3://bucket/run"`` or ``aiosnap.Remote(url, keep=...,
+    upload=..., uploader=..., timeout=...)``). Saves commit to ``directory``, then each
+    is uploaded in the background and committed there. The local tier never waits on the
+    remote one; ``handle.upload`` is the upload's handle; ``flush()`` and ``aclose()``
+    wait for uploads while they make progress; a failed upload is reported as a failed
+    save is. ``latest_step()``, ``restore()`` and ``resume()`` take the newest valid
+    checkpoint of either tier (docs/remote.md).
 
-    ``capture="lazy"`` makes ``save`` return once the state's tree is walked, its
-    tensors copied in the background (see the writers' ``capture``). Which capture a
-    save gets: the call's ``save(capture=...)``, else the manager's ``capture=``, else
-    the writer's own default (``QueueWriter(capture="lazy")``), else eager; a writer
-    without a ``capture`` option saves eagerly.
+    **Capture.** Which capture a save gets: the call's ``save(capture=...)``, else the
+    manager's ``capture=``, else the writer's own default (``QueueWriter(capture=
+    "lazy")``), else eager.
 
     Args:
         directory: the checkpoint directory: a local path, or a URL.
@@ -135,30 +121,16 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
         keep: the retention policy of the directory; None keeps everything.
         save_every: a save each N steps, or a Trigger; None saves at every call.
         storage: the storage of ``directory`` (by default, what the path or URL names).
-        rank: this process's rank among processes that share a directory without a
-            group (a ``{rank}`` in ``name`` keeps their files apart).
         allow_pickle: store values that are not state types pickled, and read them back.
-        group: the torch.distributed group to checkpoint with (None: the default group
-            when torch.distributed is initialised; False: none).
-        replicated: globs of tree paths every rank holds the same (rank 0 stores them).
-        timeout: seconds of silence after which a rank of the group counts as failed.
+        ranks: how this process checkpoints with others (``aiosnap.Ranks``: the group,
+            this process's rank without one, replicated globs, the deadline).
         read_only: list and restore only; take no lock, write nothing.
         lease_ttl: seconds a holder that stopped renewing keeps an object store's lease.
-        remote: the remote tier's directory (a URL or a path).
-        remote_storage: the remote tier's storage (by default, what ``remote`` names).
-        keep_remote: the remote tier's retention policy.
-        upload: ``"every"`` committed save is uploaded, or ``"manual"`` (``upload()``).
-        uploader: the UploadWriter of the remote tier (retries, waiting uploads).
-        remote_timeout: seconds a process on its own waits for the remote tier's first
-            answer where it must read it (``latest_step``, ``restore``, ``resume``) before
-            RemoteStorageError says it is unavailable and what to do (None: no bound).
+        remote: the remote tier: a URL or path, or an ``aiosnap.Remote`` with its options.
         capture: ``"eager"`` (a save returns once its state is copied) or ``"lazy"`` (once
-            its tree is walked; see below); None takes the writer's default.
-        incremental: store entries of 64 KiB or more once, as blobs shared by the
-            checkpoints of the directory (see docs/manager.md, "Incremental checkpoints");
-            retention deletes a blob once no checkpoint refers to it.
-        frozen: globs of entry names that do not change (not hashed again).
-        compression: ``"zstd"`` compresses the blobs (``compression_level``, 1-22).
+            its tree is walked); None takes the writer's default.
+        incremental: ``True`` or an ``aiosnap.Incremental``: entries of 64 KiB or more
+            stored once, as blobs shared by the directory's checkpoints (docs/manager.md).
     """
 
     def __init__(

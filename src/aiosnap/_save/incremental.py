@@ -44,12 +44,8 @@ from .._format.blobs import blob_dir, blob_file
 from .._format.codec import Header, Ref, TensorInfo, header_template, read_header
 from .._format.compress import compress
 from .._format.header import seal
-<<<<<<< HEAD
 from .._storage.protocol import CommitTimes, MemoryReader, Storage, describe, lstat, put, write_image
-=======
-from .._storage.protocol import CommitTimes, Storage, describe, lstat, put, write_image
 from .options import Incremental
->>>>>>> ebaf6e0 (WIP options)
 from .stage import StagedImage
 from .trust import verified, wrote
 
