@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 import aiosnap
+from aiosnap._manager.tiers import TwoTiers
 
 OTHER = aiosnap.LocalStorage()
 FAR = aiosnap.LocalStorage()
@@ -264,18 +265,19 @@ def resolved(manager: aiosnap.CheckpointManager, given: dict[str, Any], far: Pat
             "timeout": group.timeout,
         },
         "capture": manager._default_capture(),
-        "writer": _writer(manager._writer, site.storage),
+        "writer": _writer(manager._writer.writer, site.storage),
         "remote": None,
     }
-    tier = manager._tier
-    if tier is not None:
+    tiers = manager._tiers
+    if isinstance(tiers, TwoTiers):
+        tier = tiers.tier
         uploader = tier.uploader
         assert uploader._storage is tier.site.storage  # uploads go to the remote tier's storage
         out["remote"] = {
             "directory": "<far>" if tier.directory == str(far) else tier.directory,
             "storage": "given" if tier.site.storage is FAR else type(tier.site.storage).__name__,
             "keep": repr(tier.site.keep),
-            "upload": manager._upload_mode,
+            "upload": "every" if tiers.every_save else "manual",
             "uploader": {
                 "max_pending": uploader.max_pending,
                 "retries": uploader.retries,

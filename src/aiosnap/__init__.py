@@ -65,7 +65,6 @@ from ._load.load import load_into as load_into
 from ._load.load import verify as verify
 from ._load.standalone import standalone as standalone
 from ._manager.manager import CheckpointManager as CheckpointManager
-from ._manager.manager import Restored as Restored
 from ._manager.options import Ranks as Ranks
 from ._manager.options import Remote as Remote
 from ._manager.records import CheckpointRecord as CheckpointRecord
@@ -76,6 +75,7 @@ from ._manager.retention import KeepLast as KeepLast
 from ._manager.retention import KeepWithin as KeepWithin
 from ._manager.retention import RetentionPolicy as RetentionPolicy
 from ._manager.retention import former_name as _former_name
+from ._manager.tiers import Restored as Restored
 from ._manager.triggers import AnyTrigger as AnyTrigger
 from ._manager.triggers import AtSteps as AtSteps
 from ._manager.triggers import EveryNEpochs as EveryNEpochs

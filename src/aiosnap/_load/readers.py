@@ -199,8 +199,18 @@ class EntryReader:
             if unwalked:
                 plain += unwalked
                 reading = {**direct, **made} if made else direct
-        # All or nothing: what a target's own memory takes is read last, once everything
-        # else is read and checked and its checksums are (see _load/proof.py).
+        placed = self._read_unplaced(by_source, reading, direct)
+        if reading is not made:  # what read_all made of small entries is in reading
+            made = {name: reading[name] for name in made}
+        self._finish_made(made, wanted, others)
+        self._read_placed(sharded, dests, placed, guard)
+
+    def _read_unplaced(
+        self, by_source: list[list[TensorInfo]], reading: Made, direct: dict[str, Any]
+    ) -> list[tuple[Reader, Header, list[TensorInfo]]]:
+        """Read every wanted entry but those a target's own memory takes, in file order;
+        those, per source, to be read last. All or nothing: what a target's memory takes
+        is read once everything else is read and checked (see _load/proof.py)."""
         placed: list[tuple[Reader, Header, list[TensorInfo]]] = []
         for (f, header), infos in zip(self.sources, by_source, strict=True):
             infos.sort(key=_START)
@@ -211,8 +221,11 @@ class EntryReader:
                     infos = [info for info in infos if info.name not in direct]
             if infos:
                 self.read_all(f, header, infos, reading, direct)
-        if reading is not made:  # what read_all made of small entries is in reading
-            made = {name: reading[name] for name in made}
+        return placed
+
+    def _finish_made(self, made: Made, wanted: dict[str, TensorInfo], others: int) -> None:
+        """``self.made``: what was read, as the tree asks for it (``others``: leaves that
+        are not plain tensors, which change)."""
         if self.map_location is None and not others:  # only tensors, as they were made
             self.made = _offload.zip_dict(list(made), list(map(_OBJECT, made.values())))
         elif self.map_location is None:  # a tensor is what was made: only the others change
@@ -223,7 +236,6 @@ class EntryReader:
         else:
             self.made = {name: self.finish(wanted[name], obj) for name, (obj, _) in made.items()}
         _offload.release(made)  # its pairs and arrays (the rest only refers to what lives on)
-        self._read_placed(sharded, dests, placed, guard)
 
     def _read_placed(
         self,

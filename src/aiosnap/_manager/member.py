@@ -90,6 +90,15 @@ class Member:
         #: only its process knows which of their blobs are in flight.
         self.blob_dir: str | None = None
 
+    @property
+    def manifests(self) -> bool:
+        """Whether steps are directories with a manifest (a group's layout)."""
+        return self.layout.manifests
+
+    def place(self, record: CheckpointRecord, rank: int) -> tuple[str, str]:
+        """Where ``rank``'s file of ``record`` goes: (its directory, its name)."""
+        return self.layout.place(record, rank)
+
     async def open(
         self, config: OpenReport, prepare: Callable[[], Awaitable[None]], *, on_control: bool = False
     ) -> None:
@@ -144,11 +153,9 @@ class Member:
         report: Callable[[BaseException], SaveFailure],
         agreed: Callable[[], None] = lambda: None,
     ) -> None:
-        """The second phase of a save: wait for this member's part, report it, and let
-        rank 0 commit the step (or not); resolve ``outer`` with the outcome. ``turn`` was
-        taken when the save was called, so that members take turns in program order.
-        ``agreed()`` is called once the group agreed (or failed to): what is left is this
-        member's own work."""
+        """The second phase of a save: wait for this member's part, report it, let rank 0
+        commit the step (or not), resolve ``outer``. ``turn`` was taken at the save's call
+        (program order); ``agreed()``: the group agreed (or failed to)."""
         stats: list[SaveStats] = []
         own: list[SaveFailure] = []  # this member's own part, failed
 
@@ -180,33 +187,44 @@ class Member:
             if not verdict.committed:
                 outer.skip()
                 return
-            if self.catalog is not None:
-                await self.catalog.add(record, stats[0], verdict.bytes)
-                await self.layout.sweep(record.step, self.busy)
-            if self.blob_dir is not None:
-                await _offload.run_io(collect, self.layout.storage, self.layout.directory, self.blob_dir)
-        except RankFailedError as exc:
-            if own:
-                # This member's write failed: one failure (the group's, chained from the
-                # write's), reported once, through the handle or the writer.
-                own[0].error = exc
-                outer.fail(own[0])
-            elif self.rank in exc.failed:
-                outer.fail(exc)  # the save call itself raised: reported already
-            else:
-                outer.fail(report(exc))
-            return
+            await self._after_commit(record, stats[0], verdict.bytes)
         except Exception as exc:
-            if own and exc is own[0].error:
-                outer.fail(own[0])  # a group of one: its own failure, as itself
-            elif exc is inner:
-                outer.fail(exc)  # the save call itself raised it
-            else:
-                outer.fail(report(exc))
+            outer.fail(self._failure(exc, inner, own, report))
             return
         finally:
             self.busy.discard(record.file)
         outer.finish(stats[0])
+
+    async def _after_commit(self, record: CheckpointRecord, stats: SaveStats, size: int) -> None:
+        """Index the committed step and sweep (rank 0); collect this rank's blobs."""
+        if self.catalog is not None:
+            await self.catalog.add(record, stats, size)
+            await self.layout.sweep(record.step, self.busy)
+        if self.blob_dir is not None:
+            await _offload.run_io(collect, self.layout.storage, self.layout.directory, self.blob_dir)
+
+    def _failure(
+        self,
+        exc: Exception,
+        inner: SaveHandle | BaseException,
+        own: list[SaveFailure],
+        report: Callable[[BaseException], SaveFailure],
+    ) -> SaveFailure | BaseException:
+        """What a vote that raised ``exc`` fails its save with, reported once."""
+        if isinstance(exc, RankFailedError):
+            if own:
+                # This member's write failed: one failure (the group's, chained from the
+                # write's), reported once, through the handle or the writer.
+                own[0].error = exc
+                return own[0]
+            if self.rank in exc.failed:
+                return exc  # the save call itself raised: reported already
+            return report(exc)
+        if own and exc is own[0].error:
+            return own[0]  # a group of one: its own failure, as itself
+        if exc is inner:
+            return exc  # the save call itself raised it
+        return report(exc)
 
     # -- restoring -----------------------------------------------------------------------
     async def listing(self, step: int | None) -> Listing:

@@ -13,9 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
-import threading
-import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, final
 
@@ -25,22 +23,20 @@ import anyio.abc
 from .._base import offload as _offload
 from .._base.errors import (
     CheckpointError,
-    DirectoryLockedError,
     ForeignFileError,
     LeaseLostError,
-    SaveCancelledError,
-    WriterClosedError,
 )
 from .._base.tasks import Failures
 from .._dist.channel import Channel, LocalChannel
 from .._dist.messages import OpenReport
-from .._format.tree import ExternalLeaves
-from .._save.handle import Resolver, SaveHandle
+from .._save.handle import Resolver, SaveHandle, SaveStats
 from .._storage.backends import resolve
 from .._storage.local import LocalStorage
-from .._storage.protocol import Lease, Storage, describe
+from .._storage.protocol import Storage, describe
+from .ballots import Accept, Ballots
 from .blobs import sweep as sweep_blobs
 from .catalog import Catalog
+from .holding import LeaseHolder
 from .layouts import Files, Layout, StepDirectories
 from .member import Attempt, Listing, Member, restore_first
 from .records import CheckpointRecord
@@ -48,12 +44,6 @@ from .retention import RetentionPolicy
 from .step_dirs import has_step_dirs
 
 logger = logging.getLogger(__name__)
-
-#: Seconds a lease's release may take on a store that does not answer.
-RELEASE_BOUND = 5.0
-
-#: A writer's side of a save: (file name, directory, state) -> the writer's handle.
-Accept = Callable[[str, str, object], Awaitable[SaveHandle]]
 
 
 @final
@@ -106,22 +96,13 @@ class Site:
         self.read_only, self.lease_ttl, self.allow_pickle = read_only, lease_ttl, allow_pickle
         #: What the last open found failed (an object store down, a lease held).
         self.failures = Failures()
-        #: Set once another manager took the directory's lease.
-        self.lease_lost: LeaseLostError | None = None
         self._channels: tuple[Channel, Channel] | None = None
         self._member: Member | None = None
         self._catalog: Catalog | None = None
-        self._lease: Lease | None = None
-        self._renewal = anyio.CancelScope()
-        #: The saves being voted on: each one's handle -> the writer's own (None: the
-        #: writer refused it), whose end says the file is durable.
-        self._pending: dict[SaveHandle, SaveHandle | None] = {}
-        #: The saves of ``_pending`` whose group agreed: what is left is this rank's own.
-        self._agreed: set[SaveHandle] = set()
+        self._holder = LeaseHolder(self.storage, self.directory, lease_ttl)
+        self._ballots = Ballots(self.storage, group.rank, group.replicated)
         #: Set once ``open`` went through: the lease is held and the catalog loaded.
         self.opened = anyio.Event()
-        #: Called each time a vote ends (whoever waits for the votes to settle).
-        self.on_settled: Callable[[], object] | None = None
 
     def beside(self, directory: str, *, storage: Storage | None, keep: RetentionPolicy | None) -> Site:
         """A Site of another directory (a remote tier's), named, grouped and opened as this
@@ -138,6 +119,15 @@ class Site:
         )
 
     @property
+    def on_settled(self) -> Callable[[], object] | None:
+        """Called each time a vote ends (whoever waits for the votes to settle)."""
+        return self._ballots.on_settled
+
+    @on_settled.setter
+    def on_settled(self, call: Callable[[], object] | None) -> None:
+        self._ballots.on_settled = call
+
+    @property
     def is_local(self) -> bool:
         """Whether the directory is on a local filesystem (its calls are never abandoned)."""
         return isinstance(self.storage, LocalStorage)
@@ -146,6 +136,43 @@ class Site:
     def member(self) -> Member:
         assert self._member is not None, "the site is not connected"
         return self._member
+
+    def path(self, name: str) -> str:
+        """The path of ``name`` in the directory."""
+        return self.storage.join(self.directory, name)
+
+    @property
+    def alone(self) -> bool:
+        """Whether this is a process on its own (no group)."""
+        return self.group.world_size is None
+
+    @property
+    def is_opened(self) -> bool:
+        return self.opened.is_set()
+
+    async def wait_opened(self) -> None:
+        await self.opened.wait()
+
+    @property
+    def lease_lost(self) -> LeaseLostError | None:
+        """Set once another manager took the directory's lease."""
+        return self._holder.lost
+
+    @property
+    def blob_dir(self) -> str | None:
+        """This rank's folder of blobs, which it collects itself (``Member.blob_dir``)."""
+        return self.member.blob_dir
+
+    @blob_dir.setter
+    def blob_dir(self, rank_dir: str | None) -> None:
+        self.member.blob_dir = rank_dir
+
+    def committed(self, record: CheckpointRecord) -> SaveHandle:
+        """A handle of this rank's committed checkpoint of ``record``, resolved."""
+        out_dir, file = self.member.place(record, self.group.rank)
+        done = Resolver(self.storage.join(out_dir, file))
+        done.finish(SaveStats(done.handle.path, record.bytes, 0.0, 0.0, 0.0, 0.0, 0.0))
+        return done.handle
 
     @property
     def catalog(self) -> Catalog | None:
@@ -180,7 +207,7 @@ class Site:
 
     @property
     def steps_are_dirs(self) -> bool:
-        return self.member.layout.manifests
+        return self.member.manifests
 
     async def open(self, tg: anyio.abc.TaskGroup, *, on_control: bool = False) -> None:
         """On rank 0, take the lease, sweep and load the catalog; every member checks that
@@ -192,10 +219,9 @@ class Site:
             await self.member.open(config, self._prepare, on_control=on_control)
         except BaseException:
             with anyio.CancelScope(shield=True):
-                await self._release_lease()
+                await self._holder.release()
             raise
-        if self._lease is not None:
-            tg.start_soon(self._renew, self._lease)
+        self._holder.keep(tg)
         self.opened.set()
 
     async def _layout(self, steps_are_dirs: bool | None) -> Layout:
@@ -227,74 +253,17 @@ class Site:
         if found is not None and not found.is_dir:
             raise ForeignFileError(self.directory, f"{describe(found)}, not a directory")
         if not self.read_only:
-            self._lease = await self._take_lease()
+            await self._holder.take()
             swept = await _offload.run_io(self.storage.sweep_incomplete, self.directory)
             if swept:
                 logger.info("removed %d temp file(s) of crashed saves in %s", len(swept), self.directory)
             await _offload.run_io(functools.partial(sweep_blobs, idle=True), self.storage, self.directory)
         await self._catalog.load()
 
-    async def _take_lease(self) -> Lease:
-        """The directory's lease. A holder that stopped renewing its lease (it died on
-        another host) holds it until it goes stale: opening waits for that, up to
-        ``lease_ttl``, and gives up at once if it sees the lease renewed (a live holder)."""
-        patience = time.monotonic() + self.lease_ttl + 1.0  # clocks differ a little
-        stale_at: float | None = None  # when the holder's lease goes stale, as last seen
-        while True:
-            try:
-                return await self._lease_once()
-            except DirectoryLockedError as exc:
-                if exc.retry_after is None:
-                    raise
-                now = time.monotonic()
-                # The expiry the lease holds, where its backend says it: unchanged unless
-                # renewed. Else guessed from retry_after, which a slow thread hop skews.
-                mark, slack = (exc.expires, 0.0) if exc.expires is not None else (now + exc.retry_after, 1.0)
-                renewed = stale_at is not None and mark > stale_at + slack
-                if renewed or now >= patience:
-                    raise
-                if stale_at is None:
-                    logger.warning(
-                        "%s is leased by a manager that may have died; waiting up to %.0f s for its "
-                        "lease to go stale",
-                        self.directory,
-                        exc.retry_after,
-                    )
-                stale_at = mark
-                await anyio.sleep(min(max(exc.retry_after, 0.05), patience - now, 1.0))
-
-    async def _lease_once(self) -> Lease:
-        """One try at the lease. A caller cancelled meanwhile may abandon the thread (a
-        remote store that does not answer): a lease it takes after that is let go, never
-        left held by nobody for the life of the process."""
-        claim = _Claim()
-        try:
-            return await _offload.run_io(claim.take, self.storage, self.directory, self.lease_ttl)
-        except BaseException:
-            leftover = claim.abandon()
-            if leftover is not None:
-                with anyio.CancelScope(shield=True):
-                    await _offload.run_io(leftover.release)
-            raise
-
-    async def _renew(self, lease: Lease) -> None:
-        """Keep the lease of the directory (an object store's expires unless renewed)."""
-        with self._renewal:
-            while True:
-                await anyio.sleep(self.lease_ttl / 3)
-                try:
-                    await _offload.run_io(lease.renew)
-                except LeaseLostError as exc:
-                    logger.error("%s", exc)
-                    self.lease_lost = exc
-                    return
-                except Exception as exc:  # a transient failure: the next renewal may pass
-                    logger.warning("renewing the lease of %s failed (%r)", self.directory, exc)
-
     async def close(self) -> None:
         """Stop writing the index, leave the group's channels, release the lease: all of
         it, also when the caller is being cancelled (Ctrl-C at a close)."""
-        self._renewal.cancel()
+        self._holder.stop_renewing()
         if self._catalog is not None:
             self._catalog.close()
         with anyio.CancelScope(shield=True):
@@ -302,22 +271,7 @@ class Site:
                 channels, self._channels = self._channels, None
                 for channel in channels:
                     await _offload.run_coord(channel.close)
-            await self._release_lease()
-
-    async def _release_lease(self) -> None:
-        """Give the lease up. On a store that does not answer, not for longer than
-        ``RELEASE_BOUND`` seconds: a lease left behind goes stale after ``lease_ttl``."""
-        if self._lease is not None:
-            lease, self._lease = self._lease, None
-            with anyio.move_on_after(RELEASE_BOUND, shield=True) as scope:  # a round trip on an object store
-                await _offload.run_io(lease.release)
-            if scope.cancelled_caught:
-                logger.warning(
-                    "%s: the lease could not be given up within %g s; it goes stale in %g s",
-                    self.directory,
-                    RELEASE_BOUND,
-                    self.lease_ttl,
-                )
+            await self._holder.release()
 
     # -- saving --------------------------------------------------------------------------
     async def submit(
@@ -334,89 +288,35 @@ class Site:
         on_control: bool = False,
     ) -> SaveHandle:
         """Take this save's turn, hand it to the writer (``accept``), and vote on it in the
-        background (in ``tg``); the returned handle follows the writer's, its capture
-        included (``outer``: resolve this one instead of a new one). ``check``: look
-        first at what stands at the step's name. ``report(path, error)`` records a
-        failure only this site's owner can report."""
-        member = self.member
-        # The turn is taken now, in program order, as every member does for this call;
-        # the vote that fills it runs in the background.
-        turn = member.channel(on_control).turn(f"save step {record.step}")
-        out_dir, file = member.layout.place(record, self.group.rank)
-        target = (
-            state
-            if self.group.rank == 0 or not self.group.replicated
-            else ExternalLeaves(state, member.matches)
+        background (``Ballots.submit``)."""
+        committed = check and self._catalog is not None and record.step in self._catalog.records
+        return await self._ballots.submit(
+            tg,
+            self.member,
+            record,
+            state,
+            accept,
+            overwrite=overwrite,
+            check=check,
+            committed=committed,
+            outer=outer,
+            report=report,
+            on_control=on_control,
         )
-        path = self.storage.join(out_dir, file)
-        try:
-            if check:
-                committed = self._catalog is not None and record.step in self._catalog.records
-                await member.layout.check_vacant(record, committed, overwrite)
-            inner = await accept(file, out_dir, target)
-        except BaseException as exc:
-            # The other members vote on this step all the same: this one votes that it failed.
-            failure = (
-                exc if isinstance(exc, Exception) else SaveCancelledError("this rank's save was cancelled")
-            )
-            refused = outer if outer is not None else Resolver(path)
-            self._pending[refused.handle] = None
-            tg.start_soon(self._vote, turn, failure, record, refused, report)
-            raise
-        if outer is None:
-            outer = Resolver(path, following=inner)  # its caller waits for the writer's capture
-        self._pending[outer.handle] = inner
-        tg.start_soon(self._vote, turn, inner, record, outer, report)
-        return outer.handle
-
-    async def _vote(
-        self,
-        turn: Any,
-        inner: SaveHandle | BaseException,
-        record: CheckpointRecord,
-        outer: Resolver,
-        report: Callable[[str, BaseException], Any],
-    ) -> None:
-        path = outer.handle.path
-        try:
-            await self.member.vote(
-                turn,
-                inner,
-                record,
-                outer,
-                lambda exc: report(path, exc),
-                lambda: self._agreed.add(outer.handle),
-            )
-        finally:
-            self._agreed.discard(outer.handle)
-            self._pending.pop(outer.handle, None)
-            if not outer.handle.done():
-                outer.fail(WriterClosedError("the manager closed before the save finished"))
-            if self.on_settled is not None:
-                self.on_settled()
 
     async def settle_committed(self) -> None:
-        """Wait for what follows each save whose file is durable already (its vote, the
-        index, retention, the sweep and blob collection), but for no save still being
-        written. A training loop that yields only in its save calls gives those follow-ups
-        no other time to run: without this, retention fell behind by hundreds of files."""
-        for handle, inner in list(self._pending.items()):
-            if self.member.size > 1 and handle not in self._agreed:
-                # Its vote waits for the other ranks, whose event loops may be blocked
-                # where this rank's is not: in a collective of the training step (a
-                # synchronous all_reduce) that waits for this rank in turn. Waiting here
-                # for their votes hung torchrun runs.
-                continue
-            if inner is None or inner.done():
-                await handle.outcome()
+        await self._ballots.settle_committed(self.member.size)
+
+    async def agree_on_trigger(self, due: bool) -> bool:
+        """Rank 0's answer to whether a clock trigger calls for a save (see ``Member``)."""
+        return await self.member.agree_on_trigger(due)
 
     async def wait_pending(self) -> None:
         """Wait until every save handed to this site so far has been voted on."""
-        for handle in list(self._pending):
-            await handle.outcome()
+        await self._ballots.wait_pending()
 
     def pending(self) -> int:
-        return len(self._pending)
+        return self._ballots.pending()
 
     # -- reading -------------------------------------------------------------------------
     async def refresh(self) -> None:
@@ -433,10 +333,11 @@ class Site:
         """Rank 0's committed, valid steps (what ``steps`` asks it for)."""
         return self._rank0().steps()
 
-    async def steps(self) -> list[int]:
-        """The committed steps that have not failed verification, oldest first."""
+    async def steps(self, *, on_control: bool = False) -> list[int]:
+        """The committed steps that have not failed verification, oldest first
+        (``on_control``: asked over the control channel, among no save's turns)."""
         await self.refresh()
-        return list(await self.member.ask("steps", self.catalog_steps))
+        return list(await self.member.ask("steps", self.catalog_steps, on_control=on_control))
 
     async def history(self) -> list[CheckpointRecord]:
         await self.refresh()
@@ -494,29 +395,3 @@ class Site:
         if not dry_run:  # saves may be in flight: their blobs' temp files are pinned
             await _offload.run_io(functools.partial(sweep_blobs, idle=False), self.storage, self.directory)
         return gone
-
-
-@final
-class _Claim:
-    """A lease being taken in a worker thread that its caller may abandon."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._lease: Lease | None = None
-        self._abandoned = False
-
-    def take(self, storage: Storage, directory: str, ttl: float) -> Lease:
-        lease = storage.lease(directory, ttl)
-        with self._lock:
-            if not self._abandoned:
-                self._lease = lease
-                return lease
-        lease.release()  # nobody waits for it any more
-        raise DirectoryLockedError(f"{directory}: the lease was taken after its caller gave up")
-
-    def abandon(self) -> Lease | None:
-        """Give up; the lease if it was taken already (the caller must let it go)."""
-        with self._lock:
-            self._abandoned = True
-            lease, self._lease = self._lease, None
-            return lease

@@ -38,6 +38,7 @@ import anyio.abc
 from .._base import offload as _offload
 from .._base.errors import RemoteStorageError
 from .._base.notice import notice
+from .._base.tasks import SaveFailure
 from .._save.handle import SaveHandle, skipped
 from .._storage.protocol import Storage
 from .records import CheckpointRecord
@@ -147,7 +148,7 @@ class Tier:
         if abandon:
             why = (
                 f"the remote tier {self.directory} made no progress before the close gave up"
-                if self.site.opened.is_set()
+                if self.site.is_opened
                 else f"the remote tier {self.directory} did not open before the close gave up"
             )
             self.uploader.abandon(why, self.error)
@@ -159,6 +160,23 @@ class Tier:
             finally:
                 with _offload.remote_io(f"closing the remote tier {self.directory}"):
                     await self.site.close()
+
+    async def leave(self) -> None:
+        """Leave the remote directory after an open that failed (closing does, else)."""
+        with anyio.CancelScope(shield=True):
+            await self.site.close()
+
+    def share_blob_dir(self, local: Site) -> None:
+        """This rank's blob folder is the local directory's: collected by this rank."""
+        self.site.blob_dir = local.blob_dir
+
+    def take_failures(self) -> list[SaveFailure]:
+        """The failed uploads not reported yet (see ``UploadWriter.take_failures``)."""
+        return self.uploader.take_failures()
+
+    def unavailable_since(self) -> BaseException | None:
+        """What made the uploads find the remote tier unavailable (None: it is not)."""
+        return self.uploader.unavailable
 
     # -- uploading -----------------------------------------------------------------------
     async def upload(self, record: CheckpointRecord, local: SaveHandle) -> SaveHandle:
@@ -205,8 +223,8 @@ class Tier:
             self.uploader.nudge()
 
     async def _catch_up_once_open(self, record: CheckpointRecord, local: SaveHandle) -> None:
-        await self.site.opened.wait()
-        steps = await self.site.member.ask("steps", self.site.catalog_steps, on_control=True)
+        await self.site.wait_opened()
+        steps = await self.site.steps(on_control=True)
         if record.step in steps:
             return
         logger.info("uploading step %d, which %s lacks", record.step, self.directory)
@@ -218,11 +236,11 @@ class Tier:
         for the first attempt to open it, at most ``read_timeout`` seconds, and is answered
         False if it failed or has not ended; a group waits until it is open (its members
         must agree, and each answers for itself)."""
-        if self.site.group.world_size is None:
+        if self.site.alone:
             with anyio.move_on_after(self.read_timeout):
                 await self.tried.wait()
-            return self.site.opened.is_set()
-        await self.site.opened.wait()
+            return self.site.is_opened
+        await self.site.wait_opened()
         return True
 
     async def read(self, fn: Callable[[Site], Awaitable[T]]) -> T:
