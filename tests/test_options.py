@@ -252,7 +252,7 @@ def resolved(manager: aiosnap.CheckpointManager, given: dict[str, Any], far: Pat
     out: dict[str, Any] = {
         "name": site.naming.name,
         "keep": repr(site.keep),
-        "trigger": repr(manager._trigger),
+        "trigger": repr(manager._schedule.trigger),
         "storage": "given" if site.storage is given.get("storage") else type(site.storage).__name__,
         "read_only": site.read_only,
         "lease_ttl": site.lease_ttl,
@@ -264,7 +264,7 @@ def resolved(manager: aiosnap.CheckpointManager, given: dict[str, Any], far: Pat
             "replicated": group.replicated,
             "timeout": group.timeout,
         },
-        "capture": manager._default_capture(),
+        "capture": manager._writer.capture,
         "writer": _writer(manager._writer.writer, site.storage),
         "remote": None,
     }

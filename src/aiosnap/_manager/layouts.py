@@ -27,7 +27,7 @@ from .._load.load import Step, load_blocking, load_step
 from .._save.handle import SaveStats
 from .._storage.protocol import Storage, describe, lstat, put
 from .records import CheckpointRecord
-from .step_dirs import StepDirs, file_report
+from .step_dirs import StepDirs, file_report, has_step_dirs
 
 
 class Layout(Protocol):
@@ -266,3 +266,26 @@ def _ownership(storage: Storage, path: str) -> bool | None:
         return written_by_aiosnap(reader)
     finally:
         reader.close()
+
+
+async def choose_layout(
+    storage: Storage,
+    directory: str,
+    name: str,
+    pattern: re.Pattern[str],
+    steps_are_dirs: bool | None,
+    *,
+    group_rank: int,
+    in_group: bool,
+    allow_pickle: bool,
+    writable: bool,
+) -> Layout:
+    """A directory per step (``steps_are_dirs``; if None: in a group, or where a group
+    committed its checkpoints); else a file per step."""
+    if steps_are_dirs is None:
+        steps_are_dirs = in_group or await _offload.run_io(has_step_dirs, storage, directory, pattern)
+    if not steps_are_dirs:
+        return Files(storage, directory, pattern, group_rank, allow_pickle)
+    if "{rank}" in name:
+        raise ValueError(f"name {name!r}: {directory} holds a directory per step; drop {{rank}}")
+    return StepDirectories(storage, directory, pattern, allow_pickle, writable=writable)

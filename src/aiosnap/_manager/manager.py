@@ -18,7 +18,6 @@ needs when the manager is made.
 from __future__ import annotations
 
 import signal
-import time
 from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Literal, Self, final
@@ -35,14 +34,16 @@ from .._save.writers import Writer
 from .._storage.protocol import Storage
 from .ballots import Accept
 from .options import Ranks, Remote, group_of, remote_of
+from .parts import Parts
 from .port import WriterPort
 from .preempt import Preemption, StateFn
 from .records import CheckpointRecord
 from .retention import RetentionPolicy
+from .schedule import Schedule
 from .site import Naming, Site
 from .tier import Tier
 from .tiers import Restored, Tiers, TwoTiers
-from .triggers import EveryNSteps, Moment, Trigger, deterministic
+from .triggers import Trigger
 from .upload import UploadWriter
 
 #: Seconds ``flush`` and ``aclose`` wait for uploads that make no progress at all.
@@ -134,14 +135,14 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
             capture=manager_capture,
             read_only=read_only,
         )
-        self._trigger: Trigger | None = EveryNSteps(save_every) if isinstance(save_every, int) else save_every
+        self._schedule = Schedule(save_every, self._site)
         #: This process's rank in the group (or as given, on its own).
         self.rank = self._group.rank
         #: The number of ranks that checkpoint together; None outside a group.
         self.world_size: int | None = self._group.world_size
-        self._last: Moment | None = None
         self._failures = Failures()
         self._preemption = Preemption(self._save_now, self._failures)
+        self._parts = Parts(self._site, self._tiers, self._writer)
         #: Set once a signal given to ``save_on_signal`` has arrived and its save is done.
         self.preempted = self._preemption.preempted
 
@@ -154,29 +155,14 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
     async def __aenter__(self) -> Self:
         self._opening("a CheckpointManager can be opened only once")
         tg = await self._open_tasks()
-        writer_open = False
         try:
-            await self._site.connect()
-            if self._writer.incremental and self._site.steps_are_dirs:
-                # Each rank keeps its blobs in a folder of its own, which it collects itself.
-                rank_dir = f"rank_{self.rank:05d}"
-                self._writer.blobs_by_rank(rank_dir)
-                self._site.blob_dir = rank_dir
-            await self._site.open(tg)
-            await self._tiers.connect(tg, self._failures)
-            writer_open = await self._writer.open()
-            await self._tiers.start()
+            await self._parts.open(tg, self._failures)
         except BaseException:
             try:
-                if writer_open:  # nothing was saved through it yet
-                    # Not inside a shielding scope: a task group is exited in the scope
-                    # it was entered in.
-                    await self._writer.exit()
+                await self._close_tasks(cancel=True)
             finally:
-                try:
-                    await self._close_tasks(cancel=True)
-                finally:
-                    await self._leave(remote=True)
+                self._closed()
+                await self._parts.leave(remote=True)
             raise
         self._opened()
         self._preemption.start(tg)
@@ -186,17 +172,6 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
             await self.aclose()
             raise
         return self
-
-    async def _leave(self, *, remote: bool) -> None:
-        """Leave the directories (``remote``: the remote tier's too, which closing it did
-        not: after a failed open)."""
-        self._closed()
-        with anyio.CancelScope(shield=True):
-            try:
-                if remote:
-                    await self._tiers.leave()
-            finally:
-                await self._site.close()
 
     async def aclose(self, *, upload_timeout: float | None = UPLOAD_TIMEOUT) -> None:
         """Wait for pending commits, uploads and the rotation they trigger (uploads: while
@@ -208,29 +183,17 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
         errors: list[Exception] = []
         left: list[str] | None = None  # uploads still pending; None: not waited for (cancelled)
         try:
-            try:
-                await self._writer.aclose()  # raises (so reports) the writer's failures
-            except Exception as exc:
-                errors.append(exc)
-            await self._site.wait_pending()
-            left = await self._tiers.drain(upload_timeout)
+            left = await self._parts.drain(upload_timeout, errors)
         finally:
-            # Task groups are exited the last entered first, each in the scope it was
-            # entered in (never inside a shielding scope), also when this is cancelled.
             try:
-                try:
-                    await self._tiers.close(left)
-                except Exception as exc:
-                    errors.append(exc)
+                await self._parts.close(left, errors)
             finally:
                 try:
-                    await self._writer.exit()  # closed already: exits its group
+                    # What is left runs for ever (renewals, the remote tier's attempts).
+                    await self._close_tasks(cancel=True)
                 finally:
-                    try:
-                        # What is left runs for ever (renewals, the remote tier's attempts).
-                        await self._close_tasks(cancel=True)
-                    finally:
-                        await self._leave(remote=False)
+                    self._closed()
+                    await self._parts.leave(remote=False)
         raise_collected(errors, self.take_failures())
 
     async def flush(self, *, upload_timeout: float | None = UPLOAD_TIMEOUT) -> None:
@@ -254,10 +217,6 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
     def _raise_pending(self, *, accepted: str | None = None) -> None:
         raise_first(self.take_failures(), accepted=accepted)
 
-    def _default_capture(self) -> str:
-        """The manager's ``capture=``, else its writer's default, else eager."""
-        return self._writer.capture
-
     def _accepting(self, capture: CaptureMode) -> Accept:
         """The writer's side of a save made with ``capture``."""
 
@@ -273,9 +232,7 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
     def should_save(self, step: int, *, epoch: int | None = None) -> bool:
         """Whether the triggers call for a save now (always, with no trigger). In a
         group, this is this rank's view; ``save`` follows rank 0's for clock triggers."""
-        if self._trigger is None:
-            return True
-        return self._trigger(Moment(step, epoch, time.monotonic()), self._last)
+        return self._schedule.should_save(step, epoch)
 
     async def save(
         self,
@@ -303,7 +260,7 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
         record = CheckpointRecord(
             step, filename, epoch, metrics=dict(metrics or {}), metadata=dict(metadata or {})
         )
-        if not force and not await self._due(step, epoch):
+        if not force and not await self._schedule.due(step, epoch):
             self._raise_pending()
             return skipped(self._site.path(filename))
         try:
@@ -323,7 +280,7 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
         await outer.wait_walked()
         if self._writer.returns_durable:
             await outer.wait()
-        self._last = Moment(step, epoch, time.monotonic())
+        self._schedule.saved(step, epoch)
         # Earlier failures are raised only now: this call's own save is accepted, and goes on.
         self._raise_pending(accepted=outer.path)
         return outer
@@ -346,12 +303,6 @@ class CheckpointManager(TaskGroupOwner, anyio.abc.AsyncResource):
         finished uploads held back. Bounded by those follow-ups' own I/O."""
         await self._site.settle_committed()
         await self._tiers.settled()
-
-    async def _due(self, step: int, epoch: int | None) -> bool:
-        due = self.should_save(step, epoch=epoch)
-        if self._group.size > 1 and self._trigger is not None and not deterministic(self._trigger):
-            due = await self._site.agree_on_trigger(due)
-        return due
 
     def filename(self, step: int, epoch: int | None = None) -> str:
         """The name ``step`` is saved under (ValueError for a step that is not a

@@ -37,11 +37,10 @@ from .ballots import Accept, Ballots
 from .blobs import sweep as sweep_blobs
 from .catalog import Catalog
 from .holding import LeaseHolder
-from .layouts import Files, Layout, StepDirectories
+from .layouts import choose_layout
 from .member import Attempt, Listing, Member, restore_first
 from .records import CheckpointRecord
 from .retention import RetentionPolicy
-from .step_dirs import has_step_dirs
 
 logger = logging.getLogger(__name__)
 
@@ -110,21 +109,16 @@ class Site:
         return Site(
             directory,
             storage=storage,
-            naming=self.naming,
             keep=keep,
+            naming=self.naming,  # named, grouped and opened as this one is
             group=self.group,
             read_only=self.read_only,
             lease_ttl=self.lease_ttl,
             allow_pickle=self.allow_pickle,
         )
 
-    @property
-    def on_settled(self) -> Callable[[], object] | None:
-        """Called each time a vote ends (whoever waits for the votes to settle)."""
-        return self._ballots.on_settled
-
-    @on_settled.setter
-    def on_settled(self, call: Callable[[], object] | None) -> None:
+    def on_settled(self, call: Callable[[], object]) -> None:
+        """Call ``call`` each time a vote ends (whoever waits for the votes to settle)."""
         self._ballots.on_settled = call
 
     @property
@@ -140,18 +134,6 @@ class Site:
     def path(self, name: str) -> str:
         """The path of ``name`` in the directory."""
         return self.storage.join(self.directory, name)
-
-    @property
-    def alone(self) -> bool:
-        """Whether this is a process on its own (no group)."""
-        return self.group.world_size is None
-
-    @property
-    def is_opened(self) -> bool:
-        return self.opened.is_set()
-
-    async def wait_opened(self) -> None:
-        await self.opened.wait()
 
     @property
     def lease_lost(self) -> LeaseLostError | None:
@@ -190,7 +172,17 @@ class Site:
             from .._dist import coord
 
             self._channels = await coord.channels(self.group.parent, self.group.timeout)
-        layout = await self._layout(steps_are_dirs)
+        layout = await choose_layout(
+            self.storage,
+            self.directory,
+            self.naming.name,
+            self.naming.pattern,
+            steps_are_dirs,
+            group_rank=self.group.rank,
+            in_group=self.group.world_size is not None,
+            allow_pickle=self.allow_pickle,
+            writable=not self.read_only,
+        )
         if self.group.rank == 0:
             self._catalog = Catalog(
                 self.storage,
@@ -223,27 +215,6 @@ class Site:
             raise
         self._holder.keep(tg)
         self.opened.set()
-
-    async def _layout(self, steps_are_dirs: bool | None) -> Layout:
-        """A directory per step in a group, or where a group committed its checkpoints;
-        else a file per step."""
-        if steps_are_dirs is None:
-            steps_are_dirs = self.group.world_size is not None or await _offload.run_io(
-                has_step_dirs, self.storage, self.directory, self.naming.pattern
-            )
-        if steps_are_dirs:
-            if "{rank}" in self.naming.name:
-                raise ValueError(
-                    f"name {self.naming.name!r}: {self.directory} holds a directory per step; drop {{rank}}"
-                )
-            return StepDirectories(
-                self.storage,
-                self.directory,
-                self.naming.pattern,
-                self.allow_pickle,
-                writable=not self.read_only,
-            )
-        return Files(self.storage, self.directory, self.naming.pattern, self.group.rank, self.allow_pickle)
 
     async def _prepare(self) -> None:
         """Lock the directory, sweep what crashed saves left, load the index (rank 0); a

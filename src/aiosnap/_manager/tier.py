@@ -74,7 +74,9 @@ class Tier:
         self._opener = anyio.CancelScope()
         #: Catch-ups not handed to the uploader yet (waiting for the remote to open).
         self._catching_up = 0
-        site.on_settled = uploader.nudge
+        site.on_settled(uploader.nudge)
+        self._opened = site.opened  # set once the remote directory is open
+        self._alone = site.group.world_size is None  # a process on its own
 
     @property
     def directory(self) -> str:
@@ -148,7 +150,7 @@ class Tier:
         if abandon:
             why = (
                 f"the remote tier {self.directory} made no progress before the close gave up"
-                if self.site.is_opened
+                if self._opened.is_set()
                 else f"the remote tier {self.directory} did not open before the close gave up"
             )
             self.uploader.abandon(why, self.error)
@@ -223,7 +225,7 @@ class Tier:
             self.uploader.nudge()
 
     async def _catch_up_once_open(self, record: CheckpointRecord, local: SaveHandle) -> None:
-        await self.site.wait_opened()
+        await self._opened.wait()
         steps = await self.site.steps(on_control=True)
         if record.step in steps:
             return
@@ -236,11 +238,11 @@ class Tier:
         for the first attempt to open it, at most ``read_timeout`` seconds, and is answered
         False if it failed or has not ended; a group waits until it is open (its members
         must agree, and each answers for itself)."""
-        if self.site.alone:
+        if self._alone:
             with anyio.move_on_after(self.read_timeout):
                 await self.tried.wait()
-            return self.site.is_opened
-        await self.site.wait_opened()
+            return self._opened.is_set()
+        await self._opened.wait()
         return True
 
     async def read(self, fn: Callable[[Site], Awaitable[T]]) -> T:
