@@ -289,7 +289,7 @@ async def aiosnap_load(state: dict[str, Any], directory: Path, rss: RssSampler, 
     path = directory / "load.snap"
     # Written as the other cold rows' files are (buffered), and started as they are
     # (see cold_start: the memory a load allocates must not be what the VM handed back).
-    await aiosnap.save(str(path), state, storage=aiosnap.LocalStorage(direct=False))
+    await aiosnap.save(str(path), state, storage=aiosnap.storage.LocalStorage(direct=False))
     target = {k: v for k, v in state.items()} if into else None
     cold_start(path)
     with rss:
@@ -622,7 +622,7 @@ async def cold_loads(directory: Path, sizes: list[int], reps: int) -> list[dict[
         nbytes = state_bytes(state)
         files = {"snap": directory / "cold.snap", "pt": directory / "cold.pt"}
         # Written as the other cold rows' files are: buffered, then dropped from the cache.
-        await aiosnap.save(str(files["snap"]), state, storage=aiosnap.LocalStorage(direct=False))
+        await aiosnap.save(str(files["snap"]), state, storage=aiosnap.storage.LocalStorage(direct=False))
         torch.save(state, files["pt"])
         del state
         times: dict[str, list[float]] = {name: [] for name in COLD_ROWS}

@@ -58,7 +58,7 @@ def main() -> None:
         for size in map(parse_size, args.sizes.split(",")):
             state = make_state(size)
             nbytes = state_bytes(state)
-            aiosnap.save_sync(path, state, storage=aiosnap.LocalStorage(direct=False))
+            aiosnap.save_sync(path, state, storage=aiosnap.storage.LocalStorage(direct=False))
             del state
             for method in args.methods.split(","):
                 times: dict[str, list[float]] = {"A": [], "B": []}

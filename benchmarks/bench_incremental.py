@@ -177,7 +177,9 @@ async def run_lora(scratch: Path, nbytes: int, saves: int) -> dict[str, Any]:
     restart = restart_rows(dirs["incremental"], nbytes, saves)
     # Retention: a fresh directory, KeepLast(3), the same saves; every kept one restores.
     retained = scratch / "retained"
-    async with aiosnap.CheckpointManager(str(retained), incremental=True, keep=aiosnap.KeepLast(3)) as mgr:
+    async with aiosnap.CheckpointManager(
+        str(retained), incremental=True, keep=aiosnap.retention.KeepLast(3)
+    ) as mgr:
         for step in range(saves):
             live_step = kept[step]
             await (await mgr.save(step, lora_state(base, live_step, step))).wait()
@@ -255,7 +257,7 @@ async def restarted(directory: Path, nbytes: int, first: int, cold: bool) -> dic
     base = lora_base(nbytes)
     live = lora_live(base, nbytes)
     posix = CountingPosix()
-    storage = aiosnap.LocalStorage(posix=posix)
+    storage = aiosnap.storage.LocalStorage(posix=posix)
     scratch = directory.with_name(f"{directory.name}-restart-{first}")
     changes = iter(range(1_000_000 + 10 * first, 1_000_010 + 10 * first))  # no two runs alike
 

@@ -67,7 +67,7 @@ async def aiosnap_group(state: dict[str, Any], directory: Path, step: int) -> tu
     async with aiosnap.CheckpointManager(
         str(directory / "aiosnap"),
         ranks=aiosnap.Ranks(replicated=["model.*"], timeout=120),
-        keep=aiosnap.KeepLast(1),
+        keep=aiosnap.retention.KeepLast(1),
     ) as mgr:
         await (await mgr.save(0, state)).wait()  # warm: arenas, threads, channels
         dist.barrier()

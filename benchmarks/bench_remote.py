@@ -193,7 +193,9 @@ class Bench:
 
         async def run() -> list[float]:
             stalls = []
-            async with aiosnap.CheckpointManager(directory, keep=aiosnap.KeepLast(2), **extra) as mgr:
+            async with aiosnap.CheckpointManager(
+                directory, keep=aiosnap.retention.KeepLast(2), **extra
+            ) as mgr:
                 for step in range(saves + 1):
                     t0 = time.perf_counter()
                     handle = await mgr.save(step, self.state)

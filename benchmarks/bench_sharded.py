@@ -74,7 +74,7 @@ def _timed(fn: Callable[[], object]) -> tuple[float, float]:
 # -- saving ----------------------------------------------------------------------------------
 async def _aiosnap_save(state: dict[str, Any], directory: Path, step: int) -> tuple[float, float]:
     async with aiosnap.CheckpointManager(
-        str(directory / "aiosnap"), keep=aiosnap.KeepLast(2), ranks=aiosnap.Ranks(timeout=300)
+        str(directory / "aiosnap"), keep=aiosnap.retention.KeepLast(2), ranks=aiosnap.Ranks(timeout=300)
     ) as mgr:
         await (await mgr.save(0, state)).wait()  # warm: arenas, threads, channels
         dist.barrier()

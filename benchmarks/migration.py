@@ -250,7 +250,9 @@ async def measure(root: Path, reps: int) -> None:
         except ImportError:
             print(f"skipped {name}: pip install {package}")
     results: dict[str, list[Result]] = {name: [] for name in table}
-    async with aiosnap.CheckpointManager(str(root / "aiosnap"), keep=aiosnap.KeepLast(2)) as manager:
+    async with aiosnap.CheckpointManager(
+        str(root / "aiosnap"), keep=aiosnap.retention.KeepLast(2)
+    ) as manager:
         methods.manager = manager
         for fn in table.values():  # once unmeasured: imports, threads, first allocations
             await _run(fn)

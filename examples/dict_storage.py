@@ -59,7 +59,7 @@ class DictStorage:
         with self.lock:  # the check and the change in one step: no update is lost
             now = self.objects.get(path)
             if (now[1] if now is not None else None) != expect:
-                raise aiosnap.ConflictError(path)
+                raise aiosnap.errors.ConflictError(path)
             return self._set(path, bytes(data))
 
     # -- reading: by byte ranges ------------------------------------------------------------
@@ -67,14 +67,14 @@ class DictStorage:
         with self.lock:
             found = self.objects.get(path)
         if found is None:
-            raise aiosnap.CheckpointNotFoundError(path)
+            raise aiosnap.errors.CheckpointNotFoundError(path)
         return DictReader(path, found[0])
 
     def read_versioned(self, path: str) -> tuple[bytes, Version]:
         with self.lock:
             found = self.objects.get(path)
         if found is None:
-            raise aiosnap.CheckpointNotFoundError(path)
+            raise aiosnap.errors.CheckpointNotFoundError(path)
         return found
 
     def stat(self, path: str) -> Entry | None:
@@ -162,7 +162,7 @@ class DictReader:
     def readinto(self, offset: int, buf: memoryview) -> None:
         view = buf.cast("B")
         if offset + len(view) > self.size:
-            raise aiosnap.CorruptCheckpointError(self.path, f"truncated: {self.size} bytes")
+            raise aiosnap.errors.CorruptCheckpointError(self.path, f"truncated: {self.size} bytes")
         view[:] = self.data[offset : offset + len(view)]
 
     def read_batch(self, requests: Sequence[tuple[int, Sequence[memoryview]]]) -> None:
@@ -186,14 +186,14 @@ class DictLease:
             held = storage.leases.get(path)
             if held is not None and held.expires > time.monotonic():
                 left = held.expires - time.monotonic()
-                raise aiosnap.DirectoryLockedError(f"{path} is in use by another CheckpointManager", left)
+                raise aiosnap.errors.DirectoryLockedError(f"{path} is in use by another CheckpointManager", left)
             self.expires = time.monotonic() + ttl
             storage.leases[path] = self
 
     def renew(self) -> None:
         with self.storage.lock:
             if self.storage.leases.get(self.path) is not self:
-                raise aiosnap.LeaseLostError(f"{self.path}: another manager took the lease")
+                raise aiosnap.errors.LeaseLostError(f"{self.path}: another manager took the lease")
             self.expires = time.monotonic() + self.ttl
 
     def release(self) -> None:
@@ -206,7 +206,7 @@ class DictLease:
 async def main() -> None:
     storage = DictStorage()
     model = torch.nn.Linear(4, 2)
-    async with aiosnap.CheckpointManager("dict://run", storage=storage, keep=aiosnap.KeepLast(2)) as mgr:
+    async with aiosnap.CheckpointManager("dict://run", storage=storage, keep=aiosnap.retention.KeepLast(2)) as mgr:
         for step in range(1, 5):
             await mgr.save(step, {"model": model, "step": step})
     print(sorted(e.name for e in storage.list("dict://run")))

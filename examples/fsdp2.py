@@ -44,7 +44,7 @@ async def main(directory: str, steps: int) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     model, optimizer = build(world)
     state = {"model": model, "optim": optimizer}
-    async with aiosnap.CheckpointManager(directory, keep=aiosnap.KeepLast(2)) as manager:
+    async with aiosnap.CheckpointManager(directory, keep=aiosnap.retention.KeepLast(2)) as manager:
         restored = await manager.resume(target=state)  # DTensors on this run's mesh; None: fresh
         start = 0 if restored is None else restored.step
         if restored is not None and rank == 0:

@@ -47,7 +47,7 @@ WAIT_CAP = 120.0
 
 
 def temp_files(directory: Path) -> list[str]:
-    return [n for n in os.listdir(directory) if n.startswith(aiosnap.TEMP_PREFIX)]
+    return [n for n in os.listdir(directory) if n.startswith(aiosnap.storage.TEMP_PREFIX)]
 
 
 def training_state(seed: int = 0) -> dict[str, Any]:

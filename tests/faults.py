@@ -43,8 +43,8 @@ Hook = Callable[[str, str], None]
 def target_of(path: str) -> str:
     """The file a temp file of an unfinished commit will become."""
     directory, name = os.path.split(path)
-    if name.startswith(aiosnap.TEMP_PREFIX):
-        name = name[len(aiosnap.TEMP_PREFIX) :].rsplit(".", 1)[0]
+    if name.startswith(aiosnap.storage.TEMP_PREFIX):
+        name = name[len(aiosnap.storage.TEMP_PREFIX) :].rsplit(".", 1)[0]
     return os.path.join(directory, name)
 
 
@@ -129,7 +129,7 @@ def failing_writes(
         if op == "write" and wanted(path):
             raise error(path)
 
-    return aiosnap.LocalStorage(posix=HookedPosix(hook))
+    return aiosnap.storage.LocalStorage(posix=HookedPosix(hook))
 
 
 class Injector:

@@ -1370,7 +1370,7 @@ class Runner:
         self.path = str(workdir / "case")
         self.unpickled: list[str] = []
         self.baseline_s = 0.0
-        self.storage = aiosnap.LocalStorage()
+        self.storage = aiosnap.storage.LocalStorage()
         self.step_dir, self.manifest = "", b""
         self.index: dict[str, Any] = {}
         self.steps: Any = None  # fuzz_sharded.StepFuzz, made if a run has sharded cases
@@ -1428,7 +1428,7 @@ class Runner:
         keys = [rng.choice([*seed.keys, *seed.keys, "missing", "", "a..b", "0", "tied.a.x"])]
         strict = rng.random() < 0.8
         target = seed.target()
-        allowed = (aiosnap.CheckpointError,)
+        allowed = (aiosnap.errors.CheckpointError,)
         calls: list[Call] = [
             ("load", lambda: aiosnap.load(path), allowed),
             ("load(keys)", lambda: aiosnap.load(path, keys=keys), allowed),
@@ -1450,7 +1450,7 @@ class Runner:
                 await load()
                 raise AssertionError(f"loaded a tree that uses {sorted(m.confused)} as two kinds")
 
-            calls[0] = (name, refused, (aiosnap.CheckpointError,))
+            calls[0] = (name, refused, (aiosnap.errors.CheckpointError,))
         checks: list[Call] = [("_json.loads", functools.partial(_same_as_json_in, m.raw), ())]
         if m.broken is not None:
             broken = m.broken
@@ -1470,14 +1470,14 @@ class Runner:
         async def parse() -> None:
             Manifest.parse(path, raw)
 
-        calls: list[Call] = [("Manifest.parse", parse, (aiosnap.CorruptCheckpointError,))]
+        calls: list[Call] = [("Manifest.parse", parse, (aiosnap.errors.CorruptCheckpointError,))]
         for rank in (0, 1, 2):  # rank 2 is beyond the group: only replicated entries
             keys = rng.choice([None, ["model"], ["mine"], ["model.w"]])
 
             async def restore(rank: int = rank, keys: list[str] | None = keys) -> None:
                 restore_part(self.storage, self.step_dir, rank, keys)
 
-            calls.append((f"restore rank {rank}", restore, (aiosnap.CheckpointError,)))
+            calls.append((f"restore rank {rank}", restore, (aiosnap.errors.CheckpointError,)))
         return Case("manifest", done, calls)
 
     def index_case(self, i: int) -> Case:
@@ -1755,7 +1755,7 @@ def restore_part(storage: Any, step_dir: str, rank: int, keys: list[str] | None)
 
 
 def _checksum(path: str) -> str:
-    f = aiosnap.LocalStorage().open_read(path)
+    f = aiosnap.storage.LocalStorage().open_read(path)
     try:
         return read_header(f).checksum or ""
     finally:
@@ -1889,10 +1889,10 @@ POLICIES: list[tuple[Any, set[int] | None]] = [
     # A policy, and the steps a save of step 5 may delete under it, whatever the index
     # says (None: the index's wall times and metrics decide, so any older step).
     (None, set()),
-    (aiosnap.KeepLast(2), {1, 2}),
-    (aiosnap.KeepEvery(2), {1, 3}),
-    (aiosnap.KeepWithin(3600.0), None),
-    (aiosnap.KeepBest("loss"), None),
+    (aiosnap.retention.KeepLast(2), {1, 2}),
+    (aiosnap.retention.KeepEvery(2), {1, 3}),
+    (aiosnap.retention.KeepWithin(3600.0), None),
+    (aiosnap.retention.KeepBest("loss"), None),
 ]
 
 

@@ -177,7 +177,7 @@ class StepSeed:
 async def make_step(directory: Path) -> StepSeed:
     """Save the seed step into ``directory`` as 4 ranks and their rank 0 would."""
     directory.mkdir(parents=True, exist_ok=True)
-    storage, matches = aiosnap.LocalStorage(), replicated_matcher(REPLICATED)
+    storage, matches = aiosnap.storage.LocalStorage(), replicated_matcher(REPLICATED)
     reports = []
     for rank in range(WORLD):
         path = str(directory / rank_file(rank))
@@ -855,7 +855,7 @@ def _recorded(reads: Reads, name: str, fn: Callable[[], Any]) -> Callable[[], An
 def _parsed(directory: Path) -> Manifest | None:
     """The case's manifest, if it parses (any failure is the calls' to report)."""
     try:
-        return read_manifest(aiosnap.LocalStorage(), str(directory))
+        return read_manifest(aiosnap.storage.LocalStorage(), str(directory))
     except Exception:
         return None
 
@@ -865,11 +865,11 @@ class StepCalls:
 
     def __init__(self, directory: Path, combos: dict[tuple[int, int], dict[str, Any]]) -> None:
         self.directory, self.combos = directory, combos
-        self.storage = aiosnap.LocalStorage()
+        self.storage = aiosnap.storage.LocalStorage()
 
     def calls(self, rng: random.Random, reads: Reads) -> list[Call]:
         step, storage = str(self.directory), self.storage
-        allowed = (aiosnap.CheckpointError,)
+        allowed = (aiosnap.errors.CheckpointError,)
         manifest = _parsed(self.directory)
         n = manifest.world_size if manifest is not None else 1
         keys = rng.choice([["dt"], ["dt"], ["dt.big"], ["dt.row", "tied", "shared"], ["dt", "arr"], None])
@@ -926,7 +926,9 @@ class StepCalls:
         async def verified() -> None:
             if "verify" in reads.values:
                 corrupt = {
-                    n: e for n, e in reads.errors.items() if isinstance(e, aiosnap.CorruptCheckpointError)
+                    n: e
+                    for n, e in reads.errors.items()
+                    if isinstance(e, aiosnap.errors.CorruptCheckpointError)
                 }
                 if corrupt:
                     name, exc = next(iter(corrupt.items()))
@@ -938,7 +940,7 @@ class StepCalls:
             path = str(self.directory / mutant.flipped)
             for name in ("verify",):
                 exc = reads.errors.get(name)
-                if not isinstance(exc, aiosnap.CorruptCheckpointError) or path not in str(exc):
+                if not isinstance(exc, aiosnap.errors.CorruptCheckpointError) or path not in str(exc):
                     raise AssertionError(f"{name} of a bit flipped in a block of {path}: {exc!r:.200}")
 
         return [("reads agree", agree, ()), ("verify agrees", verified, ()), ("flip named", named, ())]
@@ -992,7 +994,7 @@ class StepCalls:
             finally:
                 f.close()
             leaves = list(walk_leaves(header.tree))
-        except (aiosnap.CheckpointError, ValueError, OSError):
+        except (aiosnap.errors.CheckpointError, ValueError, OSError):
             return {}
         out = {}
         for parts, kind, name in leaves:

@@ -258,5 +258,5 @@ def temp_entries(directory: Path) -> list[str]:
         os.path.join(root, name)
         for root, dirs, files in os.walk(directory)
         for name in [*dirs, *files]
-        if name.startswith(aiosnap.TEMP_PREFIX)
+        if name.startswith(aiosnap.storage.TEMP_PREFIX)
     ]

@@ -16,41 +16,57 @@ def test_all_is_sorted_and_complete() -> None:
     assert aiosnap.__all__ == sorted(aiosnap.__all__)
     importlib.import_module("aiosnap.demo")  # an imported submodule is an attribute, not a public name
     assert {n for n in dir(aiosnap) if not n.startswith("_")} == set(aiosnap.__all__)
-    for module in (aiosnap.storage, aiosnap.triggers, aiosnap.retention, aiosnap.cli):
+    for module in (aiosnap.errors, aiosnap.storage, aiosnap.triggers, aiosnap.retention, aiosnap.cli):
         assert module.__all__ == sorted(module.__all__)
         assert {n for n in dir(module) if not n.startswith("_") and n != "annotations"} == set(module.__all__)
 
 
+def test_each_public_name_has_one_home() -> None:
+    """A name lives in one public module: the errors in ``aiosnap.errors``, retention,
+    triggers and storage in theirs, the rest at the top (issue 41: at most 50 there)."""
+    homes: dict[str, list[str]] = {}
+    for module in (aiosnap, aiosnap.errors, aiosnap.storage, aiosnap.triggers, aiosnap.retention):
+        for name in module.__all__:
+            homes.setdefault(name, []).append(module.__name__)
+    assert {name: where for name, where in homes.items() if len(where) > 1} == {}
+    assert len(aiosnap.__all__) <= 50
+    assert all(
+        aiosnap.errors.CheckpointError in (cls, *cls.__mro__) or cls is aiosnap.errors.AiosnapWarning
+        for cls in map(vars(aiosnap.errors).get, aiosnap.errors.__all__)
+    )
+    assert {getattr(aiosnap.errors, name).__module__ for name in aiosnap.errors.__all__} == {"aiosnap.errors"}
+
+
 def test_every_error_is_a_checkpoint_error_and_its_nearest_builtin() -> None:
     pairs = {
-        aiosnap.CaptureError: RuntimeError,
-        aiosnap.CheckpointNotFoundError: FileNotFoundError,
-        aiosnap.ConflictError: RuntimeError,
-        aiosnap.CorruptCheckpointError: ValueError,
-        aiosnap.DirectoryLockedError: RuntimeError,
-        aiosnap.ForeignFileError: FileExistsError,
-        aiosnap.IndexWriteError: OSError,
-        aiosnap.LeaseLostError: RuntimeError,
-        aiosnap.LoaderClosedError: RuntimeError,
-        aiosnap.NotACheckpointError: ValueError,
-        aiosnap.CheckpointKeyError: KeyError,
-        aiosnap.PickleNotAllowedError: ValueError,
-        aiosnap.RankFailedError: RuntimeError,
-        aiosnap.RemoteStorageError: OSError,
-        aiosnap.SaveCancelledError: RuntimeError,
-        aiosnap.StateMismatchError: ValueError,
-        aiosnap.StepExistsError: FileExistsError,
-        aiosnap.UnsupportedTypeError: TypeError,
-        aiosnap.WorkerCrashedError: RuntimeError,
-        aiosnap.WriterClosedError: RuntimeError,
+        aiosnap.errors.CaptureError: RuntimeError,
+        aiosnap.errors.CheckpointNotFoundError: FileNotFoundError,
+        aiosnap.errors.ConflictError: RuntimeError,
+        aiosnap.errors.CorruptCheckpointError: ValueError,
+        aiosnap.errors.DirectoryLockedError: RuntimeError,
+        aiosnap.errors.ForeignFileError: FileExistsError,
+        aiosnap.errors.IndexWriteError: OSError,
+        aiosnap.errors.LeaseLostError: RuntimeError,
+        aiosnap.errors.LoaderClosedError: RuntimeError,
+        aiosnap.errors.NotACheckpointError: ValueError,
+        aiosnap.errors.CheckpointKeyError: KeyError,
+        aiosnap.errors.PickleNotAllowedError: ValueError,
+        aiosnap.errors.RankFailedError: RuntimeError,
+        aiosnap.errors.RemoteStorageError: OSError,
+        aiosnap.errors.SaveCancelledError: RuntimeError,
+        aiosnap.errors.StateMismatchError: ValueError,
+        aiosnap.errors.StepExistsError: FileExistsError,
+        aiosnap.errors.UnsupportedTypeError: TypeError,
+        aiosnap.errors.WorkerCrashedError: RuntimeError,
+        aiosnap.errors.WriterClosedError: RuntimeError,
     }
     for cls, builtin in pairs.items():
-        assert issubclass(cls, aiosnap.CheckpointError) and issubclass(cls, builtin)
-    exported = [getattr(aiosnap, n) for n in aiosnap.__all__]
+        assert issubclass(cls, aiosnap.errors.CheckpointError) and issubclass(cls, builtin)
+    exported = [getattr(aiosnap.errors, n) for n in aiosnap.errors.__all__]
     errors = {v for v in exported if isinstance(v, type) and issubclass(v, Exception)}
-    assert errors == {*pairs, aiosnap.CheckpointError, aiosnap.AiosnapWarning}
-    assert issubclass(aiosnap.AiosnapWarning, UserWarning)  # a warning, not an error
-    assert _subclasses(aiosnap.CheckpointError) == set(pairs)  # none of aiosnap's errors is hidden
+    assert errors == {*pairs, aiosnap.errors.CheckpointError, aiosnap.errors.AiosnapWarning}
+    assert issubclass(aiosnap.errors.AiosnapWarning, UserWarning)  # a warning, not an error
+    assert _subclasses(aiosnap.errors.CheckpointError) == set(pairs)  # none of aiosnap's errors is hidden
 
 
 def _subclasses(cls: type) -> set[type]:
@@ -58,7 +74,7 @@ def _subclasses(cls: type) -> set[type]:
 
 
 def test_corrupt_error_names_path_and_reason() -> None:
-    err = aiosnap.CorruptCheckpointError("/x/y", "truncated")
+    err = aiosnap.errors.CorruptCheckpointError("/x/y", "truncated")
     assert str(err) == "/x/y: truncated" and err.path == "/x/y" and err.reason == "truncated"
 
 
@@ -92,15 +108,15 @@ def test_every_aiosnap_name_a_docstring_mentions_exists() -> None:
 def test_a_former_name_still_works_and_warns() -> None:
     # AnyOf became AnyPolicy, named as AnyTrigger is: code written with the old name runs,
     # and is told where it uses it.
-    for module in (aiosnap, aiosnap.retention):
+    for module in (aiosnap.retention,):
         with pytest.warns(DeprecationWarning, match=rf"{module.__name__}\.AnyOf is deprecated") as seen:
             former = module.AnyOf
-        assert former is aiosnap.AnyPolicy and seen[0].filename == __file__
+        assert former is aiosnap.retention.AnyPolicy and seen[0].filename == __file__
     with pytest.warns(DeprecationWarning, match="it is aiosnap.retention.AnyPolicy"):
         from aiosnap.retention import AnyOf
-    assert AnyOf(aiosnap.KeepLast(1), aiosnap.KeepEvery(10)).keep([], 0.0) == set()
+    assert AnyOf(aiosnap.retention.KeepLast(1), aiosnap.retention.KeepEvery(10)).keep([], 0.0) == set()
     with pytest.raises(AttributeError, match="no attribute 'AnyOff'"):
-        aiosnap.AnyOff  # noqa: B018
+        aiosnap.retention.AnyOff  # noqa: B018
     assert "AnyOf" not in dir(aiosnap) and "AnyOf" not in dir(aiosnap.retention)
 
 
@@ -111,12 +127,14 @@ def test_every_error_pickles_whole_and_is_named_as_users_import_it() -> None:
     import traceback
 
     made = [
-        aiosnap.CorruptCheckpointError("/p", "a checksum does not match"),
-        aiosnap.StepExistsError("/p/s1", 1),
-        aiosnap.CaptureError("model.w", "by another thread"),
-        aiosnap.ForeignFileError("/p/x", "a link"),
+        aiosnap.errors.CorruptCheckpointError("/p", "a checksum does not match"),
+        aiosnap.errors.StepExistsError("/p/s1", 1),
+        aiosnap.errors.CaptureError("model.w", "by another thread"),
+        aiosnap.errors.ForeignFileError("/p/x", "a link"),
     ]
     for error in made:
         back = pickle.loads(pickle.dumps(error))
         assert type(back) is type(error) and str(back) == str(error) and back.__dict__ == error.__dict__
-        assert traceback.format_exception_only(error)[-1].startswith(f"aiosnap.{type(error).__name__}: ")
+        assert traceback.format_exception_only(error)[-1].startswith(
+            f"aiosnap.errors.{type(error).__name__}: "
+        )

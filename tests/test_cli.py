@@ -363,9 +363,9 @@ def test_the_manager_methods_under_prune_and_ls(tmp_path: Path) -> None:
         async with aiosnap.CheckpointManager(str(tmp_path), name=NAME, read_only=True) as reader:
             assert [r.step for r in await reader.records()] == [1, 2, 3]
             assert await reader.prune(dry_run=True) == []  # no policy: nothing goes
-            with pytest.raises(aiosnap.CheckpointError, match="read-only"):
+            with pytest.raises(aiosnap.errors.CheckpointError, match="read-only"):
                 await reader.prune()
-        keep = aiosnap.KeepLast(1)
+        keep = aiosnap.retention.KeepLast(1)
         async with aiosnap.CheckpointManager(str(tmp_path), name=NAME, keep=keep) as manager:
             assert [r.step for r in await manager.prune(dry_run=True)] == [1, 2]
             assert [r.step for r in await manager.prune()] == [1, 2]

@@ -118,7 +118,7 @@ def test_entries_read_in_pieces_are_whole_and_checked(tmp_path: Path) -> None:
         byte = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([byte[0] ^ 0xFF]))
-    with pytest.raises(aiosnap.CorruptCheckpointError, match="'b'"):
+    with pytest.raises(aiosnap.errors.CorruptCheckpointError, match="'b'"):
         aiosnap.load_sync(str(path))
 
 

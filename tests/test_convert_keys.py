@@ -84,7 +84,9 @@ def test_an_optimizer_state_keyed_by_text_is_refused(tmp_path: Path) -> None:
     aiosnap.save_sync(str(path), {"model": model, "optimizer": as_dcp_left_it})
     fresh, fresh_optimizer = _model_and_optimizer(1, step=False)
     weights = [p.detach().clone() for p in fresh.parameters()]
-    with pytest.raises(aiosnap.StateMismatchError, match=r"optimizer\.state: .* keys \['0', '1', '2', '3'\]"):
+    with pytest.raises(
+        aiosnap.errors.StateMismatchError, match=r"optimizer\.state: .* keys \['0', '1', '2', '3'\]"
+    ):
         aiosnap.load_into_sync(str(path), {"model": fresh, "optimizer": fresh_optimizer})
     assert not fresh_optimizer.state and all(
         torch.equal(a, b) for a, b in zip(weights, fresh.parameters(), strict=True)

@@ -185,7 +185,7 @@ def test_a_flipped_byte_is_named_by_item_and_file(tmp_path: Path) -> None:
     with pytest.raises(CheckpointException) as caught:
         dcp.load(template(), checkpoint_id=tmp_path, storage_reader=AiosnapStorageReader())
     error = failure(caught.value)
-    assert isinstance(error, aiosnap.CorruptCheckpointError)
+    assert isinstance(error, aiosnap.errors.CorruptCheckpointError)
     assert error.path == str(tmp_path / info.relative_path)
     assert "'model.0.weight'" in str(error) and "checksum mismatch" in str(error)
     # DCP's own reader has no checksum to check: it loads the altered value.
@@ -227,14 +227,14 @@ def test_overwrite_replaces_whole_and_deletes_only_its_own(tmp_path: Path) -> No
     theirs = {p.name: p.read_bytes() for p in (tmp_path / "theirs").iterdir()}
     with pytest.raises(CheckpointException) as caught:
         dcp.save({"random": t2}, storage_writer=AiosnapStorageWriter(tmp_path / "theirs"))
-    assert isinstance(failure(caught.value), aiosnap.ForeignFileError)
+    assert isinstance(failure(caught.value), aiosnap.errors.ForeignFileError)
     assert {p.name: p.read_bytes() for p in (tmp_path / "theirs").iterdir()} == theirs
     # Nor is a metadata that is a symbolic link: it is neither read through nor replaced.
     (tmp_path / "linked").mkdir()
     os.symlink(tmp_path / "reused" / ".metadata", tmp_path / "linked" / ".metadata")
     with pytest.raises(CheckpointException) as caught:
         dcp.save({"random": t2}, storage_writer=AiosnapStorageWriter(tmp_path / "linked"))
-    assert isinstance(failure(caught.value), aiosnap.ForeignFileError)
+    assert isinstance(failure(caught.value), aiosnap.errors.ForeignFileError)
     assert os.path.islink(tmp_path / "linked" / ".metadata")
     # ... and aiosnap's reader reads it (there are no checksums to check).
     sd = {"random": torch.zeros(10)}
@@ -280,7 +280,7 @@ def test_a_failed_write_fails_the_save_and_leaves_the_previous_checkpoint(
         if kind == op and path.endswith(".distcp"):
             raise OSError(code, f"{os.strerror(code)} (injected)", path)
 
-    failing = AiosnapStorageWriter(storage=aiosnap.LocalStorage(posix=HookedPosix(hook)))
+    failing = AiosnapStorageWriter(storage=aiosnap.storage.LocalStorage(posix=HookedPosix(hook)))
     # 40 MiB: pieces go to the thread while the next fills
     big = {"w": torch.full((64,), 2.0), "big": torch.zeros(10 << 20)}
     with pytest.raises(CheckpointException) as caught:
@@ -408,7 +408,7 @@ def test_the_metadata_rebuilds_only_dcps_classes(tmp_path: Path, monkeypatch: py
             {"w": torch.zeros(3)}, checkpoint_id=tmp_path / "ckpt", storage_reader=AiosnapStorageReader()
         )
     error = failure(caught.value)
-    assert isinstance(error, aiosnap.CorruptCheckpointError) and "'../elsewhere.distcp'" in str(error)
+    assert isinstance(error, aiosnap.errors.CorruptCheckpointError) and "'../elsewhere.distcp'" in str(error)
 
     # An extent that is not one: refused before any read.
     for info in metadata.storage_data.values():

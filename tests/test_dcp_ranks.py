@@ -120,7 +120,7 @@ def _failing_on(victim: int, rank: int) -> AiosnapStorageWriter:
         if op == "fsync" and path.endswith(".distcp"):
             raise OSError(errno.EIO, "Input/output error (injected)", path)
 
-    return AiosnapStorageWriter(storage=aiosnap.LocalStorage(posix=HookedPosix(hook)))
+    return AiosnapStorageWriter(storage=aiosnap.storage.LocalStorage(posix=HookedPosix(hook)))
 
 
 async def _failing_save(rank: int, world: int, directory: str, victim: int) -> Any:

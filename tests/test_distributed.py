@@ -113,7 +113,7 @@ async def failure_of(mgr: aiosnap.CheckpointManager, handle: aiosnap.SaveHandle)
     """How a save failed (which ranks, the message), or that it committed."""
     try:
         await handle.wait()
-    except aiosnap.RankFailedError as exc:
+    except aiosnap.errors.RankFailedError as exc:
         return {"failed": sorted(exc.failed), "message": str(exc)}
     finally:
         mgr.take_failures()  # these tests look only at the handle
@@ -129,7 +129,7 @@ def ok(results: dict[int, Any], world: int) -> None:
 # -- a round trip -----------------------------------------------------------------------
 async def _round_trip(rank: int, world: int, directory: str) -> dict[str, Any]:
     async with aiosnap.CheckpointManager(
-        directory, ranks=aiosnap.Ranks(replicated=["model.*"], timeout=30), keep=aiosnap.KeepLast(2)
+        directory, ranks=aiosnap.Ranks(replicated=["model.*"], timeout=30), keep=aiosnap.retention.KeepLast(2)
     ) as mgr:
         assert mgr.rank == rank
         for step in (1, 2, 3):
@@ -168,7 +168,7 @@ def test_a_group_saves_one_directory_per_step_and_restores(tmp_path: Path, world
     # Every file is a complete checkpoint of its own part, readable with its replicas.
     alone = asyncio.run(aiosnap.load(str(step / "rank_00001"), keys=["optim"]))
     assert alone["optim"]["m"][0] == 100 + 3
-    with pytest.raises(aiosnap.CheckpointError, match="replicas="):
+    with pytest.raises(aiosnap.errors.CheckpointError, match="replicas="):
         asyncio.run(aiosnap.load(str(step / "rank_00001")))
     index = json.loads((tmp_path / aiosnap._manager.catalog.INDEX_NAME).read_text())
     assert index["latest"] == 3 and index["checkpoints"][-1]["bytes"] == sum(sizes)
@@ -176,7 +176,7 @@ def test_a_group_saves_one_directory_per_step_and_restores(tmp_path: Path, world
 
 
 # -- failures ---------------------------------------------------------------------------
-def FailingStorage(victim: str, how: str) -> aiosnap.Storage:
+def FailingStorage(victim: str, how: str) -> aiosnap.storage.Storage:
     """The real local storage; writes of one rank's file of one step fail, or kill it."""
 
     def fail(path: str) -> BaseException:
@@ -198,7 +198,7 @@ async def _failing_write(rank: int, world: int, directory: str, victim: int) -> 
         try:
             await handle.wait()
             return {"error": "step 2 committed"}
-        except aiosnap.RankFailedError as exc:
+        except aiosnap.errors.RankFailedError as exc:
             failure = {
                 "failed": sorted(exc.failed),
                 "message": str(exc),
@@ -315,7 +315,7 @@ async def _restore_at(rank: int, world: int, directory: str, keys: list[str] | N
     ) as mgr:
         try:
             restored = await mgr.restore(keys=keys)
-        except aiosnap.StateMismatchError as exc:
+        except aiosnap.errors.StateMismatchError as exc:
             return {"mismatch": str(exc)}
     state = restored.state
     expect = state_of(rank, 5)
@@ -381,7 +381,7 @@ def test_managers_over_subgroups_checkpoint_independently(tmp_path: Path) -> Non
 # -- agreement --------------------------------------------------------------------------
 async def _clock_trigger(rank: int, world: int, directory: str) -> Any:
     # The ranks' clocks (here: their triggers) disagree; rank 0's decision is followed.
-    trigger = aiosnap.EveryNSeconds(0.0 if rank == 0 else 1e9)
+    trigger = aiosnap.triggers.EveryNSeconds(0.0 if rank == 0 else 1e9)
     async with aiosnap.CheckpointManager(
         directory, save_every=trigger, ranks=aiosnap.Ranks(timeout=20)
     ) as mgr:
@@ -395,8 +395,12 @@ def test_clock_triggers_follow_rank_0(tmp_path: Path) -> None:
     results = run_ranks(2, _clock_trigger, str(tmp_path))
     ok(results, 2)
     assert results == {0: [0, 1, 2], 1: [0, 1, 2]}
-    assert not deterministic(aiosnap.EveryNSeconds(1)) and deterministic(aiosnap.EveryNSteps(2))
-    assert deterministic(aiosnap.AnyTrigger(aiosnap.AtSteps([1]), aiosnap.EveryNEpochs(1)))
+    assert not deterministic(aiosnap.triggers.EveryNSeconds(1)) and deterministic(
+        aiosnap.triggers.EveryNSteps(2)
+    )
+    assert deterministic(
+        aiosnap.triggers.AnyTrigger(aiosnap.triggers.AtSteps([1]), aiosnap.triggers.EveryNEpochs(1))
+    )
 
 
 async def _different_replicas(rank: int, world: int, directory: str) -> Any:
@@ -408,7 +412,7 @@ async def _different_replicas(rank: int, world: int, directory: str) -> Any:
             state["model"]["w"] = torch.zeros(3)
         try:
             await (await mgr.save(1, state)).wait()
-        except aiosnap.RankFailedError as exc:
+        except aiosnap.errors.RankFailedError as exc:
             return {"failed": sorted(exc.failed), "message": str(exc), "steps": await mgr.steps()}
     return {}
 
@@ -423,11 +427,11 @@ async def _out_of_step(rank: int, world: int, directory: str) -> Any:
     async with aiosnap.CheckpointManager(directory, ranks=aiosnap.Ranks(timeout=20)) as mgr:
         try:
             await (mgr.steps() if rank == 0 else mgr.history())
-        except aiosnap.RankFailedError as exc:
+        except aiosnap.errors.RankFailedError as exc:
             first = str(exc)
         try:
             await mgr.steps()
-        except aiosnap.RankFailedError as exc:
+        except aiosnap.errors.RankFailedError as exc:
             return {"first": first, "then": str(exc)}
     return {}
 
@@ -444,7 +448,7 @@ async def _misconfigured(rank: int, world: int, directory: str) -> Any:
             directory, ranks=aiosnap.Ranks(replicated=["model"] if rank else [], timeout=20)
         ):
             pass
-    except aiosnap.RankFailedError as exc:
+    except aiosnap.errors.RankFailedError as exc:
         return {"failed": sorted(exc.failed)}
     return {}
 
@@ -478,7 +482,7 @@ async def test_external_entries_are_read_from_the_replicas_file(tmp_path: Path) 
     assert torch.equal(target["model"]["n"], state["model"]["n"])
     other = str(tmp_path / "other")
     await aiosnap.save(other, {"model": {"w": torch.randn(4, 4).double(), "n": torch.arange(3)}})
-    with pytest.raises(aiosnap.CorruptCheckpointError, match="replicated entry 'model.w'"):
+    with pytest.raises(aiosnap.errors.CorruptCheckpointError, match="replicated entry 'model.w'"):
         await aiosnap.load(part, replicas=other)
 
 
@@ -486,14 +490,14 @@ def test_a_damaged_manifest_is_refused(tmp_path: Path) -> None:
     manifest = Manifest(3, None, 2, ["rank_00000", "rank_00001"], ["0" * 8] * 2, [1, 2], ["m"], "rank_00000")
     raw = manifest.to_bytes()
     assert Manifest.parse("m", raw) == manifest
-    with pytest.raises(aiosnap.CorruptCheckpointError, match="bad manifest"):
+    with pytest.raises(aiosnap.errors.CorruptCheckpointError, match="bad manifest"):
         Manifest.parse("m", raw.replace(b'"step":3', b'"step":4'))
     for field, value in [("files", ["rank_00000", "../../etc/passwd"]), ("sizes", "12"), ("world_size", 3)]:
         hostile = json.loads(raw)
         hostile["body"][field] = value
         body = json.dumps(hostile["body"], sort_keys=True, separators=(",", ":")).encode()
         hostile["crc32c"] = f"{crc32c(body):08x}"  # a consistent but hostile manifest
-        with pytest.raises(aiosnap.CorruptCheckpointError, match="bad manifest"):
+        with pytest.raises(aiosnap.errors.CorruptCheckpointError, match="bad manifest"):
             Manifest.parse("m", json.dumps(hostile).encode())
 
 
@@ -532,7 +536,7 @@ async def _cancelled_save(rank: int, world: int, directory: str) -> Any:
             try:
                 await mgr.save(3, state_of(rank, 3))  # the group's failure of step 2 is not its own
                 result["next"] = "saved"
-            except aiosnap.RankFailedError:
+            except aiosnap.errors.RankFailedError:
                 result["next"] = "RankFailedError"
         else:
             held.release.set()
@@ -575,7 +579,7 @@ async def _synchronous_loop_with_a_collective(rank: int, world: int, directory: 
         if rank == 1 and op == "rename" and "snapshot_iter_1" in path:
             passed.wait()
 
-    storage = aiosnap.LocalStorage(posix=HookedPosix(hook))
+    storage = aiosnap.storage.LocalStorage(posix=HookedPosix(hook))
     writer = aiosnap.QueueWriter(storage=storage)
     mine = Path(directory, "snapshot_iter_1", f"rank_{rank:05d}")
     async with aiosnap.CheckpointManager(

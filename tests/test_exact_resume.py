@@ -67,7 +67,7 @@ async def _train_async(directory: str, workers: int, stop_at: int | None, report
 
     aiosnap.epoch_limiter(job, EPOCHS)
     state = {"model": model, "optimizer": optimizer, "loader": loader, "rng": aiosnap.RNGState()}
-    async with aiosnap.CheckpointManager(directory, keep=aiosnap.KeepLast(2)) as mgr:
+    async with aiosnap.CheckpointManager(directory, keep=aiosnap.retention.KeepLast(2)) as mgr:
         await aiosnap.JobRunner(job, mgr, state=state).train()
 
 

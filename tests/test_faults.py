@@ -29,7 +29,7 @@ from .faults import HookedPosix, Injector
 from .test_distributed import run_ranks
 
 CODES = {"EIO": errno.EIO, "ENOSPC": errno.ENOSPC, "EINTR": errno.EINTR}
-Flow = Callable[[Path, aiosnap.Storage], Awaitable[None]]
+Flow = Callable[[Path, aiosnap.storage.Storage], Awaitable[None]]
 
 
 def state(step: int, size: int = 1024) -> dict[str, Any]:
@@ -42,18 +42,20 @@ def assert_state(loaded: Any, step: int) -> None:
 
 
 # -- the flows: each starts from a directory holding step 1, and writes step 2 --------------------
-async def save_file(directory: Path, storage: aiosnap.Storage) -> None:
+async def save_file(directory: Path, storage: aiosnap.storage.Storage) -> None:
     await aiosnap.save(str(directory / "snapshot_iter_2"), state(2), storage=storage)
 
 
-async def save_in_pieces(directory: Path, storage: aiosnap.Storage) -> None:
+async def save_in_pieces(directory: Path, storage: aiosnap.storage.Storage) -> None:
     async with aiosnap.QueueWriter(max_host_bytes=1 << 20, storage=storage) as writer:
         await (await writer("snapshot_iter_2", str(directory), state(2, 3 << 18))).wait()  # 3 MiB
 
 
-async def manager_commit(directory: Path, storage: aiosnap.Storage) -> None:
+async def manager_commit(directory: Path, storage: aiosnap.storage.Storage) -> None:
     # Open (lease, sweep, index), save (commit), index update, retention (step 1 goes), close.
-    async with aiosnap.CheckpointManager(str(directory), keep=aiosnap.KeepLast(1), storage=storage) as mgr:
+    async with aiosnap.CheckpointManager(
+        str(directory), keep=aiosnap.retention.KeepLast(1), storage=storage
+    ) as mgr:
         await (await mgr.save(2, state(2))).wait()
 
 
@@ -65,11 +67,11 @@ def incremental_state(step: int) -> dict[str, Any]:
     return {**state(step, 1 << 15), "shared": _SHARED}  # x: 128 KiB, a blob of its own
 
 
-async def incremental_commit(directory: Path, storage: aiosnap.Storage) -> None:
+async def incremental_commit(directory: Path, storage: aiosnap.storage.Storage) -> None:
     # Blobs first (x of step 2; the shared one is there), then the file, then retention
     # drops step 1 and collects its blob of x.
     async with aiosnap.CheckpointManager(
-        str(directory), keep=aiosnap.KeepLast(1), storage=storage, incremental=True
+        str(directory), keep=aiosnap.retention.KeepLast(1), storage=storage, incremental=True
     ) as mgr:
         await (await mgr.save(2, incremental_state(2))).wait()
 
@@ -113,7 +115,7 @@ async def seed(directory: Path) -> None:
 
 async def run(flow: Flow, directory: Path, injector: Injector) -> BaseException | None:
     try:
-        await flow(directory, aiosnap.LocalStorage(posix=HookedPosix(injector)))
+        await flow(directory, aiosnap.storage.LocalStorage(posix=HookedPosix(injector)))
     except Exception as exc:
         return exc
     return None
@@ -122,11 +124,11 @@ async def run(flow: Flow, directory: Path, injector: Injector) -> BaseException 
 def check_error(error: BaseException | None, injector: Injector) -> None:
     if error is None:
         return
-    assert isinstance(error, (OSError, aiosnap.CheckpointError)), repr(error)
-    assert aiosnap.TEMP_PREFIX not in str(error), f"the message names a temp file: {error}"
+    assert isinstance(error, (OSError, aiosnap.errors.CheckpointError)), repr(error)
+    assert aiosnap.storage.TEMP_PREFIX not in str(error), f"the message names a temp file: {error}"
     if isinstance(error, OSError):
         assert error.errno == injector.code and os.strerror(injector.code) in str(error), repr(error)
-        assert error.filename and aiosnap.TEMP_PREFIX not in str(error.filename)
+        assert error.filename and aiosnap.storage.TEMP_PREFIX not in str(error.filename)
 
 
 async def check_index(directory: Path, error: BaseException | None = None) -> None:
@@ -138,7 +140,7 @@ async def check_index(directory: Path, error: BaseException | None = None) -> No
     except (FileNotFoundError, ValueError):
         return  # no index, or a damaged one: rebuilt at the next open
     listed = [c for c in index["checkpoints"] if c["corrupt"] is None]
-    stale = isinstance(error, aiosnap.IndexWriteError)
+    stale = isinstance(error, aiosnap.errors.IndexWriteError)
     for record in listed:
         if not stale or (directory / record["file"]).exists():
             await aiosnap.verify(str(directory / record["file"]))
@@ -150,7 +152,7 @@ async def reopen_and_restore(directory: Path, committed: bool) -> None:
     async with aiosnap.CheckpointManager(str(directory)) as mgr:
         for folder in (directory, directory / "aiosnap-blobs"):  # the blob folder's swept too
             left = os.listdir(folder) if folder.exists() else []
-            assert [n for n in left if n.startswith(aiosnap.TEMP_PREFIX)] == []
+            assert [n for n in left if n.startswith(aiosnap.storage.TEMP_PREFIX)] == []
         restored = await mgr.restore()
         assert restored.step in ((2,) if committed else (1, 2)), restored.step
         assert_state(restored.state, restored.step)
@@ -209,7 +211,7 @@ def _crash_at(flow_name: str, directory: str, n: int) -> None:
             os._exit(137)
 
     calls: list[str] = []
-    asyncio.run(FLOWS[flow_name](Path(directory), aiosnap.LocalStorage(posix=HookedPosix(hook))))
+    asyncio.run(FLOWS[flow_name](Path(directory), aiosnap.storage.LocalStorage(posix=HookedPosix(hook))))
     os._exit(0)
 
 
@@ -256,12 +258,14 @@ def group_state(step: int, big: bool = False) -> dict[str, Any]:
     }
 
 
-async def _group_flow(rank: int, directory: str, storage: aiosnap.Storage | None, big: bool = False) -> None:
+async def _group_flow(
+    rank: int, directory: str, storage: aiosnap.storage.Storage | None, big: bool = False
+) -> None:
     async with aiosnap.CheckpointManager(
         directory,
         storage=storage,
         writer=aiosnap.QueueWriter(storage=storage, incremental=big),
-        keep=aiosnap.KeepLast(1),
+        keep=aiosnap.retention.KeepLast(1),
         ranks=aiosnap.Ranks(timeout=30),
     ) as mgr:
         await (await mgr.save(2, group_state(2, big))).wait()
@@ -286,7 +290,7 @@ async def _group_faults(
         await _group_seed(directory, big)
         injector = Injector(n if rank == victim else 0, code, persistent=persistent)
         try:
-            await _group_flow(rank, directory, aiosnap.LocalStorage(posix=HookedPosix(injector)), big)
+            await _group_flow(rank, directory, aiosnap.storage.LocalStorage(posix=HookedPosix(injector)), big)
             outcomes.append(None)
         except Exception as exc:
             outcomes.append(f"{type(exc).__name__}: {exc}")
@@ -309,7 +313,7 @@ def _faults_in_a_group_commit(
     for n in range(1, calls + 1):
         for rank in (0, 1):
             outcome = results[rank]["outcomes"][n - 1]
-            assert outcome is None or aiosnap.TEMP_PREFIX not in outcome, outcome
+            assert outcome is None or aiosnap.storage.TEMP_PREFIX not in outcome, outcome
         try:
             asyncio.run(_check_group_dir(tmp_path / f"n{n}"))
         except AssertionError as exc:
@@ -320,7 +324,7 @@ def _faults_in_a_group_commit(
 async def _check_group_dir(directory: Path) -> None:
     """A process on its own reopens the directory and restores the old step or the new."""
     async with aiosnap.CheckpointManager(str(directory)) as mgr:
-        leftovers = [p for p in directory.rglob(f"{aiosnap.TEMP_PREFIX}*")]
+        leftovers = [p for p in directory.rglob(f"{aiosnap.storage.TEMP_PREFIX}*")]
         assert leftovers == []
         restored = await mgr.restore()
         assert restored.step in (1, 2)
@@ -377,8 +381,8 @@ async def _group_crash(rank: int, world: int, directory: str, victim: int, n: in
     calls: list[str] = []
     posix = HookedPosix(hook) if rank == victim else None
     try:
-        await _group_flow(rank, directory, aiosnap.LocalStorage(posix=posix))
-    except aiosnap.RankFailedError:
+        await _group_flow(rank, directory, aiosnap.storage.LocalStorage(posix=posix))
+    except aiosnap.errors.RankFailedError:
         return {"survived": True}
     return {"calls": len(calls)}
 

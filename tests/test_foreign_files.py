@@ -44,7 +44,9 @@ def test_big_endian_arrays_come_back_exactly_and_load_into_the_same_structure(tm
     ids=["MaskedArray", "matrix"],
 )
 def test_array_subclasses_are_refused_or_pickled_whole(tmp_path: Path, value: Any) -> None:
-    with pytest.raises(aiosnap.UnsupportedTypeError, match=f"{type(value).__qualname__} would load as"):
+    with pytest.raises(
+        aiosnap.errors.UnsupportedTypeError, match=f"{type(value).__qualname__} would load as"
+    ):
         aiosnap.save_sync(str(tmp_path / "c"), {"v": value})
     aiosnap.save_sync(str(tmp_path / "c"), {"v": value}, allow_pickle=True)
     back = aiosnap.load_sync(str(tmp_path / "c"), allow_pickle=True)["v"]
@@ -64,12 +66,12 @@ async def test_a_torch_save_file_reports_its_size_and_loads_with_the_opt_in(
     path = tmp_path / "m.pt"
     assert stats.bytes == path.stat().st_size
     with pytest.raises(
-        aiosnap.PickleNotAllowedError, match=r"torch.save file.*allow_pickle=True.*torch.load"
+        aiosnap.errors.PickleNotAllowedError, match=r"torch.save file.*allow_pickle=True.*torch.load"
     ):
         await aiosnap.load(str(path))
     assert_tree_equal(state, await aiosnap.load(str(path), allow_pickle=True))
     assert_tree_equal({"w": state["w"]}, await aiosnap.load(str(path), allow_pickle=True, keys=["w"]))
-    with pytest.raises(aiosnap.CheckpointKeyError):
+    with pytest.raises(aiosnap.errors.CheckpointKeyError):
         await aiosnap.load(str(path), allow_pickle=True, keys=["nope"])
     target = {"w": torch.zeros(6), "opt": {"lr": 0.0, "m": [torch.zeros(2)]}}
     await aiosnap.load_into(str(path), target, allow_pickle=True)
@@ -86,7 +88,7 @@ def test_a_damaged_torch_save_file_fails_verification(tmp_path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[info.header_offset + 30 + len(info.filename) + len(info.extra) + 10] ^= 0xFF  # inside the member
     path.write_bytes(data)
-    with pytest.raises(aiosnap.CorruptCheckpointError, match="checksum mismatch"):
+    with pytest.raises(aiosnap.errors.CorruptCheckpointError, match="checksum mismatch"):
         aiosnap.verify_sync(str(path))
 
 
@@ -120,14 +122,14 @@ def _write_foreign(tmp_path: Path, kind: str) -> Path:
 def test_a_file_that_is_not_a_checkpoint_says_what_it_is(tmp_path: Path, kind: str, match: str) -> None:
     path = _write_foreign(tmp_path, kind)
     for call in (aiosnap.load_sync, aiosnap.verify_sync):
-        with pytest.raises(aiosnap.NotACheckpointError, match=match) as info:
+        with pytest.raises(aiosnap.errors.NotACheckpointError, match=match) as info:
             call(str(path))
         assert info.value.path == str(path)
 
 
 def test_a_legacy_torch_save_file_is_recognised(tmp_path: Path) -> None:
     path = _write_foreign(tmp_path, "legacy")
-    with pytest.raises(aiosnap.PickleNotAllowedError, match="torch.save file"):
+    with pytest.raises(aiosnap.errors.PickleNotAllowedError, match="torch.save file"):
         aiosnap.load_sync(str(path))
     assert torch.equal(aiosnap.load_sync(str(path), allow_pickle=True)["a"], torch.ones(1))
 
@@ -139,12 +141,12 @@ async def test_errors_name_the_users_path_not_the_temp_file(tmp_path: Path, code
         if op == "open" and path.endswith("ckpt"):
             raise OSError(code, "injected", path)
 
-    storage = aiosnap.LocalStorage(posix=HookedPosix(refuse_creation))
+    storage = aiosnap.storage.LocalStorage(posix=HookedPosix(refuse_creation))
     with pytest.raises(OSError) as info:
         await aiosnap.save(str(tmp_path / "ckpt"), {"x": torch.ones(3)}, storage=storage)
     assert type(info.value).__name__ == name and info.value.errno == code
     assert info.value.filename == str(tmp_path / "ckpt") and str(tmp_path / "ckpt") in str(info.value)
-    assert aiosnap.TEMP_PREFIX not in str(info.value)
+    assert aiosnap.storage.TEMP_PREFIX not in str(info.value)
     assert temp_files(tmp_path) == []
 
 
@@ -152,7 +154,7 @@ async def test_a_full_disk_says_how_much_space_was_needed(tmp_path: Path) -> Non
     storage = failing_writes({"ckpt"})
     with pytest.raises(OSError, match=r"writing .*ckpt needs 4\.0 MiB, .* free") as info:
         await aiosnap.save(str(tmp_path / "ckpt"), {"x": torch.ones(1 << 20)}, storage=storage)
-    assert info.value.errno == errno.ENOSPC and aiosnap.TEMP_PREFIX not in str(info.value)
+    assert info.value.errno == errno.ENOSPC and aiosnap.storage.TEMP_PREFIX not in str(info.value)
 
 
 def test_a_url_is_never_taken_for_a_local_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -160,7 +162,9 @@ def test_a_url_is_never_taken_for_a_local_path(tmp_path: Path, monkeypatch: pyte
     with pytest.raises(ValueError, match="unknown storage scheme 'nosuch'"):
         aiosnap.save_sync("nosuch://bucket/run/ckpt", {"x": torch.ones(1)})
     with pytest.raises(ValueError, match="is a URL, not a local path"):
-        aiosnap.save_sync("s3://bucket/run/ckpt", {"x": torch.ones(1)}, storage=aiosnap.LocalStorage())
+        aiosnap.save_sync(
+            "s3://bucket/run/ckpt", {"x": torch.ones(1)}, storage=aiosnap.storage.LocalStorage()
+        )
     assert list(tmp_path.iterdir()) == []  # no directory named "s3:" or "nosuch:"
 
 
@@ -190,7 +194,9 @@ async def test_a_savefun_on_a_full_disk_says_the_disk_is_full(small_disk: Path) 
 
 
 def test_an_int_too_long_for_text_is_our_error_naming_its_key(tmp_path: Path) -> None:
-    with pytest.raises(aiosnap.UnsupportedTypeError, match=r"at opt\.big: an int of more than 4300 digits"):
+    with pytest.raises(
+        aiosnap.errors.UnsupportedTypeError, match=r"at opt\.big: an int of more than 4300 digits"
+    ):
         aiosnap.save_sync(str(tmp_path / "c"), {"opt": {"big": 10**5000}})
     aiosnap.save_sync(str(tmp_path / "c"), {"opt": {"big": 10**5000}}, allow_pickle=True)
     assert aiosnap.load_sync(str(tmp_path / "c"), allow_pickle=True)["opt"]["big"] == 10**5000

@@ -194,7 +194,7 @@ def test_keys_prune_the_tree(tmp_path: Path) -> None:
     assert set(got["model"]) == {"layer1.weight", "layer1.bias"}
     assert torch.equal(got["optimizer"]["state"][0]["m"], torch.ones(1))
     assert got["lst"][0] is None and torch.equal(got["lst"][1], torch.ones(1))
-    with pytest.raises(aiosnap.CheckpointKeyError, match="nope"):
+    with pytest.raises(aiosnap.errors.CheckpointKeyError, match="nope"):
         aiosnap.load_sync(path, keys=["nope"])
 
 
@@ -233,7 +233,7 @@ def _rewrite_header(path: Path, edit: Any) -> None:
 
 def _corrupt(path: Path, match: str) -> None:
     for call in (aiosnap.load_sync, aiosnap.verify_sync):
-        with pytest.raises(aiosnap.CorruptCheckpointError, match=match) as info:
+        with pytest.raises(aiosnap.errors.CorruptCheckpointError, match=match) as info:
             call(str(path))
         assert info.value.path == str(path)
 
@@ -246,9 +246,9 @@ def test_every_flipped_bit_is_detected(good_file: Path) -> None:
         flipped = bytearray(data)
         flipped[pos] ^= 1 << int(rng.integers(0, 8))
         good_file.write_bytes(flipped)
-        with pytest.raises(aiosnap.CorruptCheckpointError):
+        with pytest.raises(aiosnap.errors.CorruptCheckpointError):
             aiosnap.verify_sync(str(good_file))
-        with pytest.raises(aiosnap.CorruptCheckpointError):
+        with pytest.raises(aiosnap.errors.CorruptCheckpointError):
             aiosnap.load_sync(str(good_file))
 
 
@@ -317,11 +317,11 @@ def test_not_json_and_deep_nesting(tmp_path: Path) -> None:
 
 
 def test_missing_file_and_directory(tmp_path: Path) -> None:
-    with pytest.raises(aiosnap.CheckpointNotFoundError):
+    with pytest.raises(aiosnap.errors.CheckpointNotFoundError):
         aiosnap.load_sync(str(tmp_path / "nope"))
     with pytest.raises(FileNotFoundError):
         aiosnap.load_sync(str(tmp_path / "nope"))
-    with pytest.raises(aiosnap.CorruptCheckpointError, match="directory"):
+    with pytest.raises(aiosnap.errors.CorruptCheckpointError, match="directory"):
         aiosnap.load_sync(str(tmp_path))
 
 
@@ -332,7 +332,7 @@ def test_pickle_in_a_file_never_runs_without_opt_in(tmp_path: Path) -> None:
 
     path = str(tmp_path / "c")
     aiosnap.save_sync(path, {"evil": Evil()}, allow_pickle=True)
-    with pytest.raises(aiosnap.PickleNotAllowedError):
+    with pytest.raises(aiosnap.errors.PickleNotAllowedError):
         aiosnap.load_sync(path)
     aiosnap.verify_sync(path)
     assert not (tmp_path / "pwned").exists()
@@ -472,7 +472,7 @@ async def test_a_failed_load_keeps_nothing_of_its_file_alive(good_file: Path) ->
     try:
         before, _ = tracemalloc.get_traced_memory()
         for call in (aiosnap.load, aiosnap.verify):
-            with pytest.raises(aiosnap.CorruptCheckpointError, match="format version 99") as info:
+            with pytest.raises(aiosnap.errors.CorruptCheckpointError, match="format version 99") as info:
                 await call(str(good_file))
             del info
         gc.collect()
@@ -522,7 +522,7 @@ def test_a_shape_seen_before_vouches_only_for_the_same_spelling(tmp_path: Path, 
     parts = hostile.parse(path.read_bytes())
     parts.meta["tensors"]["b"]["shape"] = spelled
     path.write_bytes(hostile.render(parts))
-    with pytest.raises(aiosnap.CorruptCheckpointError, match="'b'"):
+    with pytest.raises(aiosnap.errors.CorruptCheckpointError, match="'b'"):
         aiosnap.load_sync(str(path))
 
 

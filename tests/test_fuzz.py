@@ -131,7 +131,9 @@ def _edited(path: Path, edit: Any, *, recompute: bool = False) -> Path:
     return path
 
 
-def _refused(path: Path, match: str, *, error: type[Exception] = aiosnap.CorruptCheckpointError) -> None:
+def _refused(
+    path: Path, match: str, *, error: type[Exception] = aiosnap.errors.CorruptCheckpointError
+) -> None:
     target = {"a": torch.zeros(4), "arr": np.zeros(3, dtype=np.int64), "n": 0}
     for call in (
         lambda: aiosnap.load_sync(str(path)),
@@ -177,7 +179,7 @@ def test_a_shape_torch_or_numpy_cannot_hold_is_refused(tmp_path: Path, shape: li
 
     _edited(path, edit)
     for call in (aiosnap.load_sync, aiosnap.verify_sync):
-        with pytest.raises(aiosnap.CorruptCheckpointError, match="shape"):
+        with pytest.raises(aiosnap.errors.CorruptCheckpointError, match="shape"):
             call(str(path))
 
 
@@ -243,7 +245,7 @@ def test_an_entry_used_as_two_kinds_is_refused(good: Path) -> None:
     tree = {"$": "dict", "items": [["a", {"$": "tensor", "n": "a"}], ["b", {"$": "ndarray", "n": "a"}]]}
     path = _edited(good, lambda p: p.meta.update(tree=tree))
     for call in (aiosnap.load_sync, aiosnap.verify_sync):
-        with pytest.raises(aiosnap.CorruptCheckpointError, match="is a ndarray but 'a' is a tensor"):
+        with pytest.raises(aiosnap.errors.CorruptCheckpointError, match="is a ndarray but 'a' is a tensor"):
             call(str(path))
 
 
@@ -252,9 +254,9 @@ def test_load_state_dict_failing_any_way_is_a_state_mismatch(tmp_path: Path) -> 
     # Module.load_state_dict, given a dict with an int key.
     path = str(tmp_path / "c")
     aiosnap.save_sync(path, {"model": {1: torch.zeros(2)}})
-    with pytest.raises(aiosnap.StateMismatchError, match="unexpected keys \\[1\\]"):
+    with pytest.raises(aiosnap.errors.StateMismatchError, match="unexpected keys \\[1\\]"):
         aiosnap.load_into_sync(path, {"model": torch.nn.Linear(2, 1)})  # refused before it is called
-    with pytest.raises(aiosnap.StateMismatchError, match="AttributeError"):
+    with pytest.raises(aiosnap.errors.StateMismatchError, match="AttributeError"):
         aiosnap.load_into_sync(path, {"model": torch.nn.Linear(2, 1)}, strict=False)
 
 
@@ -268,7 +270,7 @@ def test_a_tuple_item_load_into_would_replace_is_a_state_mismatch(tmp_path: Path
         torch.zeros(2, dtype=torch.int8).view(dtype) if dtype.itemsize == 1 else torch.zeros(2, dtype=dtype)
     )
     aiosnap.save_sync(path, {"t": (torch.ones(2), item)})
-    with pytest.raises(aiosnap.StateMismatchError, match="a tuple cannot be updated in place"):
+    with pytest.raises(aiosnap.errors.StateMismatchError, match="a tuple cannot be updated in place"):
         aiosnap.load_into_sync(path, {"t": (torch.zeros(2), 0)})
 
 
@@ -287,7 +289,7 @@ def test_a_deeply_nested_manifest_is_refused() -> None:
         b"[" * 100_000 + b"]" * 100_000,
         _manifest(replicated=Raw("x")).replace(b'"x"', b"[" * 5000 + b"]" * 5000),
     ):
-        with pytest.raises(aiosnap.CorruptCheckpointError, match="bad manifest"):
+        with pytest.raises(aiosnap.errors.CorruptCheckpointError, match="bad manifest"):
             Manifest.parse("m", raw)
 
 
@@ -295,9 +297,9 @@ def test_a_deeply_nested_manifest_is_refused() -> None:
 def test_a_manifest_file_name_no_file_system_opens_is_refused(name: str) -> None:
     # Was: ValueError (embedded null byte), UnicodeEncodeError or OSError (name too long)
     # from os.open when a restore opened the file.
-    with pytest.raises(aiosnap.CorruptCheckpointError, match="file name"):
+    with pytest.raises(aiosnap.errors.CorruptCheckpointError, match="file name"):
         Manifest.parse("m", _manifest(replicas=name))
-    with pytest.raises(aiosnap.CorruptCheckpointError, match="file name"):
+    with pytest.raises(aiosnap.errors.CorruptCheckpointError, match="file name"):
         Manifest.parse("m", _manifest(files=["rank_00000", name]))
 
 
@@ -336,7 +338,7 @@ async def test_a_malformed_index_record_is_dropped(tmp_path: Path, field: str, v
     index["checkpoints"][0][field] = value  # step 1's record
     index["history"][0][field] = value
     (tmp_path / INDEX_NAME).write_text(json.dumps(index))
-    async with aiosnap.CheckpointManager(str(tmp_path), keep=aiosnap.KeepWithin(3600.0)) as mgr:
+    async with aiosnap.CheckpointManager(str(tmp_path), keep=aiosnap.retention.KeepWithin(3600.0)) as mgr:
         assert await mgr.steps() == [1, 2, 3]
         assert len(await mgr.history()) == 2  # the bad one is gone
         await (await mgr.save(4, {"step": 4})).wait()
@@ -349,7 +351,7 @@ async def test_an_index_marking_a_checkpoint_corrupt_never_deletes_it(tmp_path: 
     index = await _three_steps(tmp_path)
     index["checkpoints"][0]["corrupt"] = "the index says so"
     (tmp_path / INDEX_NAME).write_text(json.dumps(index))
-    async with aiosnap.CheckpointManager(str(tmp_path), keep=aiosnap.KeepLast(5)) as mgr:
+    async with aiosnap.CheckpointManager(str(tmp_path), keep=aiosnap.retention.KeepLast(5)) as mgr:
         assert await mgr.steps() == [2, 3]  # the mark still hides it from restore()
         await (await mgr.save(4, {"step": 4})).wait()
         assert (await mgr.restore(1)).state == {"step": 1}  # and it is still there
@@ -428,9 +430,9 @@ def _rank_edited(step: Path, rank: int, edit: Any, *, recompute: bool = False) -
 def _step_refused(step: Path, match: str, ranks: tuple[int, ...] = (0, 1, 2, 3)) -> None:
     """Every rank's load of the DTensors, and verify, refuse the step as corrupt."""
     for rank in ranks:
-        with pytest.raises(aiosnap.CorruptCheckpointError, match=match):
+        with pytest.raises(aiosnap.errors.CorruptCheckpointError, match=match):
             aiosnap.load_sync(str(step), rank=rank, keys=["dt"])
-    with pytest.raises(aiosnap.CorruptCheckpointError, match=match):
+    with pytest.raises(aiosnap.errors.CorruptCheckpointError, match=match):
         aiosnap.verify_sync(str(step))
 
 
@@ -453,9 +455,9 @@ def test_one_dtensor_indexed_as_two_is_refused(step: Path) -> None:
     # dt.row and as tied.
     _resealed(step, lambda body: body["shards"].update(tied=body["shards"]["dt.col"]))
     for rank in range(4):
-        with pytest.raises(aiosnap.CorruptCheckpointError, match="indexed as two"):
+        with pytest.raises(aiosnap.errors.CorruptCheckpointError, match="indexed as two"):
             aiosnap.load_sync(str(step), rank=rank, keys=["dt", "tied"])
-    with pytest.raises(aiosnap.CorruptCheckpointError, match="indexed as two"):
+    with pytest.raises(aiosnap.errors.CorruptCheckpointError, match="indexed as two"):
         aiosnap.verify_sync(str(step))
 
 
@@ -472,7 +474,7 @@ def test_verify_checks_block_checksums(step: Path) -> None:
 
     _rank_edited(step, 0, flip, recompute=True)
     _step_refused(step, r"rank_00000: block checksum mismatch in tensor 'dt\.big'", ranks=())
-    with pytest.raises(aiosnap.CorruptCheckpointError, match="rank_00000"):
+    with pytest.raises(aiosnap.errors.CorruptCheckpointError, match="rank_00000"):
         aiosnap.load_sync(str(step), rank=0, keys=["dt.big"])
 
 
@@ -513,7 +515,7 @@ def test_a_box_of_another_number_of_dimensions_is_refused(step: Path, key: str, 
 def test_the_file_of_replicated_entries_is_one_of_the_steps() -> None:
     # Was: accepted; a restore read the replicated entries from a file no checksum
     # of the manifest vouched for.
-    with pytest.raises(aiosnap.CorruptCheckpointError, match="replicated entries is not one of"):
+    with pytest.raises(aiosnap.errors.CorruptCheckpointError, match="replicated entries is not one of"):
         Manifest.parse("m", _manifest(replicas="rank_00002"))
 
 
@@ -521,9 +523,9 @@ def test_a_rank_file_is_never_read_as_another_format(step: Path) -> None:
     # Was: sniffed like any file, so a torch.save file in its place was unpickled (with
     # allow_pickle=True) and verified by its zip's CRCs, the manifest's checksum unread.
     torch.save({"w": torch.zeros(2)}, step / "rank_00001")
-    with pytest.raises(aiosnap.CheckpointError, match="rank_00001"):
+    with pytest.raises(aiosnap.errors.CheckpointError, match="rank_00001"):
         aiosnap.load_sync(str(step), rank=1, allow_pickle=True)
-    with pytest.raises(aiosnap.CheckpointError, match="rank_00001"):
+    with pytest.raises(aiosnap.errors.CheckpointError, match="rank_00001"):
         aiosnap.verify_sync(str(step))
 
 
@@ -536,9 +538,9 @@ def test_verify_refuses_a_box_that_is_not_the_entry_it_names(step: Path) -> None
 def test_verify_refuses_a_replicated_entry_the_file_of_them_lacks(step: Path) -> None:
     # Was: verify checked each file alone; rank 1's restore refused it.
     _rank_edited(step, 1, lambda p: p.meta["external"]["shared"].update(shape=[4]))
-    with pytest.raises(aiosnap.CorruptCheckpointError, match="replicated entry 'shared'"):
+    with pytest.raises(aiosnap.errors.CorruptCheckpointError, match="replicated entry 'shared'"):
         aiosnap.load_sync(str(step), rank=1, keys=["shared"])
-    with pytest.raises(aiosnap.CorruptCheckpointError, match="replicated entry 'shared'"):
+    with pytest.raises(aiosnap.errors.CorruptCheckpointError, match="replicated entry 'shared'"):
         aiosnap.verify_sync(str(step))
 
 
@@ -557,7 +559,7 @@ def test_a_file_without_a_tree_is_verified_as_it_is_loaded(good: Path) -> None:
     # (found as a rank file of a step whose document lost its tree, a shard among them).
     path = _edited(good, lambda p: p.meta.pop("tree"))
     for call in (aiosnap.load_sync, aiosnap.verify_sync):
-        with pytest.raises(aiosnap.CorruptCheckpointError, match="arr is a tensor but 'arr' is not"):
+        with pytest.raises(aiosnap.errors.CorruptCheckpointError, match="arr is a tensor but 'arr' is not"):
             call(str(path))
 
 
@@ -565,7 +567,7 @@ def test_an_empty_dtensor_whose_whole_torch_cannot_hold_is_refused(step: Path) -
     # Was (in the unfinished fix that reads an empty DTensor at its whole shape): a
     # TypeError from torch.empty([0, 2**64]).
     _rank_edited(step, 3, lambda p: p.meta["tensors"]["dt.empty"]["shard"].update(shape=[0, 2**64]))
-    with pytest.raises(aiosnap.CorruptCheckpointError, match="torch cannot hold"):
+    with pytest.raises(aiosnap.errors.CorruptCheckpointError, match="torch cannot hold"):
         aiosnap.load_sync(str(step), rank=3, keys=["dt.empty"])
 
 

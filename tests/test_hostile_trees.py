@@ -51,7 +51,7 @@ def _refused(path: Path, match: str) -> None:
         lambda: aiosnap.verify_sync(str(path)),
     ]
     for call in calls:
-        with pytest.raises(aiosnap.CorruptCheckpointError, match=match) as info:
+        with pytest.raises(aiosnap.errors.CorruptCheckpointError, match=match) as info:
             call()
         assert info.value.path == str(path)
 
@@ -90,7 +90,7 @@ def test_the_deepest_tree_capture_takes_still_loads(tmp_path: Path) -> None:
     for _ in range(MAX_DEPTH - 1):
         loaded = loaded["k"]
     assert torch.equal(loaded["leaf"], torch.ones(2))
-    with pytest.raises(aiosnap.UnsupportedTypeError, match="nested more than"):
+    with pytest.raises(aiosnap.errors.UnsupportedTypeError, match="nested more than"):
         aiosnap.save_sync(str(tmp_path / "d"), {"k": state})
 
 

@@ -140,7 +140,7 @@ def test_standalone_copies_are_plain_files_that_load_bit_equal(
     raw = bytearray(blob.read_bytes())
     raw[100] ^= 1
     blob.write_bytes(raw)
-    with pytest.raises(aiosnap.CorruptCheckpointError, match="checksum mismatch"):
+    with pytest.raises(aiosnap.errors.CorruptCheckpointError, match="checksum mismatch"):
         asyncio.run(aiosnap.standalone(src, str(tmp_path / "bad")))
     assert not (tmp_path / "bad").exists()
 
@@ -168,35 +168,37 @@ async def test_hostile_references_are_refused_naming_the_file(tmp_path: Path) ->
     # A header claiming a huge entry: refused from the blob's size, before any allocation.
     adapter["shape"] = [1 << 40, 64]
     (tmp_path / "huge").write_bytes(hostile.render(parts))
-    with pytest.raises(aiosnap.CorruptCheckpointError, match="huge.*adapter.*bytes"):
+    with pytest.raises(aiosnap.errors.CorruptCheckpointError, match="huge.*adapter.*bytes"):
         await aiosnap.load(str(tmp_path / "huge"))
     # A blob that holds other bytes: its crc32c fails, in load and verify.
     raw = bytearray(blob.read_bytes())
     raw[-1] ^= 0x40
     blob.write_bytes(raw)
     for read in (aiosnap.load, aiosnap.verify):
-        with pytest.raises(aiosnap.CorruptCheckpointError, match=f"{path}.*checksum mismatch.*adapter"):
+        with pytest.raises(
+            aiosnap.errors.CorruptCheckpointError, match=f"{path}.*checksum mismatch.*adapter"
+        ):
             await read(str(path))
     # A reference to a blob that is not there.
     blob.unlink()
-    with pytest.raises(aiosnap.CorruptCheckpointError, match=f"{path}.*adapter.*missing blob"):
+    with pytest.raises(aiosnap.errors.CorruptCheckpointError, match=f"{path}.*adapter.*missing blob"):
         await aiosnap.load(str(path))
     # A blob folder that is not a rank's folder name (a path out of aiosnap's) is refused.
     parts.meta["blob_dir"] = "../../etc"
     (tmp_path / "away").write_bytes(hostile.render(parts))
-    with pytest.raises(aiosnap.CorruptCheckpointError, match="away.*bad blob_dir"):
+    with pytest.raises(aiosnap.errors.CorruptCheckpointError, match="away.*bad blob_dir"):
         await aiosnap.load(str(tmp_path / "away"))
     del parts.meta["blob_dir"]
     # A blob name that is not a content hash (a path out of the folder) is malformed.
     parts.meta["refs"]["adapter"]["blob"] = "../../etc/passwd"
     (tmp_path / "escape").write_bytes(hostile.render(parts))
-    with pytest.raises(aiosnap.CorruptCheckpointError, match="escape.*adapter.*malformed"):
+    with pytest.raises(aiosnap.errors.CorruptCheckpointError, match="escape.*adapter.*malformed"):
         await aiosnap.load(str(tmp_path / "escape"))
 
 
 async def test_retention_keeps_every_blob_a_checkpoint_refers_to(tmp_path: Path) -> None:
     base = make_base()
-    kept = aiosnap.KeepLast(2)
+    kept = aiosnap.retention.KeepLast(2)
     async with aiosnap.CheckpointManager(str(tmp_path), keep=kept, incremental=True) as mgr:
         for step in range(5):
             await (await mgr.save(step, lora_state(step, base))).wait()
@@ -267,7 +269,7 @@ async def test_zstd_blobs_are_recorded_compressed_and_checked(tmp_path: Path) ->
     parts = hostile.parse((tmp_path / "a").read_bytes())
     parts.meta["refs"]["periodic"]["shape"] = [1 << 40, 64]
     (tmp_path / "huge").write_bytes(hostile.render(parts))
-    with pytest.raises(aiosnap.CorruptCheckpointError, match="huge.*does not hold"):
+    with pytest.raises(aiosnap.errors.CorruptCheckpointError, match="huge.*does not hold"):
         await aiosnap.load(str(tmp_path / "huge"))
     # A ranged read of a compressed entry (not front to back) slices its decompressed bytes.
     storage = LocalStorage()
@@ -281,7 +283,7 @@ async def test_zstd_blobs_are_recorded_compressed_and_checked(tmp_path: Path) ->
     finally:
         reader.close()
     blob.write_bytes(blob.read_bytes()[:-4] + b"\0\0\0\0")
-    with pytest.raises(aiosnap.CorruptCheckpointError, match=str(tmp_path / "a")):
+    with pytest.raises(aiosnap.errors.CorruptCheckpointError, match=str(tmp_path / "a")):
         await aiosnap.load(str(tmp_path / "a"))
 
 
@@ -320,7 +322,7 @@ async def test_the_remote_tier_is_sent_only_the_blobs_it_lacks(tmp_path: Path) -
     local, remote = tmp_path / "local", tmp_path / "remote"
     sent = []
     async with aiosnap.CheckpointManager(
-        str(local), remote=aiosnap.Remote(str(remote), keep=aiosnap.KeepLast(2)), incremental=True
+        str(local), remote=aiosnap.Remote(str(remote), keep=aiosnap.retention.KeepLast(2)), incremental=True
     ) as mgr:
         for step in range(4):
             handle = await mgr.save(step, lora_state(step, base))
@@ -356,7 +358,9 @@ async def test_incremental_checkpoints_on_an_object_store_and_as_its_remote_tier
     remote = f"s3://{s3.bucket()}/tier"
     async with aiosnap.CheckpointManager(
         str(tmp_path),
-        remote=aiosnap.Remote(remote, storage=from_url(remote, **s3.options), keep=aiosnap.KeepLast(1)),
+        remote=aiosnap.Remote(
+            remote, storage=from_url(remote, **s3.options), keep=aiosnap.retention.KeepLast(1)
+        ),
         incremental=True,
     ) as mgr:
         for step in range(3):
@@ -420,7 +424,7 @@ async def _group_incremental(rank: int, world: int, directory: str) -> dict[str,
         directory,
         incremental=True,
         ranks=aiosnap.Ranks(replicated=["model.*"], timeout=60),
-        keep=aiosnap.KeepLast(2),
+        keep=aiosnap.retention.KeepLast(2),
     ) as mgr:
         for step in range(3):
             await (await mgr.save(step, group_state(rank, step, frozen))).wait()
@@ -466,7 +470,7 @@ async def _tiered_group(rank: int, world: int, local: str, remote: str) -> dict[
     sent = []
     async with aiosnap.CheckpointManager(
         local,
-        remote=aiosnap.Remote(remote, keep=aiosnap.KeepLast(1)),
+        remote=aiosnap.Remote(remote, keep=aiosnap.retention.KeepLast(1)),
         incremental=True,
         ranks=aiosnap.Ranks(replicated=["model.*"], timeout=60),
     ) as mgr:
@@ -514,7 +518,7 @@ async def test_a_blob_folder_that_is_not_a_directory_is_refused_and_left_alone(
         (directory / "aiosnap-blobs").write_bytes(b"the user's")
     async with aiosnap.CheckpointManager(str(directory), incremental=True) as mgr:
         handle = await mgr.save(1, lora_state(1, make_base()))
-        with pytest.raises(aiosnap.ForeignFileError, match="aiosnap-blobs"):
+        with pytest.raises(aiosnap.errors.ForeignFileError, match="aiosnap-blobs"):
             await handle.wait()
         assert await mgr.prune() == []
     assert sorted(os.listdir(user)) == [mine.name] and mine.read_bytes() == b"the user's"
@@ -538,9 +542,9 @@ async def test_a_link_in_the_remote_blob_folder_place_fails_the_upload_and_is_le
         handle = await mgr.save(1, lora_state(1, make_base()))
         await handle.wait()  # the local save is whole
         assert handle.upload is not None
-        with pytest.raises(aiosnap.ForeignFileError, match=BLOBS):
+        with pytest.raises(aiosnap.errors.ForeignFileError, match=BLOBS):
             await mgr.flush()
-        with pytest.raises(aiosnap.ForeignFileError, match=BLOBS):
+        with pytest.raises(aiosnap.errors.ForeignFileError, match=BLOBS):
             await handle.upload.wait()
     assert os.listdir(user) == ["notes"] and (user / "notes").read_bytes() == b"the user's"
     assert not (remote / "snapshot_iter_1").exists()
@@ -567,6 +571,6 @@ async def test_a_referring_file_copied_alone_says_how_to_make_one_that_stands_al
         await (await writer("a", str(tmp_path / "run"), lora_state(1, base))).wait()
     (tmp_path / "copy").mkdir()
     (tmp_path / "copy" / "a").write_bytes((tmp_path / "run" / "a").read_bytes())  # without its blobs
-    with pytest.raises(aiosnap.CorruptCheckpointError, match="refers to the missing blob") as caught:
+    with pytest.raises(aiosnap.errors.CorruptCheckpointError, match="refers to the missing blob") as caught:
         await aiosnap.load(str(tmp_path / "copy" / "a"))
     assert "aiosnap convert --standalone" in str(caught.value) and BLOBS in str(caught.value)

@@ -68,7 +68,7 @@ def test_a_removal_cut_short_leaves_a_temp_directory_never_a_checkpoints_name(tm
                 raise SystemExit("killed")
             unlinked.append(path)
 
-    dying = aiosnap.LocalStorage(posix=HookedPosix(killed))
+    dying = aiosnap.storage.LocalStorage(posix=HookedPosix(killed))
     with pytest.raises(SystemExit):
         _files.remove_dir(str(folder), "state.aiosnap", storage=dying)
     assert len(unlinked) == 1
@@ -165,7 +165,7 @@ def test_a_sweep_killed_before_any_call_still_puts_the_old_directory_back(tmp_pa
 
 
 def test_a_repair_touches_only_what_its_names_say(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    prefix = aiosnap.TEMP_PREFIX
+    prefix = aiosnap.storage.TEMP_PREFIX
     # An old directory whose checkpoint is missing goes back; a new one whose checkpoint is
     # missing is a save that never arrived, swept; names that look alike but are not
     # aiosnap's temp names stay, whatever they hold.

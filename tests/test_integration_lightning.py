@@ -173,12 +173,12 @@ class _Config:
 def test_hyper_parameter_objects_need_the_pickle_opt_in(tmp_path: Path) -> None:
     torch.manual_seed(0)
     trainer, _ = _trainer(str(tmp_path / "refused"), 1, AiosnapCheckpointIO())
-    with pytest.raises(aiosnap.UnsupportedTypeError):
+    with pytest.raises(aiosnap.errors.UnsupportedTypeError):
         trainer.fit(_Module(extra=_Config(3)), _data())
     trainer, _ = _trainer(str(tmp_path / "pickled"), 1, AiosnapCheckpointIO(allow_pickle=True))
     trainer.fit(_Module(extra=_Config(3)), _data())
     path = tmp_path / "pickled" / "last.ckpt"
-    with pytest.raises(aiosnap.PickleNotAllowedError):
+    with pytest.raises(aiosnap.errors.PickleNotAllowedError):
         aiosnap.load_sync(str(path))
     loaded = aiosnap.load_sync(str(path), allow_pickle=True)
     assert loaded["hyper_parameters"]["extra"] == _Config(3)

@@ -303,7 +303,7 @@ def test_export_weights_to_safetensors(tmp_path: Path) -> None:
     assert exported.keys() == weights.keys() and all(torch.equal(exported[k], v) for k, v in weights.items())
     with safe_open(tmp_path / "model.safetensors", "pt") as f:
         assert f.metadata()["format"] == "pt"
-    with pytest.raises(aiosnap.ForeignFileError):
+    with pytest.raises(aiosnap.errors.ForeignFileError):
         export_safetensors(tmp_path / "last.ckpt", tmp_path / "model.safetensors")
     export_safetensors(
         tmp_path / "last.ckpt", tmp_path / "model.safetensors", strip_prefix="net.", overwrite=True

@@ -149,7 +149,7 @@ def test_autoload_skips_a_damaged_newest_snapshot(tmp_path: Path, caplog: pytest
     data[-1] ^= 0xFF  # the last tensor's last byte
     newest.write_bytes(bytes(data))
     os.utime(newest)  # still the newest by modification time
-    with pytest.raises(aiosnap.CorruptCheckpointError):
+    with pytest.raises(aiosnap.errors.CorruptCheckpointError):
         aiosnap.verify_sync(str(newest))
     manager = _manager(out, 8, Writer(out), autoload=True)[0]
     with caplog.at_level(logging.WARNING):

@@ -120,7 +120,7 @@ async def test_async_stop_condition(tmp_path: Path) -> None:
     assert seen == [1, 2]
 
 
-def FullDisk() -> aiosnap.Storage:
+def FullDisk() -> aiosnap.storage.Storage:
     return failing_writes({"snapshot_iter_1", "snapshot_iter_2"})
 
 

@@ -251,7 +251,7 @@ async def test_a_wait_cancelled_during_the_copy_drops_the_save_and_releases_the_
         with pytest.raises(asyncio.CancelledError):
             await waiting
         device.gate.set()
-        with pytest.raises(aiosnap.SaveCancelledError):
+        with pytest.raises(aiosnap.errors.SaveCancelledError):
             await handle.wait()
         assert hooks(state) == 0
         train(state, x)  # not held
@@ -359,7 +359,7 @@ async def test_a_lazy_manager_save_commits_and_uploads_as_an_eager_one(tmp_path:
     local, remote = tmp_path / "local", tmp_path / "remote"
     wants = {}
     async with aiosnap.CheckpointManager(
-        str(local), remote=str(remote), capture="lazy", keep=aiosnap.KeepLast(2)
+        str(local), remote=str(remote), capture="lazy", keep=aiosnap.retention.KeepLast(2)
     ) as mgr:
         for step in (1, 2, 3):
             wants[step] = expected(state)

@@ -211,10 +211,10 @@ async def test_a_change_on_another_thread_fails_the_save_loudly(tmp_path: Path, 
         changer.start()
         changer.join()
         gate.open()
-        with pytest.raises(aiosnap.CaptureError, match=r"model\.0\.weight changed in place") as caught:
+        with pytest.raises(aiosnap.errors.CaptureError, match=r"model\.0\.weight changed in place") as caught:
             await writer.flush()  # where background failures are reported, once
         assert "wait_captured()" in str(caught.value) and caught.value.entry == "model.0.weight"
-        with pytest.raises(aiosnap.CaptureError):
+        with pytest.raises(aiosnap.errors.CaptureError):
             await handle.wait()  # and by the save's own handle
     assert not (tmp_path / "c").exists()
 

@@ -36,7 +36,7 @@ MARKER = "state.aiosnap"
 _HOLDER = """
 import os, sys
 import aiosnap
-upload = aiosnap.LocalStorage().create(sys.argv[1], 4)
+upload = aiosnap.storage.LocalStorage().create(sys.argv[1], 4)
 upload.write_at(0, memoryview(b"data"))
 if sys.argv[2:] == ["fork"] and os.fork() == 0:
     os.read(0, 1)  # until the test closes our stdin
@@ -55,7 +55,8 @@ import aiosnap
 from aiosnap.integrations import _files
 for line in sys.stdin:
     folder = line.strip()
-    swept = aiosnap.LocalStorage().sweep_incomplete(folder) + _files.sweep_temps(folder, "state.aiosnap")
+    swept = aiosnap.storage.LocalStorage().sweep_incomplete(folder)
+    swept += _files.sweep_temps(folder, "state.aiosnap")
     print(json.dumps(swept), flush=True)
 """
 
@@ -91,13 +92,15 @@ def _python(code: str, *args: str, **kwargs: object) -> subprocess.Popen[str]:
 
 def _sweeps(directory: Path) -> list[str]:
     """Every sweep there is: the storage's (a manager's open), and the integrations'."""
-    return aiosnap.LocalStorage().sweep_incomplete(str(directory)) + _files.sweep_temps(str(directory))
+    return aiosnap.storage.LocalStorage().sweep_incomplete(str(directory)) + _files.sweep_temps(
+        str(directory)
+    )
 
 
 def test_a_sweep_keeps_a_live_commits_temp_file_and_takes_a_dead_ones(tmp_path: Path) -> None:
-    upload = aiosnap.LocalStorage().create(str(tmp_path / "ckpt"), 4)
+    upload = aiosnap.storage.LocalStorage().create(str(tmp_path / "ckpt"), 4)
     upload.write_at(0, memoryview(b"data"))
-    dead = tmp_path / f"{aiosnap.TEMP_PREFIX}ckpt.0123456789ab"  # a killed save's
+    dead = tmp_path / f"{aiosnap.storage.TEMP_PREFIX}ckpt.0123456789ab"  # a killed save's
     dead.write_bytes(b"half a checkpoint")
     assert _sweeps(tmp_path) == [str(dead)]
 
@@ -146,7 +149,7 @@ def test_a_sweep_in_another_process_racing_a_commits_creation_never_takes_its_fi
         if path == final and op != "open" and not swept:
             swept.append(sweeper(tmp_path))
 
-    aiosnap.save_sync(final, {"step": 3}, storage=aiosnap.LocalStorage(posix=HookedPosix(hook)))
+    aiosnap.save_sync(final, {"step": 3}, storage=aiosnap.storage.LocalStorage(posix=HookedPosix(hook)))
     assert len(swept) == 1 and len(swept[0]) == 1  # it took the first temp file, not yet held
     assert aiosnap.load_sync(final) == {"step": 3} and temp_files(tmp_path) == []
 
@@ -213,7 +216,7 @@ def test_a_child_forked_during_an_index_write_does_not_keep_the_directory_locked
             os.close(started_read)
             children.append((pid, write_end))
 
-    storage = aiosnap.LocalStorage(posix=HookedPosix(fork_at_rename))
+    storage = aiosnap.storage.LocalStorage(posix=HookedPosix(fork_at_rename))
     storage.replace_if(str(tmp_path / "index.json"), b"{}", None)
     assert children
     pid, tell = children[0]

@@ -91,7 +91,7 @@ def test_a_wider_model_is_refused_before_any_parameter_changes(
     path = tmp_path / "ckpt"
     aiosnap.save_sync(str(path), _trained(hidden=32))
     target = _trained(hidden=64, seed=1)  # the last layer's bias (4,) fits; the rest does not
-    _refused(path, target, aiosnap.StateMismatchError, r"model\.0\.weight: .*\(64, 8\)")
+    _refused(path, target, aiosnap.errors.StateMismatchError, r"model\.0\.weight: .*\(64, 8\)")
     assert loads_of_state == []
 
 
@@ -99,16 +99,16 @@ def test_a_shape_mismatch_in_a_dict_leaves_the_others(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     aiosnap.save_sync(str(path), {"a": torch.ones(1000), "b": torch.ones(2, 3), "c": np.ones(5)})
     target = {"a": torch.zeros(1000), "b": torch.zeros(3, 2), "c": np.zeros(5)}
-    _refused(path, target, aiosnap.StateMismatchError, r"b: checkpoint has torch.float32 \(2, 3\)")
+    _refused(path, target, aiosnap.errors.StateMismatchError, r"b: checkpoint has torch.float32 \(2, 3\)")
 
 
 def test_a_dtype_mismatch_leaves_the_others(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     aiosnap.save_sync(str(path), {"a": torch.ones(1000), "b": torch.ones(4), "c": np.ones(3, np.float32)})
     target = {"a": torch.zeros(1000), "b": torch.zeros(4, dtype=torch.float64), "c": np.zeros(3, np.float32)}
-    _refused(path, target, aiosnap.StateMismatchError, r"b: .*torch.float64")
+    _refused(path, target, aiosnap.errors.StateMismatchError, r"b: .*torch.float64")
     target = {"a": torch.zeros(1000), "b": torch.zeros(4), "c": np.zeros(3, np.float64)}
-    _refused(path, target, aiosnap.StateMismatchError, r"c: .*float64")
+    _refused(path, target, aiosnap.errors.StateMismatchError, r"c: .*float64")
 
 
 def test_a_missing_key_leaves_the_target(tmp_path: Path, loads_of_state: list[str]) -> None:
@@ -117,7 +117,7 @@ def test_a_missing_key_leaves_the_target(tmp_path: Path, loads_of_state: list[st
     _refused(
         path,
         {"a": torch.zeros(1000), "b": torch.zeros(4), "c": torch.zeros(2)},
-        aiosnap.StateMismatchError,
+        aiosnap.errors.StateMismatchError,
         "c",
     )
     state = _trained(hidden=16)
@@ -126,7 +126,7 @@ def test_a_missing_key_leaves_the_target(tmp_path: Path, loads_of_state: list[st
     _refused(
         path,
         {**bigger, "step": 0},
-        aiosnap.StateMismatchError,
+        aiosnap.errors.StateMismatchError,
         r"model: missing keys \['4\.weight', '4\.bias'\]",
     )
     assert loads_of_state == []
@@ -136,7 +136,7 @@ def test_an_unexpected_key_leaves_the_target(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     aiosnap.save_sync(str(path), {"a": torch.ones(1000), "b": torch.ones(4), "n": 3})
     target = {"a": torch.zeros(1000), "b": torch.zeros(4)}
-    _refused(path, target, aiosnap.StateMismatchError, r"unexpected keys \['n'\]")
+    _refused(path, target, aiosnap.errors.StateMismatchError, r"unexpected keys \['n'\]")
 
 
 def test_an_optimizer_of_other_groups_leaves_the_model_as_it_was(
@@ -148,11 +148,11 @@ def test_an_optimizer_of_other_groups_leaves_the_model_as_it_was(
     aiosnap.save_sync(str(path), _trained(hidden=16))
     target = _trained(hidden=16, extra=True, seed=1)
     match = r"optimizer\.param_groups\.0: the checkpoint's group has 4 parameters, the optimizer's 6"
-    _refused(path, target, aiosnap.StateMismatchError, match, strict=False)
+    _refused(path, target, aiosnap.errors.StateMismatchError, match, strict=False)
     assert loads_of_state == []
     fresh = _mlp(16, extra=True, seed=2)  # an optimizer with no state yet: its group still differs
     target = {"model": fresh, "optimizer": torch.optim.Adam(fresh.parameters())}
-    _refused(path, target, aiosnap.StateMismatchError, match, strict=False)
+    _refused(path, target, aiosnap.errors.StateMismatchError, match, strict=False)
     assert loads_of_state == [] and not target["optimizer"].state
 
 
@@ -163,7 +163,10 @@ def test_an_optimizer_of_another_number_of_groups_is_refused(tmp_path: Path) -> 
     halves = [{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 0.1}]
     target = {"model": model, "optimizer": torch.optim.Adam(halves), "step": 0}
     _refused(
-        path, target, aiosnap.StateMismatchError, "the checkpoint has 1 parameter groups, the optimizer 2"
+        path,
+        target,
+        aiosnap.errors.StateMismatchError,
+        "the checkpoint has 1 parameter groups, the optimizer 2",
     )
 
 
@@ -186,14 +189,14 @@ def test_a_damaged_tensor_leaves_every_tensor_as_it_was(
     target = _trained(hidden=64, seed=1) if where == "model" else {**_trained(hidden=64, seed=1), "step": 0}
     if where == "optimizer":
         target["optimizer"] = torch.optim.Adam(target["model"].parameters())
-    _refused(path, target, aiosnap.CorruptCheckpointError, f"checksum mismatch in tensor '{name}'")
+    _refused(path, target, aiosnap.errors.CorruptCheckpointError, f"checksum mismatch in tensor '{name}'")
     assert loads_of_state == [] and target["step"] in (0, 7)
 
 
 def test_a_mismatch_says_what_to_do(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     aiosnap.save_sync(str(path), {"model": {"w": torch.ones(2)}, "extra": {"n": 1}})
-    with pytest.raises(aiosnap.StateMismatchError) as info:
+    with pytest.raises(aiosnap.errors.StateMismatchError) as info:
         aiosnap.load_into_sync(str(path), {"model": {"w": torch.zeros(2)}})
     message = str(info.value)
     assert "unexpected keys ['extra']" in message and "missing keys" not in message

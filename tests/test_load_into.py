@@ -59,7 +59,7 @@ async def test_load_into_stateful_objects(tmp_path: Path) -> None:
 )
 async def test_strict_mismatches_raise(tmp_path: Path, target: dict[str, Any], match: str) -> None:
     await aiosnap.save(str(tmp_path / "c"), {"w": torch.ones(2, 3), "n": 1})
-    with pytest.raises(aiosnap.StateMismatchError, match=match):
+    with pytest.raises(aiosnap.errors.StateMismatchError, match=match):
         await aiosnap.load_into(str(tmp_path / "c"), target)
 
 
@@ -73,7 +73,7 @@ async def test_non_strict_loads_the_common_part(tmp_path: Path) -> None:
 async def test_module_mismatch_is_named(tmp_path: Path) -> None:
     await aiosnap.save(str(tmp_path / "m"), torch.nn.Linear(8, 16))
     with pytest.raises(
-        aiosnap.StateMismatchError, match=r"weight: checkpoint has shape \(16, 8\), the module's is"
+        aiosnap.errors.StateMismatchError, match=r"weight: checkpoint has shape \(16, 8\), the module's is"
     ):
         await aiosnap.load_into(str(tmp_path / "m"), torch.nn.Linear(8, 4))
 
@@ -90,7 +90,9 @@ class _Refuses:
 
 async def test_a_stateful_objects_refusal_is_translated(tmp_path: Path) -> None:
     await aiosnap.save(str(tmp_path / "m"), {"n": 1})
-    with pytest.raises(aiosnap.StateMismatchError, match="load_state_dict failed: RuntimeError") as info:
+    with pytest.raises(
+        aiosnap.errors.StateMismatchError, match="load_state_dict failed: RuntimeError"
+    ) as info:
         await aiosnap.load_into(str(tmp_path / "m"), _Refuses())
     assert isinstance(info.value.__cause__, RuntimeError)
 
@@ -212,7 +214,7 @@ def test_plain_values_are_left_alone_when_a_checksum_fails(tmp_path: Path) -> No
     raw[-1] ^= 0xFF  # the data section is w's 16 bytes
     path.write_bytes(bytes(raw))
     target = {"w": torch.zeros(4), "step": 0}
-    with pytest.raises(aiosnap.CorruptCheckpointError, match="checksum mismatch in tensor 'w'"):
+    with pytest.raises(aiosnap.errors.CorruptCheckpointError, match="checksum mismatch in tensor 'w'"):
         aiosnap.load_into_sync(str(path), target)
     assert target["step"] == 0
 
@@ -265,7 +267,7 @@ def test_a_key_saved_twice_is_not_taken_for_two(tmp_path: Path) -> None:
     items = parts.meta["tree"]["items"]
     items[1][0] = "a"  # the dict's keys "a" and "a": as many as the target's, one of them missing
     path.write_bytes(render(parts))
-    with pytest.raises(aiosnap.StateMismatchError, match="missing keys \\['b'\\]"):
+    with pytest.raises(aiosnap.errors.StateMismatchError, match="missing keys \\['b'\\]"):
         aiosnap.load_into_sync(str(path), {"a": torch.zeros(2), "b": torch.zeros(2)})
 
 
@@ -276,7 +278,7 @@ def test_a_damaged_tensor_read_in_place_is_refused(tmp_path: Path, back: int, en
     raw[-back] ^= 0xFF  # the data section ends with opt.m's 400,000 bytes, then opt.v's 12
     path.write_bytes(bytes(raw))
     target = {"w": torch.zeros(2, 3), "opt": {"m": torch.zeros(100_000), "v": torch.zeros(3)}}
-    with pytest.raises(aiosnap.CorruptCheckpointError, match=f"checksum mismatch in tensor '{entry}'"):
+    with pytest.raises(aiosnap.errors.CorruptCheckpointError, match=f"checksum mismatch in tensor '{entry}'"):
         aiosnap.load_into_sync(str(path), target)
 
 
@@ -305,7 +307,7 @@ def test_a_tensor_leaf_naming_a_shard_is_refused_in_a_dict_of_tensors(tmp_path: 
     parts = parse(path.read_bytes())
     parts.meta["tensors"]["b"]["shard"] = {"shape": [4], "offset": [2]}  # a box of a DTensor
     path.write_bytes(render(parts))
-    with pytest.raises(aiosnap.CorruptCheckpointError, match="bad tree: b is a tensor but 'b' is not"):
+    with pytest.raises(aiosnap.errors.CorruptCheckpointError, match="bad tree: b is a tensor but 'b' is not"):
         aiosnap.load_into_sync(str(path), {"a": torch.zeros(2), "b": torch.zeros(2)})
 
 
@@ -385,7 +387,7 @@ def test_an_entry_of_a_whole_dict_used_elsewhere_as_another_kind_is_refused(tmp_
     path.write_bytes(render(parts))
     target = {"state": {0: {"m": torch.zeros(2)}}, "x": [np.zeros(2)]}
     refused = f"bad tree: x.0 is a ndarray but {name!r} is a tensor"
-    with pytest.raises(aiosnap.CorruptCheckpointError, match=refused):
+    with pytest.raises(aiosnap.errors.CorruptCheckpointError, match=refused):
         aiosnap.load_into_sync(str(path), target)
 
 

@@ -137,7 +137,7 @@ async def test_a_failing_source_raises_in_the_loop() -> None:
 
 
 async def test_loader_must_be_open() -> None:
-    with pytest.raises(aiosnap.LoaderClosedError):
+    with pytest.raises(aiosnap.errors.LoaderClosedError):
         async for _ in aiosnap.AsyncLoader([1]):
             pass
 

@@ -36,7 +36,7 @@ def files(directory: Path) -> list[str]:
 
 
 async def test_saves_rotate_and_the_index_follows(tmp_path: Path) -> None:
-    async with aiosnap.CheckpointManager(str(tmp_path), keep=aiosnap.KeepLast(2)) as mgr:
+    async with aiosnap.CheckpointManager(str(tmp_path), keep=aiosnap.retention.KeepLast(2)) as mgr:
         assert (mgr.rank, mgr.world_size) == (0, None)  # no process group
         for step in range(6):
             handle = await mgr.save(
@@ -76,20 +76,26 @@ async def test_triggers(tmp_path: Path) -> None:
         assert saved == [0, 3, 6, 9]
         assert (await mgr.save(9, {"s": 9})).skipped  # step 9 was saved already
         assert not (await mgr.save(10, {"s": 10}, force=True)).skipped
-    now = aiosnap.Moment(4, 2, 100.0)
-    assert aiosnap.EveryNEpochs(2)(now, None) and not aiosnap.EveryNEpochs(2)(now, aiosnap.Moment(3, 2, 99.0))
-    assert not aiosnap.EveryNEpochs(3)(now, None) and not aiosnap.EveryNEpochs(2)(
-        aiosnap.Moment(4, None, 0), None
+    now = aiosnap.triggers.Moment(4, 2, 100.0)
+    assert aiosnap.triggers.EveryNEpochs(2)(now, None) and not aiosnap.triggers.EveryNEpochs(2)(
+        now, aiosnap.triggers.Moment(3, 2, 99.0)
     )
-    assert aiosnap.EveryNSeconds(10)(now, aiosnap.Moment(1, 0, 89.0))
-    assert not aiosnap.EveryNSeconds(10)(now, aiosnap.Moment(1, 0, 95.0))
-    assert aiosnap.AtSteps([4, 8])(now, None) and not aiosnap.AtSteps([5])(now, None)
-    assert aiosnap.AnyTrigger(aiosnap.AtSteps([5]), aiosnap.EveryNSteps(2))(now, None)
+    assert not aiosnap.triggers.EveryNEpochs(3)(now, None) and not aiosnap.triggers.EveryNEpochs(2)(
+        aiosnap.triggers.Moment(4, None, 0), None
+    )
+    assert aiosnap.triggers.EveryNSeconds(10)(now, aiosnap.triggers.Moment(1, 0, 89.0))
+    assert not aiosnap.triggers.EveryNSeconds(10)(now, aiosnap.triggers.Moment(1, 0, 95.0))
+    assert aiosnap.triggers.AtSteps([4, 8])(now, None) and not aiosnap.triggers.AtSteps([5])(now, None)
+    assert aiosnap.triggers.AnyTrigger(aiosnap.triggers.AtSteps([5]), aiosnap.triggers.EveryNSteps(2))(
+        now, None
+    )
 
 
 async def test_epoch_in_the_name(tmp_path: Path) -> None:
     name = "ckpt_e{epoch}_s{step}"
-    async with aiosnap.CheckpointManager(str(tmp_path), name=name, save_every=aiosnap.EveryNEpochs(1)) as mgr:
+    async with aiosnap.CheckpointManager(
+        str(tmp_path), name=name, save_every=aiosnap.triggers.EveryNEpochs(1)
+    ) as mgr:
         await mgr.save(10, {"a": 1}, epoch=1)
         assert (await mgr.save(11, {"a": 1}, epoch=1)).skipped
         await mgr.save(20, {"a": 2}, epoch=2)
@@ -112,33 +118,39 @@ def rec(step: int, loss: float | None = None, t: float = 0.0) -> aiosnap.Checkpo
 
 def test_retention_policies() -> None:
     cps = [rec(0, 5.0, 0), rec(10, 1.0, 10), rec(20, 3.0, 20), rec(30, None, 30), rec(40, 2.0, 40)]
-    assert aiosnap.KeepLast(2).keep(cps, 50) == {30, 40}
-    assert aiosnap.KeepEvery(20).keep(cps, 50) == {0, 20, 40}
-    assert aiosnap.KeepBest("loss", "min", 2).keep(cps, 50) == {10, 40}
-    assert aiosnap.KeepBest("loss", "max", 1).keep(cps, 50) == {0}
-    assert aiosnap.KeepWithin(15).keep(cps, 50) == {40}
-    assert aiosnap.AnyPolicy(aiosnap.KeepLast(1), aiosnap.KeepBest("loss")).keep(cps, 50) == {10, 40}
+    assert aiosnap.retention.KeepLast(2).keep(cps, 50) == {30, 40}
+    assert aiosnap.retention.KeepEvery(20).keep(cps, 50) == {0, 20, 40}
+    assert aiosnap.retention.KeepBest("loss", "min", 2).keep(cps, 50) == {10, 40}
+    assert aiosnap.retention.KeepBest("loss", "max", 1).keep(cps, 50) == {0}
+    assert aiosnap.retention.KeepWithin(15).keep(cps, 50) == {40}
+    assert aiosnap.retention.AnyPolicy(
+        aiosnap.retention.KeepLast(1), aiosnap.retention.KeepBest("loss")
+    ).keep(cps, 50) == {10, 40}
     # A NaN loss (a diverged run) or a bool is no score: NaN sorted first and was kept as best.
     odd = [rec(0, float("nan"), 0), rec(10, 1.0, 10), rec(20, True, 20), rec(30, 2.0, 30)]
-    assert aiosnap.KeepBest("loss", "min", 2).keep(odd, 50) == {10, 30}
-    assert aiosnap.KeepBest("loss", "max", 1).keep(odd, 50) == {30}
+    assert aiosnap.retention.KeepBest("loss", "min", 2).keep(odd, 50) == {10, 30}
+    assert aiosnap.retention.KeepBest("loss", "max", 1).keep(odd, 50) == {30}
     # The newest is never a victim, whatever the policy says.
-    assert victims(aiosnap.KeepBest("loss"), cps, 50) == [0, 20, 30]
+    assert victims(aiosnap.retention.KeepBest("loss"), cps, 50) == [0, 20, 30]
     for bad in (
-        lambda: aiosnap.KeepLast(0),
-        lambda: aiosnap.KeepBest("x", "avg"),
-        lambda: aiosnap.AnyPolicy(),
+        lambda: aiosnap.retention.KeepLast(0),
+        lambda: aiosnap.retention.KeepBest("x", "avg"),
+        lambda: aiosnap.retention.AnyPolicy(),
     ):
         with pytest.raises(ValueError):
             bad()
 
 
 POLICIES = st.one_of(
-    st.integers(1, 3).map(aiosnap.KeepLast),
-    st.integers(2, 4).map(aiosnap.KeepEvery),
-    st.tuples(st.sampled_from(["min", "max"]), st.integers(1, 2)).map(lambda a: aiosnap.KeepBest("loss", *a)),
+    st.integers(1, 3).map(aiosnap.retention.KeepLast),
+    st.integers(2, 4).map(aiosnap.retention.KeepEvery),
+    st.tuples(st.sampled_from(["min", "max"]), st.integers(1, 2)).map(
+        lambda a: aiosnap.retention.KeepBest("loss", *a)
+    ),
     st.tuples(st.integers(1, 2), st.integers(2, 3)).map(
-        lambda a: aiosnap.AnyPolicy(aiosnap.KeepLast(a[0]), aiosnap.KeepEvery(a[1]))
+        lambda a: aiosnap.retention.AnyPolicy(
+            aiosnap.retention.KeepLast(a[0]), aiosnap.retention.KeepEvery(a[1])
+        )
     ),
 )
 OPS = st.lists(st.tuples(st.floats(0, 10, allow_nan=False), st.booleans()), min_size=1, max_size=12)
@@ -207,7 +219,7 @@ async def test_flush_that_raises_has_still_waited_for_every_save(tmp_path: Path)
             accepted.wait()
             raise OSError(errno.ENOSPC, "No space left on device (injected)", path)
 
-    storage = aiosnap.LocalStorage(posix=HookedPosix(fail_once_both_are_accepted))
+    storage = aiosnap.storage.LocalStorage(posix=HookedPosix(fail_once_both_are_accepted))
     async with aiosnap.CheckpointManager(str(tmp_path), storage=storage) as mgr:
         await mgr.save(1, {"x": np.full(3, 1)})
         kept = await mgr.save(2, {"x": np.full(3, 2)})
@@ -222,7 +234,7 @@ async def test_take_failures_shows_an_index_failure_without_raising_it(tmp_path:
         if op == "rename" and path.endswith(INDEX_NAME) and not os.path.exists(tmp_path / "go-on"):
             raise OSError(errno.EIO, "I/O error (injected)", path)
 
-    storage = aiosnap.LocalStorage(posix=HookedPosix(fail_the_index))
+    storage = aiosnap.storage.LocalStorage(posix=HookedPosix(fail_the_index))
     async with aiosnap.CheckpointManager(str(tmp_path), storage=storage) as mgr:
         handle = await mgr.save(1, {"x": np.full(3, 1)})
         await handle.outcome()
@@ -247,13 +259,13 @@ async def test_corrupt_newest_falls_back_with_a_log_line(
     data[-10] ^= 0x40
     newest.write_bytes(data)
     target = {"step": 0, "w": torch.zeros(100)}
-    async with aiosnap.CheckpointManager(str(tmp_path), keep=aiosnap.KeepLast(1)) as mgr:
+    async with aiosnap.CheckpointManager(str(tmp_path), keep=aiosnap.retention.KeepLast(1)) as mgr:
         with caplog.at_level(logging.WARNING, logger="aiosnap"):
             restored = await mgr.restore(target=target)
         assert restored.step == 2 and target["step"] == 2 and float(target["w"][0]) == 2.0
         assert "snapshot_iter_3 failed verification" in caplog.text
         assert await mgr.steps() == [1, 2] and await mgr.latest_step() == 2
-        with pytest.raises(aiosnap.CorruptCheckpointError):
+        with pytest.raises(aiosnap.errors.CorruptCheckpointError):
             await mgr.restore(3)
         await mgr.save(4, {"step": 4, "w": torch.zeros(100)})
         await mgr.flush()
@@ -262,14 +274,14 @@ async def test_corrupt_newest_falls_back_with_a_log_line(
 
 async def test_restore_raises_when_nothing_is_valid(tmp_path: Path) -> None:
     async with aiosnap.CheckpointManager(str(tmp_path)) as mgr:
-        with pytest.raises(aiosnap.CheckpointNotFoundError, match="no valid checkpoint"):
+        with pytest.raises(aiosnap.errors.CheckpointNotFoundError, match="no valid checkpoint"):
             await mgr.restore()
         await mgr.save(1, {"x": 1})
         await mgr.flush()
         (tmp_path / "snapshot_iter_1").write_bytes(b"garbage")
-        with pytest.raises(aiosnap.CheckpointNotFoundError):
+        with pytest.raises(aiosnap.errors.CheckpointNotFoundError):
             await mgr.restore()
-        with pytest.raises(aiosnap.CheckpointNotFoundError):
+        with pytest.raises(aiosnap.errors.CheckpointNotFoundError):
             await mgr.restore(7)
 
 
@@ -302,7 +314,7 @@ async def test_lost_stale_or_garbage_index_is_rebuilt(
 
 
 async def test_startup_sweeps_temp_files_and_ignores_uncommitted(tmp_path: Path) -> None:
-    (tmp_path / f"{aiosnap.TEMP_PREFIX}snapshot_iter_9.abc").write_bytes(b"half a checkpoint")
+    (tmp_path / f"{aiosnap.storage.TEMP_PREFIX}snapshot_iter_9.abc").write_bytes(b"half a checkpoint")
     async with aiosnap.CheckpointManager(str(tmp_path)) as mgr:
         assert await mgr.steps() == []
     assert temp_files(tmp_path) == []
@@ -310,7 +322,7 @@ async def test_startup_sweeps_temp_files_and_ignores_uncommitted(tmp_path: Path)
 
 async def test_two_managers_on_one_directory(tmp_path: Path) -> None:
     async with aiosnap.CheckpointManager(str(tmp_path)):
-        with pytest.raises(aiosnap.DirectoryLockedError, match="in use by another CheckpointManager"):
+        with pytest.raises(aiosnap.errors.DirectoryLockedError, match="in use by another CheckpointManager"):
             async with aiosnap.CheckpointManager(str(tmp_path)):
                 pass
     async with aiosnap.CheckpointManager(str(tmp_path)):
@@ -338,7 +350,7 @@ async def test_a_sigkilled_holder_does_not_block_the_next_run(tmp_path: Path) ->
     proc = ctx.Process(target=_hold_lock, args=(str(tmp_path), ready))
     proc.start()
     assert await asyncio.to_thread(ready.wait, 60)
-    with pytest.raises(aiosnap.DirectoryLockedError, match=f"pid {proc.pid}"):
+    with pytest.raises(aiosnap.errors.DirectoryLockedError, match=f"pid {proc.pid}"):
         async with aiosnap.CheckpointManager(str(tmp_path)):
             pass
     os.kill(proc.pid, signal.SIGKILL)
@@ -378,7 +390,7 @@ async def test_save_on_signal(tmp_path: Path) -> None:
 def _train_until_killed(directory: str, seed: int, report: Any) -> None:
     async def main() -> None:
         rng = random.Random(seed)
-        async with aiosnap.CheckpointManager(directory, keep=aiosnap.KeepLast(2)) as mgr:
+        async with aiosnap.CheckpointManager(directory, keep=aiosnap.retention.KeepLast(2)) as mgr:
             step = await mgr.latest_step() or 0
             while True:
                 step += 1
@@ -431,7 +443,7 @@ async def test_a_manager_on_a_file_says_so_in_our_error(tmp_path: Path, read_onl
     """Not a raw NotADirectoryError from the lock file's open: what stands there, and that
     aiosnap leaves it alone."""
     (tmp_path / "a_file").write_text("mine")
-    with pytest.raises(aiosnap.ForeignFileError, match=r"a_file is a file, not a directory"):
+    with pytest.raises(aiosnap.errors.ForeignFileError, match=r"a_file is a file, not a directory"):
         async with aiosnap.CheckpointManager(str(tmp_path / "a_file"), read_only=read_only):
             pass
     assert (tmp_path / "a_file").read_text() == "mine"

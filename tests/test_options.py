@@ -19,8 +19,8 @@ import pytest
 import aiosnap
 from aiosnap._manager.tiers import TwoTiers
 
-OTHER = aiosnap.LocalStorage()
-FAR = aiosnap.LocalStorage()
+OTHER = aiosnap.storage.LocalStorage()
+FAR = aiosnap.storage.LocalStorage()
 
 DEFAULT_WRITER = {
     "type": "QueueWriter",
@@ -75,7 +75,7 @@ MANAGER: dict[str, Case] = {
     "the directory's own options": Case(
         {
             "name": "ckpt_{epoch}_{step}",
-            "keep": aiosnap.KeepLast(2),
+            "keep": aiosnap.retention.KeepLast(2),
             "save_every": 5,
             "storage": OTHER,
             "allow_pickle": True,
@@ -111,7 +111,7 @@ MANAGER: dict[str, Case] = {
             "remote": lambda far: aiosnap.Remote(
                 far,
                 storage=FAR,
-                keep=aiosnap.KeepLast(5),
+                keep=aiosnap.retention.KeepLast(5),
                 upload="manual",
                 uploader=aiosnap.UploadWriter(retries=2, max_pending=4),
                 timeout=5.0,

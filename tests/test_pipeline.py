@@ -62,7 +62,7 @@ class Disk:
         self.wrote = threading.Event()
         self.renamed: list[str] = []
         self.fail_writes = False
-        self.storage = aiosnap.LocalStorage(posix=HookedPosix(self._hook))
+        self.storage = aiosnap.storage.LocalStorage(posix=HookedPosix(self._hook))
 
     def _hook(self, op: str, path: str) -> None:
         if op == "write" and os.path.basename(path).startswith("ckpt"):

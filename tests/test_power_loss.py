@@ -17,10 +17,10 @@ from .test_faults import FLOWS, assert_state, state
 
 async def _restore(root: str, directory: Path, crashed: object, *, committed: bool) -> None:
     fs = SimFS(root, crashed)  # type: ignore[arg-type]
-    storage = aiosnap.LocalStorage(posix=fs)
+    storage = aiosnap.storage.LocalStorage(posix=fs)
     async with aiosnap.CheckpointManager(str(directory), storage=storage) as mgr:
         names = [n for n, _ in fs.scandir(str(directory))]
-        assert not [n for n in names if n.startswith(aiosnap.TEMP_PREFIX)]
+        assert not [n for n in names if n.startswith(aiosnap.storage.TEMP_PREFIX)]
         for step in await mgr.steps():  # each whole: no reference to a blob the disk lost
             await aiosnap.verify(str(directory / mgr.filename(step)), storage=storage)
         restored = await mgr.restore()
@@ -32,7 +32,7 @@ async def _restore(root: str, directory: Path, crashed: object, *, committed: bo
 async def test_power_loss_at_every_call_leaves_a_whole_checkpoint(tmp_path: Path, name: str) -> None:
     root = str(tmp_path / "disk")  # a path on the simulated disk only
     sim = SimFS(root)
-    storage = aiosnap.LocalStorage(posix=sim)
+    storage = aiosnap.storage.LocalStorage(posix=sim)
     directory = Path(root) / "run"
     async with aiosnap.CheckpointManager(str(directory), storage=storage) as mgr:
         await (await mgr.save(1, state(1))).wait()

@@ -18,7 +18,7 @@ from types import ModuleType
 from typing import Any
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "public-api.txt"
-MODULES = ("aiosnap", "aiosnap.retention", "aiosnap.storage", "aiosnap.triggers")
+MODULES = ("aiosnap", "aiosnap.errors", "aiosnap.retention", "aiosnap.storage", "aiosnap.triggers")
 
 
 def _signature(obj: Any) -> str:

@@ -76,7 +76,7 @@ def reader(
     directory: str | Path, hook: Callable[[str, str], None], **options: Any
 ) -> aiosnap.CheckpointManager:
     """A read-only manager whose system calls ``hook`` sees first."""
-    storage = aiosnap.LocalStorage(posix=HookedPosix(hook))
+    storage = aiosnap.storage.LocalStorage(posix=HookedPosix(hook))
     return aiosnap.CheckpointManager(str(directory), read_only=True, storage=storage, **options)
 
 
@@ -93,7 +93,7 @@ async def test_restore_takes_the_newer_step_when_retention_removes_the_one_it_ch
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Every restore's chosen file goes away just before the reader opens it."""
-    async with aiosnap.CheckpointManager(str(tmp_path), keep=aiosnap.KeepLast(1)) as writer:
+    async with aiosnap.CheckpointManager(str(tmp_path), keep=aiosnap.retention.KeepLast(1)) as writer:
         await (await writer.save(0, state(0))).wait()
         rotation = Rotation(writer, checkpoint, 0)
         async with reader(tmp_path, rotation) as mgr:
@@ -111,7 +111,7 @@ async def test_a_file_gone_between_listing_and_index_is_no_stranger_nor_a_fresh_
     """The reader lists step N; the writer commits N+1 and removes N before the reader
     reads the index (which names N+1 only): N was aiosnap's, and N+1 is there to resume."""
     index = str(tmp_path / INDEX_NAME)
-    async with aiosnap.CheckpointManager(str(tmp_path), keep=aiosnap.KeepLast(1)) as writer:
+    async with aiosnap.CheckpointManager(str(tmp_path), keep=aiosnap.retention.KeepLast(1)) as writer:
         await (await writer.save(0, state(0))).wait()
         rotation = Rotation(writer, lambda path: path == index, 0)
         async with reader(tmp_path, rotation) as mgr:
@@ -132,7 +132,7 @@ async def test_a_step_directory_that_goes_away_mid_restore(
     """A group's layout: the step directory the reader chose, its manifest or its rank
     file, goes away as the reader reads it (a group of one writes the later steps)."""
     assert run_ranks(1, _first_step, str(tmp_path)) == {0: None}
-    async with aiosnap.CheckpointManager(str(tmp_path), keep=aiosnap.KeepLast(1)) as writer:
+    async with aiosnap.CheckpointManager(str(tmp_path), keep=aiosnap.retention.KeepLast(1)) as writer:
         rotation = Rotation(writer, lambda path: os.path.basename(path) == chosen, 0)
         async with reader(tmp_path, rotation) as mgr:
             for i in range(1, 41):
@@ -151,7 +151,9 @@ async def _first_step(rank: int, world: int, directory: str) -> None:
 async def test_a_blob_that_goes_away_mid_restore(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Incremental checkpoints: the blob the reader opens was collected with the step
     that referred to it, which the writer's next save rotated away."""
-    async with aiosnap.CheckpointManager(str(tmp_path), keep=aiosnap.KeepLast(1), incremental=True) as writer:
+    async with aiosnap.CheckpointManager(
+        str(tmp_path), keep=aiosnap.retention.KeepLast(1), incremental=True
+    ) as writer:
         rotation = Rotation(writer, lambda path: "aiosnap-blobs" in path, 0)
         rotation.size = 1 << 15  # 128 KiB: stored as a blob, a new one at every step
         await (await writer.save(0, state(0, rotation.size))).wait()
@@ -170,8 +172,8 @@ async def test_a_reader_of_two_tiers_lists_both_again(
     """With a remote tier, the step the reader chose goes from both tiers (each keeps one)
     before it reads it: it takes the newer one, from the local tier."""
     local, remote = str(tmp_path / "local"), str(tmp_path / "remote")
-    tiers: dict[str, Any] = {"remote": aiosnap.Remote(remote, keep=aiosnap.KeepLast(1))}
-    async with aiosnap.CheckpointManager(local, keep=aiosnap.KeepLast(1), **tiers) as writer:
+    tiers: dict[str, Any] = {"remote": aiosnap.Remote(remote, keep=aiosnap.retention.KeepLast(1))}
+    async with aiosnap.CheckpointManager(local, keep=aiosnap.retention.KeepLast(1), **tiers) as writer:
         handle = await writer.save(0, state(0))
         assert handle.upload is not None
         await handle.upload.wait()
@@ -187,12 +189,12 @@ async def test_a_reader_of_two_tiers_lists_both_again(
 async def test_a_reader_that_the_writer_always_outruns_gives_up(tmp_path: Path) -> None:
     """Each file the reader chooses goes away before it reads it: it lists again only as
     often as RELISTS allows, then says where it looked and what it tried."""
-    async with aiosnap.CheckpointManager(str(tmp_path), keep=aiosnap.KeepLast(1)) as writer:
+    async with aiosnap.CheckpointManager(str(tmp_path), keep=aiosnap.retention.KeepLast(1)) as writer:
         await (await writer.save(0, state(0))).wait()
         rotation = Rotation(writer, checkpoint, 0)
         async with reader(tmp_path, rotation) as mgr:
             rotation.arm(times=10 * RELISTS)
-            with pytest.raises(aiosnap.CheckpointNotFoundError) as raised:
+            with pytest.raises(aiosnap.errors.CheckpointNotFoundError) as raised:
                 await mgr.restore()
             assert rotation.rotations == RELISTS + 1  # one listing, then RELISTS more
             message = str(raised.value)
@@ -221,8 +223,10 @@ async def test_a_commit_in_flight_is_nothing_foreign(
             held.set()
             release.wait()
 
-    storage = aiosnap.LocalStorage(posix=HookedPosix(gate))
-    async with aiosnap.CheckpointManager(str(tmp_path), keep=aiosnap.KeepLast(1), storage=storage) as writer:
+    storage = aiosnap.storage.LocalStorage(posix=HookedPosix(gate))
+    async with aiosnap.CheckpointManager(
+        str(tmp_path), keep=aiosnap.retention.KeepLast(1), storage=storage
+    ) as writer:
         await (await writer.save(1, state(1))).wait()
         handle = await writer.save(2, state(2))
         try:
@@ -241,13 +245,13 @@ async def test_a_commit_in_flight_is_nothing_foreign(
 async def test_resume_starts_afresh_only_where_nothing_was_ever_committed(tmp_path: Path) -> None:
     async with aiosnap.CheckpointManager(str(tmp_path), read_only=True) as mgr:
         assert await mgr.resume() is None  # no checkpoint, no index: a fresh start
-    async with aiosnap.CheckpointManager(str(tmp_path), keep=aiosnap.KeepLast(1)) as writer:
+    async with aiosnap.CheckpointManager(str(tmp_path), keep=aiosnap.retention.KeepLast(1)) as writer:
         for step in (1, 2):
             await (await writer.save(step, state(step))).wait()
     (tmp_path / f"{NAME}2").unlink()  # by hand: the index tells of commits, no file is left
     async with aiosnap.CheckpointManager(str(tmp_path), read_only=True) as mgr:
         assert await mgr.steps() == []
-        with pytest.raises(aiosnap.CheckpointNotFoundError, match="no valid checkpoint"):
+        with pytest.raises(aiosnap.errors.CheckpointNotFoundError, match="no valid checkpoint"):
             await mgr.resume()
 
 
@@ -256,7 +260,7 @@ _WRITER = r"""
 import asyncio, sys, torch, aiosnap
 
 async def main():
-    async with aiosnap.CheckpointManager(sys.argv[1], keep=aiosnap.KeepLast(1)) as mgr:
+    async with aiosnap.CheckpointManager(sys.argv[1], keep=aiosnap.retention.KeepLast(1)) as mgr:
         step = 0
         while True:
             await (await mgr.save(step, {"x": torch.full((64,), float(step)), "step": step})).wait()

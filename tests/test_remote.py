@@ -39,11 +39,11 @@ def _example_backend() -> Any:
 
 
 @pytest.fixture(params=BACKENDS)
-def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[aiosnap.Storage, str]]:
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[aiosnap.storage.Storage, str]]:
     """A storage and a fresh directory (a path or a URL) on it."""
     kind = request.param
     if kind == "local":
-        yield aiosnap.LocalStorage(), str(tmp_path / "run")
+        yield aiosnap.storage.LocalStorage(), str(tmp_path / "run")
     elif kind == "s3":
         s3 = request.getfixturevalue("s3")
         bucket = s3.bucket()
@@ -63,14 +63,14 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[ai
         yield storage, f"gs://{bucket}/run"
 
 
-def _put(storage: aiosnap.Storage, path: str, data: bytes) -> None:
+def _put(storage: aiosnap.storage.Storage, path: str, data: bytes) -> None:
     upload = storage.create(path, len(data))
     for at in range(0, len(data), 7000):  # front to back, in pieces
         upload.write_at(at, memoryview(data)[at : at + 7000])
     upload.commit()
 
 
-def _read(storage: aiosnap.Storage, path: str) -> bytes:
+def _read(storage: aiosnap.storage.Storage, path: str) -> bytes:
     reader = storage.open_read(path)
     try:
         buf = bytearray(reader.size)
@@ -81,7 +81,7 @@ def _read(storage: aiosnap.Storage, path: str) -> bytes:
 
 
 def test_an_upload_is_invisible_until_its_commit_and_gone_after_an_abort(
-    backend: tuple[aiosnap.Storage, str],
+    backend: tuple[aiosnap.storage.Storage, str],
 ) -> None:
     storage, root = backend
     path = storage.join(root, "obj")
@@ -108,13 +108,15 @@ def test_an_upload_is_invisible_until_its_commit_and_gone_after_an_abort(
         whole = bytearray(len(data))
         reader.readinto(0, memoryview(whole))
         assert whole == data
-        with pytest.raises(aiosnap.CorruptCheckpointError, match="truncated"):
+        with pytest.raises(aiosnap.errors.CorruptCheckpointError, match="truncated"):
             reader.readinto(len(data) - 5, memoryview(bytearray(10)))
     finally:
         reader.close()
 
 
-def test_a_writer_may_reuse_its_buffer_once_write_at_returns(backend: tuple[aiosnap.Storage, str]) -> None:
+def test_a_writer_may_reuse_its_buffer_once_write_at_returns(
+    backend: tuple[aiosnap.storage.Storage, str],
+) -> None:
     # obstore's writer kept the buffers it was given until their part was sent: a saver
     # that refills one buffer (the pieces of a large save, an upload's copy) sent the
     # last piece's bytes in place of the first ones.
@@ -134,7 +136,9 @@ def test_a_writer_may_reuse_its_buffer_once_write_at_returns(backend: tuple[aios
     assert got == b"\x01" * piece + b"\x02" * piece and tail == b"\x01" * 5
 
 
-async def test_a_save_larger_than_its_memory_budget_round_trips(backend: tuple[aiosnap.Storage, str]) -> None:
+async def test_a_save_larger_than_its_memory_budget_round_trips(
+    backend: tuple[aiosnap.storage.Storage, str],
+) -> None:
     storage, root = backend
     state = {f"w{i}": torch.full((3 << 20,), float(i)) for i in range(4)}  # 4 x 12 MiB
     path = storage.join(root, "big")
@@ -143,7 +147,7 @@ async def test_a_save_larger_than_its_memory_budget_round_trips(backend: tuple[a
     assert_tree_equal(await aiosnap.load(path, storage=storage), state)
 
 
-def test_listing_directories_and_deleting_trees(backend: tuple[aiosnap.Storage, str]) -> None:
+def test_listing_directories_and_deleting_trees(backend: tuple[aiosnap.storage.Storage, str]) -> None:
     storage, root = backend
     for name in ("a/x", "a/y", "b"):
         _put(storage, storage.join(root, name), b"data")
@@ -156,30 +160,30 @@ def test_listing_directories_and_deleting_trees(backend: tuple[aiosnap.Storage, 
     storage.delete_tree(storage.join(root, "a"))
     storage.delete(storage.join(root, "missing"))  # not an error
     assert [e.name for e in storage.list(root)] == ["b"]
-    with pytest.raises(aiosnap.CheckpointNotFoundError):
+    with pytest.raises(aiosnap.errors.CheckpointNotFoundError):
         storage.open_read(storage.join(root, "a/x"))
 
 
-def test_a_conditional_replace_never_loses_an_update(backend: tuple[aiosnap.Storage, str]) -> None:
+def test_a_conditional_replace_never_loses_an_update(backend: tuple[aiosnap.storage.Storage, str]) -> None:
     storage, root = backend
     path = storage.join(root, "index")
     first = storage.replace_if(path, b"one", None)
-    with pytest.raises(aiosnap.ConflictError):
+    with pytest.raises(aiosnap.errors.ConflictError):
         storage.replace_if(path, b"two", None)  # it exists already
     data, version = storage.read_versioned(path)
     assert data == b"one" and version == first
     second = storage.replace_if(path, b"two", version)
-    with pytest.raises(aiosnap.ConflictError):
+    with pytest.raises(aiosnap.errors.ConflictError):
         storage.replace_if(path, b"three", first)  # a writer that read the old version
     assert storage.read_versioned(path) == (b"two", second)
 
 
 def test_a_lease_excludes_a_second_holder_until_released_or_stale(
-    backend: tuple[aiosnap.Storage, str],
+    backend: tuple[aiosnap.storage.Storage, str],
 ) -> None:
     storage, root = backend
     held = storage.lease(root, 600.0)
-    with pytest.raises(aiosnap.DirectoryLockedError, match="in use by another CheckpointManager"):
+    with pytest.raises(aiosnap.errors.DirectoryLockedError, match="in use by another CheckpointManager"):
         storage.lease(root, 600.0)
     held.renew()
     held.release()
@@ -190,13 +194,13 @@ def test_a_lease_excludes_a_second_holder_until_released_or_stale(
         # learns it at its next renewal: it must stop writing.
         stale = storage.lease(root, 0.0)
         taker = storage.lease(root, 600.0)
-        with pytest.raises(aiosnap.LeaseLostError):
+        with pytest.raises(aiosnap.errors.LeaseLostError):
             stale.renew()
         taker.release()
 
 
 @pytest.mark.parametrize("backend", ["s3", "azure", "memory", "gcs-fsspec", "dict"], indirect=True)
-async def test_checkpoints_by_url_round_trip(backend: tuple[aiosnap.Storage, str]) -> None:
+async def test_checkpoints_by_url_round_trip(backend: tuple[aiosnap.storage.Storage, str]) -> None:
     storage, root = backend
     state = training_state()
     path = storage.join(root, "ckpt")
@@ -211,7 +215,7 @@ async def test_checkpoints_by_url_round_trip(backend: tuple[aiosnap.Storage, str
     assert part == {"step": 7}
 
 
-async def test_load_reports_its_progress_in_bytes(backend: tuple[aiosnap.Storage, str]) -> None:
+async def test_load_reports_its_progress_in_bytes(backend: tuple[aiosnap.storage.Storage, str]) -> None:
     storage, root = backend
     state = {f"w{i}": torch.full((1 << 18,), float(i)) for i in range(8)}  # 8 x 1 MiB
     path = storage.join(root, "ckpt")

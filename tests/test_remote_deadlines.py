@@ -139,7 +139,7 @@ def test_credentials_refused_by_the_metadata_service_are_not_retried(aws: dict[s
             deadline=LONG,
         )
         t0 = time.monotonic()
-        with pytest.raises(aiosnap.RemoteStorageError, match="no usable credentials") as caught:
+        with pytest.raises(aiosnap.errors.RemoteStorageError, match="no usable credentials") as caught:
             aiosnap.load_sync(f"s3://{storage.bucket}/run/ckpt", storage=storage)  # type: ignore[attr-defined]
         assert caught.value.permanent and time.monotonic() - t0 < LONG / 4
     finally:
@@ -195,7 +195,7 @@ async def test_a_fresh_resume_with_a_dead_remote_tier_says_what_to_do_within_its
     async with aiosnap.CheckpointManager(
         str(tmp_path / "local"), remote=aiosnap.Remote(remote, storage=storage, timeout=1.0)
     ) as mgr:
-        with pytest.raises(aiosnap.RemoteStorageError) as caught:
+        with pytest.raises(aiosnap.errors.RemoteStorageError) as caught:
             await mgr.resume()  # a fresh start: no local step to go on with
         elapsed = time.monotonic() - t0
         await (await mgr.save(1, {"w": torch.ones(3)})).wait()  # the local tier goes on

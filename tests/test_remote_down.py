@@ -66,7 +66,7 @@ def moto() -> Iterator[Moto]:
             pass
 
 
-def _storage(moto: Moto, url: str, deadline: float = 3.0) -> aiosnap.Storage:
+def _storage(moto: Moto, url: str, deadline: float = 3.0) -> aiosnap.storage.Storage:
     return from_url(url, **moto.s3.options, deadline=deadline)
 
 
@@ -83,7 +83,7 @@ async def test_a_remote_tier_down_from_the_start_holds_up_no_save(moto: Moto, tm
         await handle.wait()  # committed locally
         saved = time.monotonic() - t0
         assert await mgr.steps() == [1] and handle.upload is not None and not handle.upload.done()
-        with pytest.raises(aiosnap.RemoteStorageError, match="did not finish"):
+        with pytest.raises(aiosnap.errors.RemoteStorageError, match="did not finish"):
             await mgr.aclose(upload_timeout=1.0)
     closed = time.monotonic() - t0
     assert opened < OPEN_BOUND and saved < OPEN_BOUND and closed < CLOSE_BOUND, (opened, saved, closed)
@@ -106,7 +106,7 @@ async def test_a_remote_tier_that_dies_mid_run_is_waited_for_then_caught_up(
     async with aiosnap.CheckpointManager(
         local,
         remote=aiosnap.Remote(url, storage=_storage(moto, url), uploader=uploader),
-        keep=aiosnap.KeepLast(1),
+        keep=aiosnap.retention.KeepLast(1),
         lease_ttl=2.0,
     ) as mgr:
         await (await mgr.save(1, _state(1))).wait()
@@ -116,7 +116,7 @@ async def test_a_remote_tier_that_dies_mid_run_is_waited_for_then_caught_up(
         second = await mgr.save(2, _state(2))
         await second.wait()  # the local tier does not wait
         t0 = time.monotonic()
-        with pytest.raises(aiosnap.RemoteStorageError, match="made no progress for 1 s"):
+        with pytest.raises(aiosnap.errors.RemoteStorageError, match="made no progress for 1 s"):
             await mgr.flush(upload_timeout=1.0)
         assert time.monotonic() - t0 < CLOSE_BOUND
         assert await mgr.steps() == [2]  # KeepLast(1): step 1 went, uploaded; step 2 stays, its upload waits
@@ -129,7 +129,7 @@ async def test_a_remote_tier_that_dies_mid_run_is_waited_for_then_caught_up(
         third = await mgr.save(3, _state(3))
         await third.wait()
         t0 = time.monotonic()
-        with pytest.raises(aiosnap.RemoteStorageError):
+        with pytest.raises(aiosnap.errors.RemoteStorageError):
             await mgr.aclose(upload_timeout=1.0)
         assert time.monotonic() - t0 < CLOSE_BOUND
     moto.start()
@@ -278,9 +278,10 @@ async def test_a_resume_never_starts_afresh_while_the_remote_tier_cannot_be_read
             raise OSError(errno.EIO, "injected: the remote tier is down", path)
 
     async with aiosnap.CheckpointManager(
-        str(local), remote=aiosnap.Remote(str(remote), storage=aiosnap.LocalStorage(posix=HookedPosix(down)))
+        str(local),
+        remote=aiosnap.Remote(str(remote), storage=aiosnap.storage.LocalStorage(posix=HookedPosix(down))),
     ) as mgr:
-        with pytest.raises(aiosnap.RemoteStorageError, match="unavailable"):
+        with pytest.raises(aiosnap.errors.RemoteStorageError, match="unavailable"):
             await mgr.resume()  # it may hold checkpoints: not a fresh start
         await (await mgr.save(1, _state(1))).wait()
         assert await mgr.latest_step() == 1  # with a local step to go on with, and a warning

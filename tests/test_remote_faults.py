@@ -32,7 +32,7 @@ def _save_then_die_uploading(url: str, env: dict[str, str]) -> None:
     storage = StuckCommits(from_url(url))
 
     async def main() -> None:
-        async with aiosnap.CheckpointManager(url, storage=storage, keep=aiosnap.KeepLast(1)) as mgr:
+        async with aiosnap.CheckpointManager(url, storage=storage, keep=aiosnap.retention.KeepLast(1)) as mgr:
             await (await mgr.save(1, {"w": torch.full((1000,), 1.0)})).wait()
             storage.stuck = True
             await (await mgr.save(2, {"w": torch.full((12 << 20,), 2.0)})).wait()  # 48 MiB: 3 parts
@@ -166,16 +166,18 @@ async def test_a_save_through_a_faulty_network_commits_after_retries_or_fails_cl
         storage = from_url(url, deadline=30.0, part_size=5 << 20, **options)  # S3's least part
         for _ in range(3):  # opening may fail too: the lease and the index are requests
             try:
-                async with aiosnap.CheckpointManager(url, storage=storage, keep=aiosnap.KeepLast(2)) as mgr:
+                async with aiosnap.CheckpointManager(
+                    url, storage=storage, keep=aiosnap.retention.KeepLast(2)
+                ) as mgr:
                     for step in range(1, 5):
                         size = (3 << 20) if step % 2 else 1000  # 12 MiB multipart uploads, single PUTs
                         try:
                             await (await mgr.save(step, {"w": torch.full((size,), float(step))})).wait()
                             outcomes.append("committed")
-                        except aiosnap.RemoteStorageError as exc:
+                        except aiosnap.errors.RemoteStorageError as exc:
                             outcomes.append(f"failed: {exc}")
                 break
-            except aiosnap.RemoteStorageError as exc:
+            except aiosnap.errors.RemoteStorageError as exc:
                 outcomes.append(f"open failed: {exc}")
         assert sum(proxy.faults.values()) >= 5, proxy.faults
     assert "committed" in outcomes, outcomes

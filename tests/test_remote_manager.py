@@ -32,7 +32,7 @@ async def test_a_manager_on_s3_saves_rotates_indexes_and_restores(s3: Any) -> No
     bucket = s3.bucket()
     url = f"s3://{bucket}/run"
     storage = from_url(url, **s3.options)
-    keep = aiosnap.KeepLast(2)
+    keep = aiosnap.retention.KeepLast(2)
     async with aiosnap.CheckpointManager(url, storage=storage, keep=keep) as mgr:
         for step in range(1, 5):
             await (
@@ -44,7 +44,7 @@ async def test_a_manager_on_s3_saves_rotates_indexes_and_restores(s3: Any) -> No
             assert float((await reader.restore()).state["w"][0]) == 4.0
         # The holder's lease (60 s) cannot go stale during the second's patience (its own
         # lease_ttl, 0.5 s, plus 1): however starved the renewals are, it is refused.
-        with pytest.raises(aiosnap.DirectoryLockedError):
+        with pytest.raises(aiosnap.errors.DirectoryLockedError):
             async with aiosnap.CheckpointManager(url, storage=storage, lease_ttl=0.5):
                 pass
     assert _objects(s3, bucket) == sorted(
@@ -104,7 +104,7 @@ async def test_a_lease_renewed_while_an_opener_waits_for_it_is_refused_at_once(s
             s3.client().put_object(Bucket=bucket, Key="run/.aiosnap.lock", Body=renewed)
 
         renewal = asyncio.create_task(renew())
-        with pytest.raises(aiosnap.DirectoryLockedError, match="in use by another"):
+        with pytest.raises(aiosnap.errors.DirectoryLockedError, match="in use by another"):
             async with aiosnap.CheckpointManager(url, storage=storage, lease_ttl=60.0):
                 pass
         await renewal
@@ -124,7 +124,7 @@ async def test_an_index_changed_behind_the_managers_back_is_not_overwritten(s3: 
         other = json.dumps({"written by": "another writer"}).encode()
         storage.replace_if(index, other, version)  # a second writer, without the lease
         handle = await mgr.save(2, {"x": np.ones(3)})
-        with pytest.raises(aiosnap.ConflictError):
+        with pytest.raises(aiosnap.errors.ConflictError):
             await handle.wait()  # the checkpoint committed; the index update was refused
     assert storage.read_versioned(index)[0] == other  # the other writer's update stands
     async with aiosnap.CheckpointManager(url, storage=storage, read_only=True) as mgr:
@@ -164,9 +164,9 @@ async def test_a_dead_endpoint_fails_the_save_within_its_deadline_naming_the_url
         client_options={"allow_http": True},
         deadline=1.0,
     )
-    with pytest.raises(aiosnap.RemoteStorageError, match="s3://ckpt/run/ckpt"):
+    with pytest.raises(aiosnap.errors.RemoteStorageError, match="s3://ckpt/run/ckpt"):
         await aiosnap.save("s3://ckpt/run/ckpt", {"w": torch.ones(3)}, storage=storage)
-    with pytest.raises(aiosnap.RemoteStorageError, match="s3://ckpt/run"):
+    with pytest.raises(aiosnap.errors.RemoteStorageError, match="s3://ckpt/run"):
         async with aiosnap.CheckpointManager("s3://ckpt/run", storage=storage):
             pass
 
@@ -185,7 +185,7 @@ async def test_missing_credentials_give_a_clear_error_at_open(
         client_options={"allow_http": True},
         deadline=1.0,
     )
-    with pytest.raises(aiosnap.RemoteStorageError, match="credentials"):
+    with pytest.raises(aiosnap.errors.RemoteStorageError, match="credentials"):
         async with aiosnap.CheckpointManager(f"s3://{storage.bucket}/run", storage=storage):  # type: ignore[attr-defined]
             pass
 
@@ -207,6 +207,8 @@ async def test_a_write_to_a_bucket_that_is_gone_says_so(s3: Any) -> None:
         for key in _objects(s3, bucket):
             client.delete_object(Bucket=bucket, Key=key)
         client.delete_bucket(Bucket=bucket)
-        with pytest.raises(aiosnap.RemoteStorageError, match=f"the bucket s3://{bucket} does not exist"):
+        with pytest.raises(
+            aiosnap.errors.RemoteStorageError, match=f"the bucket s3://{bucket} does not exist"
+        ):
             await (await mgr.save(2, {"w": torch.ones(4)})).wait()
         s3.client().create_bucket(Bucket=bucket)  # for the lease's release at the close

@@ -106,9 +106,9 @@ def test_aiosnap_reads_every_code_safetensors_reads(tmp_path: Path, code: str) -
             raw_bytes(loaded), torch.arange(nbytes, dtype=torch.uint8)
         )
     else:  # F6: safetensors' torch loader has no dtype for it either
-        with pytest.raises(aiosnap.CheckpointError, match="torch has no dtype") as refused:
+        with pytest.raises(aiosnap.errors.CheckpointError, match="torch has no dtype") as refused:
             aiosnap.load_sync(str(path))
-        assert not isinstance(refused.value, aiosnap.CorruptCheckpointError)
+        assert not isinstance(refused.value, aiosnap.errors.CorruptCheckpointError)
 
 
 @pytest.mark.parametrize("dtype", CODED, ids=str)
@@ -147,7 +147,7 @@ def test_f4_entries_torch_cannot_hold_are_refused(tmp_path: Path, shape: list[in
     nbytes = int(np.prod(shape)) // 2
     header = json.dumps({"x": {"dtype": "F4", "shape": shape, "data_offsets": [0, nbytes]}}).encode()
     (tmp_path / "f").write_bytes(struct.pack("<Q", len(header)) + header + bytes(nbytes))
-    with pytest.raises(aiosnap.CheckpointError, match=match):
+    with pytest.raises(aiosnap.errors.CheckpointError, match=match):
         aiosnap.load_sync(str(tmp_path / "f"))
 
 

@@ -108,7 +108,7 @@ async def _restore(rank: int, world: int, directory: str) -> Any:
     specs = {n: target_spec(n) for n in LAYOUTS}
     target = {"dt": dtensors(specs, world, fill=False), "step": 0}
     posix = CountingPosix()
-    storage = aiosnap.LocalStorage(posix=posix)
+    storage = aiosnap.storage.LocalStorage(posix=posix)
     async with aiosnap.CheckpointManager(directory, storage=storage, ranks=aiosnap.Ranks(timeout=60)) as mgr:
         before = posix.read
         await mgr.restore(target={"dt": {"big": target["dt"]["big"]}}, keys=["dt.big"])
@@ -117,13 +117,13 @@ async def _restore(rank: int, world: int, directory: str) -> Any:
             wrong_shape = {"dt": {"grid": dtensors({"row": "S0"}, world, fill=False)["row"]}}
             await mgr.restore(target=wrong_shape, keys=["dt.grid"])
             mismatch = "restored"
-        except aiosnap.StateMismatchError as exc:
+        except aiosnap.errors.StateMismatchError as exc:
             mismatch = str(exc)
         restored = await mgr.restore(target=target, strict=False)  # "rank" stays out: per-rank
         try:
             await mgr.restore(target={"rank": 0}, strict=False)
             per_rank = "restored"
-        except aiosnap.StateMismatchError as exc:
+        except aiosnap.errors.StateMismatchError as exc:
             per_rank = str(exc)
     wrong = []
     mine = 0
@@ -177,14 +177,14 @@ def test_one_process_reads_a_group_checkpoint_whole_and_leaves_the_index_alone(s
     step = saved_by_four / "snapshot_iter_7"
 
     async def main() -> dict[str, Any]:
-        with pytest.raises(aiosnap.StateMismatchError, match="rank held state of each rank.*rank=N"):
+        with pytest.raises(aiosnap.errors.StateMismatchError, match="rank held state of each rank.*rank=N"):
             await aiosnap.load(str(step))
         loaded = await aiosnap.load(str(step), keys=["dt", "step"])
         as_rank_2 = await aiosnap.load(str(step), rank=2)
         report = await aiosnap.verify(str(step))
         async with aiosnap.CheckpointManager(str(saved_by_four)) as mgr:
             assert await mgr.steps() == [7]
-            with pytest.raises(aiosnap.StateMismatchError):
+            with pytest.raises(aiosnap.errors.StateMismatchError):
                 await mgr.restore()  # not corrupt: no mark, and no fall back
             restored = await mgr.restore(keys=["dt"])
             target = {"dt": {n: torch.zeros_like(whole(n)) for n in LAYOUTS}}
@@ -225,7 +225,7 @@ def test_a_damaged_box_leaves_the_whole_target_as_it_was(
     raw[len(raw) - len(parts.data) + parts.header[entry]["data_offsets"][1] - 1] ^= 0x01
     rank_file.write_bytes(bytes(raw))
     target = {"dt": {n: torch.full(whole(n).shape, 7, dtype=whole(n).dtype) for n in LAYOUTS}}
-    with pytest.raises(aiosnap.CorruptCheckpointError, match="checksum mismatch"):
+    with pytest.raises(aiosnap.errors.CorruptCheckpointError, match="checksum mismatch"):
         aiosnap.load_into_sync(str(step), target, keys=["dt"])
     assert all(bool((t == 7).all()) for t in target["dt"].values())
 
@@ -243,7 +243,7 @@ def test_rank_files_are_read_without_parsing_their_entries(saved_by_four: Path) 
 
 
 async def test_a_read_only_manager_works_while_a_writer_holds_the_directory(tmp_path: Path) -> None:
-    async with aiosnap.CheckpointManager(str(tmp_path), keep=aiosnap.KeepLast(5)) as writer:
+    async with aiosnap.CheckpointManager(str(tmp_path), keep=aiosnap.retention.KeepLast(5)) as writer:
         for step in (1, 2):
             await (await writer.save(step, {"w": torch.full((4,), float(step))})).wait()
         before = sorted((p.name, p.stat().st_mtime_ns) for p in tmp_path.iterdir())
@@ -251,7 +251,7 @@ async def test_a_read_only_manager_works_while_a_writer_holds_the_directory(tmp_
             assert await reader.steps() == [1, 2]
             assert [h.step for h in await reader.history()] == [1, 2]
             assert float((await reader.restore()).state["w"][0]) == 2.0
-            with pytest.raises(aiosnap.CheckpointError, match="read-only"):
+            with pytest.raises(aiosnap.errors.CheckpointError, match="read-only"):
                 await reader.save(3, {"w": torch.ones(4)})
         (tmp_path / "snapshot_iter_2").write_bytes(b"damaged")  # the reader falls back, marks nothing
         async with aiosnap.CheckpointManager(str(tmp_path), read_only=True) as reader:

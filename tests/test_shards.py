@@ -206,9 +206,9 @@ def test_local_boxes(
 
 
 def test_partial_and_non_box_placements_are_refused() -> None:
-    with pytest.raises(aiosnap.UnsupportedTypeError, match="Partial"):
+    with pytest.raises(aiosnap.errors.UnsupportedTypeError, match="Partial"):
         local_box((4,), (2,), (0,), [Partial()], "model.w")
-    with pytest.raises(aiosnap.UnsupportedTypeError, match="not contiguous"):
+    with pytest.raises(aiosnap.errors.UnsupportedTypeError, match="not contiguous"):
         local_box((8, 6), (2, 2), (0, 1), [Shard(0), _StridedShard(0, split_factor=2)], "model.w")
 
 

@@ -78,7 +78,7 @@ async def test_a_directory_named_like_a_checkpoint_is_left_alone(
     else:
         notes = user_directory(tmp_path, "elsewhere")
         (run / "snapshot_iter_0").symlink_to(notes, target_is_directory=True)
-    async with aiosnap.CheckpointManager(str(run), keep=aiosnap.KeepLast(2)) as mgr:
+    async with aiosnap.CheckpointManager(str(run), keep=aiosnap.retention.KeepLast(2)) as mgr:
         assert await mgr.steps() == [1, 2]  # the file checkpoints are still seen
         assert (await mgr.restore()).step == 2
         await (await mgr.save(3, state(3))).wait()
@@ -105,10 +105,10 @@ async def test_a_file_named_like_a_checkpoint_is_neither_listed_nor_deleted_nor_
     await save_steps(tmp_path, [2])
     (tmp_path / "snapshot_iter_1").write_text("a user's file, older than every checkpoint")
     (tmp_path / "snapshot_iter_5").write_text("a user's file, of a step to come")
-    async with aiosnap.CheckpointManager(str(tmp_path), keep=aiosnap.KeepLast(1)) as mgr:
+    async with aiosnap.CheckpointManager(str(tmp_path), keep=aiosnap.retention.KeepLast(1)) as mgr:
         assert await mgr.steps() == [2]
         await (await mgr.save(3, state(3))).wait()  # retention: step 2 goes, the user's file stays
-        with pytest.raises(aiosnap.ForeignFileError, match="snapshot_iter_5.*did not write"):
+        with pytest.raises(aiosnap.errors.ForeignFileError, match="snapshot_iter_5.*did not write"):
             await mgr.save(5, state(5))
         assert await mgr.steps() == [3]
     assert (tmp_path / "snapshot_iter_1").read_text().startswith("a user's file")
@@ -125,7 +125,7 @@ async def test_a_symlink_at_a_checkpoints_name_is_not_written_through(tmp_path: 
     (run / "snapshot_iter_3").symlink_to(target)
     async with aiosnap.CheckpointManager(str(run)) as mgr:
         assert await mgr.steps() == []
-        with pytest.raises(aiosnap.ForeignFileError, match="symbolic link"):
+        with pytest.raises(aiosnap.errors.ForeignFileError, match="symbolic link"):
             await mgr.save(3, state(3))
         await (await mgr.save(4, state(4))).wait()
     assert target.read_text() == "keep me" and (run / "snapshot_iter_3").is_symlink()
@@ -150,7 +150,7 @@ async def test_retention_of_a_step_directory_never_follows_a_symlink_in_it(
     outside = user_directory(tmp_path, "outside")
     (run / "snapshot_iter_1" / "link").symlink_to(outside, target_is_directory=True)
     (run / "snapshot_iter_1" / "README").write_text("a user's note")
-    async with aiosnap.CheckpointManager(str(run), keep=aiosnap.KeepLast(1)) as mgr:
+    async with aiosnap.CheckpointManager(str(run), keep=aiosnap.retention.KeepLast(1)) as mgr:
         await (await mgr.save(3, state(3))).wait()  # a group of one: step directories
         assert await mgr.steps() == [3]
     assert (outside / "notes.txt").read_text() == "mine" and (outside / "rank_00000").exists()
@@ -183,7 +183,7 @@ async def test_a_symlink_for_the_lock_or_the_index_is_refused(tmp_path: Path, na
         await save_steps(run, [1])
         (run / name).unlink()
     (run / name).symlink_to(target)
-    with pytest.raises(aiosnap.ForeignFileError, match=f"{name}.*symbolic link"):
+    with pytest.raises(aiosnap.errors.ForeignFileError, match=f"{name}.*symbolic link"):
         async with aiosnap.CheckpointManager(str(run)):
             pass
     assert target.read_text() == "keep me" and (run / name).is_symlink()
@@ -194,7 +194,7 @@ async def test_a_symlink_for_the_lock_or_the_index_is_refused(tmp_path: Path, na
 
 async def test_a_directory_for_the_lock_is_refused(tmp_path: Path) -> None:
     (tmp_path / ".aiosnap.lock").mkdir()
-    with pytest.raises(aiosnap.ForeignFileError, match="directory"):
+    with pytest.raises(aiosnap.errors.ForeignFileError, match="directory"):
         async with aiosnap.CheckpointManager(str(tmp_path)):
             pass
 
@@ -255,7 +255,9 @@ async def test_a_writer_refuses_a_filename_outside_its_directory(tmp_path: Path,
 async def test_a_committed_step_is_not_overwritten_unless_asked(tmp_path: Path) -> None:
     async with aiosnap.CheckpointManager(str(tmp_path)) as mgr:
         await (await mgr.save(3, state(3))).wait()
-        with pytest.raises(aiosnap.StepExistsError, match="step 3 is committed already.*overwrite=True"):
+        with pytest.raises(
+            aiosnap.errors.StepExistsError, match="step 3 is committed already.*overwrite=True"
+        ):
             await mgr.save(3, state(30), force=True)
         assert (await mgr.restore()).state["x"][0] == 3
         await (await mgr.save(3, {"x": torch.full((4,), 30.0), "step": 3}, overwrite=True)).wait()
@@ -303,9 +305,9 @@ async def test_a_checkpoint_replaced_by_another_format_falls_back_with_a_warning
 ) -> None:
     run = tmp_path / "run"
     run.mkdir()
-    await save_steps(run, [1, 2], keep=aiosnap.KeepLast(5))
+    await save_steps(run, [1, 2], keep=aiosnap.retention.KeepLast(5))
     (run / "snapshot_iter_2").write_bytes(foreign_bytes(kind, tmp_path))  # the index still lists it
-    async with aiosnap.CheckpointManager(str(run), keep=aiosnap.KeepLast(5)) as mgr:
+    async with aiosnap.CheckpointManager(str(run), keep=aiosnap.retention.KeepLast(5)) as mgr:
         restored = await mgr.restore()
         assert restored.step == 1 and restored.state["step"] == 1
         assert await mgr.steps() == [1]
@@ -341,7 +343,7 @@ async def test_a_manager_never_unpickles_a_file_it_did_not_write(tmp_path: Path)
         assert (await mgr.restore()).step == 1
     assert not marker.exists()
     # aiosnap.load trusts the file it is pointed at, with the opt-in: that is its contract.
-    with pytest.raises(aiosnap.PickleNotAllowedError):
+    with pytest.raises(aiosnap.errors.PickleNotAllowedError):
         await aiosnap.load(str(run / "snapshot_iter_2"))
     await aiosnap.load(str(run / "snapshot_iter_2"), allow_pickle=True)
     assert marker.exists()
@@ -386,7 +388,7 @@ async def test_a_save_cancelled_at_any_await_leaves_no_file_the_manager_does_not
     tmp_path: Path, waiting: bool
 ) -> None:
     big = {"x": torch.randn(1 << 20), "step": 0}  # 4 MiB: the capture takes a while
-    async with aiosnap.CheckpointManager(str(tmp_path), keep=aiosnap.KeepLast(2)) as mgr:
+    async with aiosnap.CheckpointManager(str(tmp_path), keep=aiosnap.retention.KeepLast(2)) as mgr:
         total = await suspensions(mgr.save(0, big))
         await mgr.flush()
         assert total >= 1
@@ -402,7 +404,7 @@ async def test_a_save_cancelled_at_any_await_leaves_no_file_the_manager_does_not
     assert cancelled > 0
     on_disk = own_files(tmp_path)
     assert on_disk == [f"snapshot_iter_{s}" for s in known] and len(known) <= 2, (on_disk, known)
-    assert [n for n in os.listdir(tmp_path) if n.startswith(aiosnap.TEMP_PREFIX)] == []
+    assert [n for n in os.listdir(tmp_path) if n.startswith(aiosnap.storage.TEMP_PREFIX)] == []
     index = json.loads((tmp_path / INDEX_NAME).read_text())
     assert [c["step"] for c in index["checkpoints"]] == known
 
@@ -411,7 +413,7 @@ async def test_a_save_cancelled_at_any_await_leaves_no_file_the_manager_does_not
 async def test_a_read_only_manager_follows_a_rotating_writer(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    async with aiosnap.CheckpointManager(str(tmp_path), keep=aiosnap.KeepLast(2)) as writer:
+    async with aiosnap.CheckpointManager(str(tmp_path), keep=aiosnap.retention.KeepLast(2)) as writer:
         await (await writer.save(1, state(1))).wait()
         async with aiosnap.CheckpointManager(str(tmp_path), read_only=True) as reader:
             for step in range(2, 7):
@@ -437,17 +439,19 @@ async def test_an_index_that_cannot_be_written_changes_nothing_retention_does(
         if armed[0] and op == "write" and target_of(path) == index:
             raise OSError(code, os.strerror(code), path)
 
-    storage = aiosnap.LocalStorage(posix=HookedPosix(hook))
-    async with aiosnap.CheckpointManager(str(tmp_path), keep=aiosnap.KeepLast(1), storage=storage) as mgr:
+    storage = aiosnap.storage.LocalStorage(posix=HookedPosix(hook))
+    async with aiosnap.CheckpointManager(
+        str(tmp_path), keep=aiosnap.retention.KeepLast(1), storage=storage
+    ) as mgr:
         armed[0] = True
         handle = await mgr.save(2, state(2))
-        with pytest.raises(aiosnap.IndexWriteError, match="checkpoint was committed") as raised:
+        with pytest.raises(aiosnap.errors.IndexWriteError, match="checkpoint was committed") as raised:
             await handle.wait()
         assert raised.value.errno == code and isinstance(raised.value.__cause__, OSError)
         assert await mgr.steps() == [2]  # committed, and step 1 went as KeepLast(1) says
         armed[0] = False
     assert own_files(tmp_path) == ["snapshot_iter_2"]
-    async with aiosnap.CheckpointManager(str(tmp_path), keep=aiosnap.KeepLast(1)) as mgr:
+    async with aiosnap.CheckpointManager(str(tmp_path), keep=aiosnap.retention.KeepLast(1)) as mgr:
         assert await mgr.steps() == [2]  # nothing came back from beyond KeepLast
         assert (await mgr.restore()).step == 2
 

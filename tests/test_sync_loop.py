@@ -53,7 +53,7 @@ async def run(directory: Path, writer: Any, saves: int, **options: Any) -> list[
     uploads: list[Any] = []
     state = {"w": torch.zeros(16 << 10), "step": 0}
     seen = []
-    keep = aiosnap.KeepLast(KEEP)
+    keep = aiosnap.retention.KeepLast(KEEP)
     async with aiosnap.CheckpointManager(str(directory), writer=writer, keep=keep, **options) as manager:
         for _ in range(saves):
             train_step(state)

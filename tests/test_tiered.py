@@ -49,8 +49,8 @@ async def test_saves_upload_in_the_background_and_each_tier_keeps_its_own(s3: An
     url = f"s3://{bucket}/run"
     async with aiosnap.CheckpointManager(
         str(tmp_path),
-        remote=aiosnap.Remote(url, storage=from_url(url, **s3.options), keep=aiosnap.KeepLast(3)),
-        keep=aiosnap.KeepLast(1),
+        remote=aiosnap.Remote(url, storage=from_url(url, **s3.options), keep=aiosnap.retention.KeepLast(3)),
+        keep=aiosnap.retention.KeepLast(1),
     ) as mgr:
         for step in range(1, 6):
             handle = await mgr.save(step, _state(step), metrics={"loss": 1 / step})
@@ -78,10 +78,10 @@ async def test_a_local_checkpoint_is_kept_until_its_upload_ends(tmp_path: Path) 
         str(local),
         remote=aiosnap.Remote(
             str(remote),
-            storage=aiosnap.LocalStorage(posix=HookedPosix(gate)),
+            storage=aiosnap.storage.LocalStorage(posix=HookedPosix(gate)),
             uploader=aiosnap.UploadWriter(max_pending=4),
         ),
-        keep=aiosnap.KeepLast(1),
+        keep=aiosnap.retention.KeepLast(1),
     ) as mgr:
         first = await mgr.save(1, _state(1))
         await first.wait()
@@ -107,7 +107,7 @@ async def test_a_full_upload_queue_drops_the_oldest_waiting_never_the_newest(tmp
         str(local),
         remote=aiosnap.Remote(
             str(remote),
-            storage=aiosnap.LocalStorage(posix=HookedPosix(gate)),
+            storage=aiosnap.storage.LocalStorage(posix=HookedPosix(gate)),
             uploader=aiosnap.UploadWriter(max_pending=1),
         ),
     ) as mgr:
@@ -143,7 +143,7 @@ async def test_a_failing_upload_is_retried_then_reported_with_its_own_type(
         str(local),
         remote=aiosnap.Remote(
             str(remote),
-            storage=aiosnap.LocalStorage(posix=HookedPosix(flaky)),
+            storage=aiosnap.storage.LocalStorage(posix=HookedPosix(flaky)),
             uploader=aiosnap.UploadWriter(retries=3, backoff=0.01),
         ),
     ) as mgr:
@@ -162,7 +162,7 @@ async def test_a_failing_upload_is_retried_then_reported_with_its_own_type(
         str(local),
         remote=aiosnap.Remote(
             str(remote),
-            storage=aiosnap.LocalStorage(posix=HookedPosix(dying)),
+            storage=aiosnap.storage.LocalStorage(posix=HookedPosix(dying)),
             uploader=aiosnap.UploadWriter(retries=2, backoff=0.01, max_backoff=0.05),
         ),
     )
@@ -176,7 +176,7 @@ async def test_a_failing_upload_is_retried_then_reported_with_its_own_type(
     )
     # The remote tier is unavailable now: flush says so, once uploads made no progress for
     # the time it is given; they go on in the background.
-    with pytest.raises(aiosnap.RemoteStorageError, match="made no progress for 0.2 s") as stuck:
+    with pytest.raises(aiosnap.errors.RemoteStorageError, match="made no progress for 0.2 s") as stuck:
         await mgr.flush(upload_timeout=0.2)
     assert isinstance(stuck.value.__cause__, OSError) and stuck.value.__cause__.errno == errno.EIO
     assert handle.upload is not None and not handle.upload.done()
@@ -204,7 +204,9 @@ async def test_a_remote_tier_that_cannot_be_opened_never_holds_up_the_local_one(
     try:
         async with aiosnap.CheckpointManager(
             str(local),
-            remote=aiosnap.Remote(str(remote), storage=aiosnap.LocalStorage(posix=HookedPosix(hanging))),
+            remote=aiosnap.Remote(
+                str(remote), storage=aiosnap.storage.LocalStorage(posix=HookedPosix(hanging))
+            ),
         ) as mgr:
             handle = await mgr.save(1, _state(1))
             await handle.wait()  # opened and committed locally while the remote hangs
@@ -222,7 +224,7 @@ async def test_a_remote_tier_that_cannot_be_opened_never_holds_up_the_local_one(
 async def test_restore_takes_the_newest_valid_step_of_either_tier(tmp_path: Path) -> None:
     local, remote = tmp_path / "local", tmp_path / "remote"
     async with aiosnap.CheckpointManager(
-        str(local), remote=aiosnap.Remote(str(remote), keep=aiosnap.KeepLast(2))
+        str(local), remote=aiosnap.Remote(str(remote), keep=aiosnap.retention.KeepLast(2))
     ) as mgr:
         for step in (1, 2, 3):
             await (await mgr.save(step, _state(step))).wait()
@@ -250,10 +252,10 @@ async def test_restore_takes_the_newest_valid_step_of_either_tier(tmp_path: Path
 
 async def test_a_step_in_neither_tier_is_not_found(tmp_path: Path) -> None:
     async with aiosnap.CheckpointManager(str(tmp_path / "l"), remote=str(tmp_path / "r")) as mgr:
-        with pytest.raises(aiosnap.CheckpointNotFoundError, match="no valid checkpoint"):
+        with pytest.raises(aiosnap.errors.CheckpointNotFoundError, match="no valid checkpoint"):
             await mgr.restore()
         await (await mgr.save(1, _state(1))).wait()
-        with pytest.raises(aiosnap.CheckpointNotFoundError, match="step 7 is in neither"):
+        with pytest.raises(aiosnap.errors.CheckpointNotFoundError, match="step 7 is in neither"):
             await mgr.restore(7)
 
 
@@ -289,7 +291,8 @@ async def test_the_caller_waits_for_the_local_capture_only(tmp_path: Path) -> No
     local, remote = tmp_path / "local", tmp_path / "remote"
     gate = Gate(remote)
     async with aiosnap.CheckpointManager(
-        str(local), remote=aiosnap.Remote(str(remote), storage=aiosnap.LocalStorage(posix=HookedPosix(gate)))
+        str(local),
+        remote=aiosnap.Remote(str(remote), storage=aiosnap.storage.LocalStorage(posix=HookedPosix(gate))),
     ) as mgr:
         for step in (1, 2, 3):
             await (await mgr.save(step, _state(step))).wait()
@@ -340,7 +343,10 @@ async def test_a_crash_mid_upload_is_caught_up_at_the_next_open(s3: Any, tmp_pat
 async def _tiered_group(rank: int, world: int, local: str, remote: str) -> Any:
     state = {"model": {"w": torch.full((64,), 1.0)}, "mine": torch.full((8,), float(rank))}
     async with aiosnap.CheckpointManager(
-        local, remote=remote, ranks=aiosnap.Ranks(replicated=["model"], timeout=60), keep=aiosnap.KeepLast(1)
+        local,
+        remote=remote,
+        ranks=aiosnap.Ranks(replicated=["model"], timeout=60),
+        keep=aiosnap.retention.KeepLast(1),
     ) as mgr:
         for step in (1, 2, 3):
             state["mine"] += 1

@@ -78,7 +78,7 @@ async def test_a_damaged_shared_blob_is_written_again_and_the_newest_checkpoint_
 
     def manager() -> aiosnap.CheckpointManager:
         return aiosnap.CheckpointManager(
-            str(tmp_path), keep=aiosnap.KeepLast(2), incremental=aiosnap.Incremental(**options)
+            str(tmp_path), keep=aiosnap.retention.KeepLast(2), incremental=aiosnap.Incremental(**options)
         )
 
     mgr = await manager().__aenter__()
@@ -173,7 +173,7 @@ def _ctx() -> Any:
 
 
 def temps(folder: Path) -> list[str]:
-    return sorted(n for n in os.listdir(folder) if n.startswith(aiosnap.TEMP_PREFIX))
+    return sorted(n for n in os.listdir(folder) if n.startswith(aiosnap.storage.TEMP_PREFIX))
 
 
 @pytest.mark.parametrize("how", ["open", "aiosnap-prune"])
@@ -207,14 +207,16 @@ def test_a_save_killed_while_writing_a_blob_leaves_a_temp_file_the_next_open_rem
     # What is not aiosnap's temp file stays: a link and a directory bearing its prefix.
     elsewhere = tmp_path / "users-file"
     elsewhere.write_text("not aiosnap's")
-    (folder / f"{aiosnap.TEMP_PREFIX}link").symlink_to(elsewhere)
-    (folder / f"{aiosnap.TEMP_PREFIX}dir").mkdir()
+    (folder / f"{aiosnap.storage.TEMP_PREFIX}link").symlink_to(elsewhere)
+    (folder / f"{aiosnap.storage.TEMP_PREFIX}dir").mkdir()
     if how == "open":
         asyncio.run(reopen())
     else:
         code, _, err = cli(capsys, "prune", str(directory), "--keep-last", "1")
         assert code == 0, err
-    assert temps(folder) == sorted([f"{aiosnap.TEMP_PREFIX}dir", f"{aiosnap.TEMP_PREFIX}link"])
+    assert temps(folder) == sorted(
+        [f"{aiosnap.storage.TEMP_PREFIX}dir", f"{aiosnap.storage.TEMP_PREFIX}link"]
+    )
     assert elsewhere.read_text() == "not aiosnap's"
     assert_equal(aiosnap.load_sync(str(directory / "snapshot_iter_0")), lora_state(0, base))
 
@@ -233,7 +235,7 @@ async def test_prune_removes_a_dead_saves_temp_file_never_one_of_a_save_in_fligh
     folder = tmp_path / BLOBS
     async with aiosnap.CheckpointManager(str(tmp_path), incremental=True, storage=storage) as mgr:
         await (await mgr.save(0, lora_state(0, base))).wait()
-        dead = folder / f"{aiosnap.TEMP_PREFIX}{'0' * 32}.0123456789ab"
+        dead = folder / f"{aiosnap.storage.TEMP_PREFIX}{'0' * 32}.0123456789ab"
         dead.write_bytes(b"what a killed save left")
         armed.set()
         handle = await mgr.save(1, lora_state(1, base))  # its new blob stops before its fsync
@@ -326,9 +328,9 @@ async def test_a_link_under_a_blobs_name_is_neither_trusted_read_nor_replaced(tm
         handle = await mgr.save(0, lora_state(0, base))
         await handle.wait()  # locally: the entry stays in the file, the link is left alone
         assert handle.upload is not None
-        with pytest.raises(aiosnap.ForeignFileError, match="symbolic link"):
+        with pytest.raises(aiosnap.errors.ForeignFileError, match="symbolic link"):
             await mgr.flush()  # at once: a user's link is no outage to wait out
-        with pytest.raises(aiosnap.ForeignFileError):
+        with pytest.raises(aiosnap.errors.ForeignFileError):
             await handle.upload.wait()
     assert not (remote / "snapshot_iter_0").exists()
     assert all(link.is_symlink() for link in links)

@@ -231,7 +231,7 @@ def test_a_state_dict_that_never_ends_is_refused_naming_its_path(
     tmp_path: Path, value: Any, match: str
 ) -> None:
     # Was: RecursionError.
-    with pytest.raises(aiosnap.UnsupportedTypeError, match=match) as caught:
+    with pytest.raises(aiosnap.errors.UnsupportedTypeError, match=match) as caught:
         aiosnap.save_sync(str(tmp_path / "c"), {"trainer": [1, value]})
     assert " trainer.1" in str(caught.value)
     assert not (tmp_path / "c").exists()

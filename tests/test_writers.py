@@ -337,13 +337,13 @@ async def test_several_failures_are_all_reported(tmp_path: Path) -> None:
 
 async def test_unsupported_values_are_refused_with_their_place(tmp_path: Path) -> None:
     async with aiosnap.QueueWriter() as writer:
-        with pytest.raises(aiosnap.UnsupportedTypeError, match=r"opt\.groups\.1"):
+        with pytest.raises(aiosnap.errors.UnsupportedTypeError, match=r"opt\.groups\.1"):
             await writer("c", str(tmp_path), {"opt": {"groups": [1, object()]}})
-        with pytest.raises(aiosnap.UnsupportedTypeError, match="contains itself"):
+        with pytest.raises(aiosnap.errors.UnsupportedTypeError, match="contains itself"):
             loop: list[Any] = []
             loop.append(loop)
             await writer("c", str(tmp_path), {"loop": loop})
-        with pytest.raises(aiosnap.UnsupportedTypeError, match="key"):
+        with pytest.raises(aiosnap.errors.UnsupportedTypeError, match="key"):
             await writer("c", str(tmp_path), {("a", 1): 2})
     assert list(tmp_path.iterdir()) == []
 
@@ -352,7 +352,7 @@ async def test_pickle_is_opt_in_at_save_and_at_load(tmp_path: Path) -> None:
     state = {"obj": {1, 2, 3}, "t": torch.ones(2)}
     async with aiosnap.QueueWriter(allow_pickle=True) as writer:
         await writer("c", str(tmp_path), state)
-    with pytest.raises(aiosnap.PickleNotAllowedError, match="obj"):
+    with pytest.raises(aiosnap.errors.PickleNotAllowedError, match="obj"):
         await aiosnap.load(str(tmp_path / "c"))
     assert (await aiosnap.load(str(tmp_path / "c"), allow_pickle=True))["obj"] == {1, 2, 3}
     assert torch.equal((await aiosnap.load(str(tmp_path / "c"), keys=["t"]))["t"], torch.ones(2))
@@ -360,13 +360,13 @@ async def test_pickle_is_opt_in_at_save_and_at_load(tmp_path: Path) -> None:
 
 async def test_writer_must_be_open(tmp_path: Path) -> None:
     writer = aiosnap.QueueWriter()
-    with pytest.raises(aiosnap.WriterClosedError, match="async with"):
+    with pytest.raises(aiosnap.errors.WriterClosedError, match="async with"):
         await writer("c", str(tmp_path), {})
     async with writer:
         pass
-    with pytest.raises(aiosnap.WriterClosedError):
+    with pytest.raises(aiosnap.errors.WriterClosedError):
         await writer("c", str(tmp_path), {})
-    with pytest.raises(aiosnap.WriterClosedError):
+    with pytest.raises(aiosnap.errors.WriterClosedError):
         async with writer:
             pass
 
@@ -398,7 +398,7 @@ async def test_a_killed_worker_process_fails_one_save_and_is_replaced(tmp_path: 
         os.kill(pid, signal.SIGKILL)
         await wait_until(lambda: _dead(pid), what="the worker's death")
         handle = await writer("a", str(tmp_path), {"x": torch.ones(3)})
-        with pytest.raises(aiosnap.WorkerCrashedError):
+        with pytest.raises(aiosnap.errors.WorkerCrashedError):
             await handle.wait()
         await writer.flush()  # reported through the handle
         await (await writer("b", str(tmp_path), {"x": torch.ones(3)})).wait()
@@ -490,7 +490,7 @@ async def test_cancel_during_a_save_in_pieces_commits_nothing(tmp_path: Path) ->
             writing.set()
             assert release.wait(WAIT_CAP)
 
-    storage = aiosnap.LocalStorage(posix=HookedPosix(hold_the_first_write))
+    storage = aiosnap.storage.LocalStorage(posix=HookedPosix(hold_the_first_write))
     async with aiosnap.QueueWriter(max_host_bytes=2 << 20, storage=storage) as writer:
         save = asyncio.create_task(writer("ckpt", str(tmp_path), state))
         assert await asyncio.to_thread(writing.wait, WAIT_CAP)  # the first piece is being written
@@ -523,7 +523,7 @@ async def test_a_save_in_pieces_writes_whole_aligned_pieces_while_the_next_is_co
     # with O_DIRECT where the filesystem allows it.
     state = {f"w{i}": torch.randn((1 << 20) + 7 * i) for i in range(5)}  # ~20 MiB
     posix = RecordingPosix()
-    storage = aiosnap.LocalStorage(posix=posix)
+    storage = aiosnap.storage.LocalStorage(posix=posix)
     async with aiosnap.SimpleWriter(max_host_bytes=4 << 20, storage=storage) as writer:
         await writer("ckpt", str(tmp_path), state)
     loaded = await aiosnap.load(str(tmp_path / "ckpt"))

@@ -25,8 +25,8 @@ the Job, AsyncLoader and RNGState; ``integrations`` the trainers' plug-ins.
 from __future__ import annotations
 
 import logging as _logging
-import typing as _typing
 
+from . import errors as errors
 from . import retention as retention
 from . import storage as storage
 from . import triggers as triggers
@@ -36,28 +36,6 @@ from ._api import save as save
 from ._api import save_sync as save_sync
 from ._api import standalone_sync as standalone_sync
 from ._api import verify_sync as verify_sync
-from ._base.errors import CaptureError as CaptureError
-from ._base.errors import CheckpointError as CheckpointError
-from ._base.errors import CheckpointKeyError as CheckpointKeyError
-from ._base.errors import CheckpointNotFoundError as CheckpointNotFoundError
-from ._base.errors import ConflictError as ConflictError
-from ._base.errors import CorruptCheckpointError as CorruptCheckpointError
-from ._base.errors import DirectoryLockedError as DirectoryLockedError
-from ._base.errors import ForeignFileError as ForeignFileError
-from ._base.errors import IndexWriteError as IndexWriteError
-from ._base.errors import LeaseLostError as LeaseLostError
-from ._base.errors import LoaderClosedError as LoaderClosedError
-from ._base.errors import NotACheckpointError as NotACheckpointError
-from ._base.errors import PickleNotAllowedError as PickleNotAllowedError
-from ._base.errors import RankFailedError as RankFailedError
-from ._base.errors import RemoteStorageError as RemoteStorageError
-from ._base.errors import SaveCancelledError as SaveCancelledError
-from ._base.errors import StateMismatchError as StateMismatchError
-from ._base.errors import StepExistsError as StepExistsError
-from ._base.errors import UnsupportedTypeError as UnsupportedTypeError
-from ._base.errors import WorkerCrashedError as WorkerCrashedError
-from ._base.errors import WriterClosedError as WriterClosedError
-from ._base.notice import AiosnapWarning as AiosnapWarning
 from ._base.tasks import SaveFailure as SaveFailure
 from ._load.load import VerifyReport as VerifyReport
 from ._load.load import load as load
@@ -67,22 +45,9 @@ from ._load.standalone import standalone as standalone
 from ._manager.manager import CheckpointManager as CheckpointManager
 from ._manager.options import Ranks as Ranks
 from ._manager.options import Remote as Remote
+from ._manager.port import ManagedWriter as ManagedWriter
 from ._manager.records import CheckpointRecord as CheckpointRecord
-from ._manager.retention import AnyPolicy as AnyPolicy
-from ._manager.retention import KeepBest as KeepBest
-from ._manager.retention import KeepEvery as KeepEvery
-from ._manager.retention import KeepLast as KeepLast
-from ._manager.retention import KeepWithin as KeepWithin
-from ._manager.retention import RetentionPolicy as RetentionPolicy
-from ._manager.retention import former_name as _former_name
 from ._manager.tiers import Restored as Restored
-from ._manager.triggers import AnyTrigger as AnyTrigger
-from ._manager.triggers import AtSteps as AtSteps
-from ._manager.triggers import EveryNEpochs as EveryNEpochs
-from ._manager.triggers import EveryNSeconds as EveryNSeconds
-from ._manager.triggers import EveryNSteps as EveryNSteps
-from ._manager.triggers import Moment as Moment
-from ._manager.triggers import Trigger as Trigger
 from ._manager.upload import UploadWriter as UploadWriter
 from ._save.handle import SaveHandle as SaveHandle
 from ._save.handle import SaveStats as SaveStats
@@ -96,10 +61,6 @@ from ._save.writers import StandardWriter as StandardWriter
 from ._save.writers import ThreadQueueWriter as ThreadQueueWriter
 from ._save.writers import ThreadWriter as ThreadWriter
 from ._save.writers import Writer as Writer
-from ._storage.local import LocalStorage as LocalStorage
-from ._storage.protocol import TEMP_PREFIX as TEMP_PREFIX
-from ._storage.protocol import CommitTimes as CommitTimes
-from ._storage.protocol import Storage as Storage
 from ._train.job import Group as Group
 from ._train.job import Job as Job
 from ._train.job import JobRunner as JobRunner
@@ -111,72 +72,35 @@ from ._train.rng import RNGState as RNGState
 __version__ = "0.1.0"
 
 __all__ = [
-    "AiosnapWarning",
-    "AnyPolicy",
-    "AnyTrigger",
     "AsyncLoader",
-    "AtSteps",
-    "CaptureError",
-    "CheckpointError",
-    "CheckpointKeyError",
     "CheckpointManager",
-    "CheckpointNotFoundError",
     "CheckpointRecord",
-    "CommitTimes",
-    "ConflictError",
-    "CorruptCheckpointError",
-    "DirectoryLockedError",
-    "EveryNEpochs",
-    "EveryNSeconds",
-    "EveryNSteps",
-    "ForeignFileError",
     "Group",
     "Incremental",
-    "IndexWriteError",
     "Job",
     "JobRunner",
-    "KeepBest",
-    "KeepEvery",
-    "KeepLast",
-    "KeepWithin",
-    "LeaseLostError",
-    "LoaderClosedError",
-    "LocalStorage",
-    "Moment",
-    "NotACheckpointError",
-    "PickleNotAllowedError",
+    "ManagedWriter",
     "ProcessQueueWriter",
     "ProcessWriter",
     "QueueWriter",
     "RNGState",
-    "RankFailedError",
     "Ranks",
     "Remote",
-    "RemoteStorageError",
     "Restored",
-    "RetentionPolicy",
     "RunContext",
-    "SaveCancelledError",
     "SaveFailure",
     "SaveHandle",
     "SaveStats",
     "SimpleWriter",
     "StandardWriter",
-    "StateMismatchError",
-    "StepExistsError",
-    "Storage",
-    "TEMP_PREFIX",
     "ThreadQueueWriter",
     "ThreadWriter",
-    "Trigger",
-    "UnsupportedTypeError",
     "UploadWriter",
     "VerifyReport",
-    "WorkerCrashedError",
     "Writer",
-    "WriterClosedError",
     "WriterOptions",
     "epoch_limiter",
+    "errors",
     "load",
     "load_into",
     "load_into_sync",
@@ -193,28 +117,6 @@ __all__ = [
 ]
 
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())
-
-
-def _public_errors() -> None:
-    """Tracebacks name the errors as users import them: ``aiosnap.CorruptCheckpointError``,
-    not the private module that defines it. (Here, not in that module: the offload worker
-    process imports the bare package, and pickles its errors under their own module.)"""
-    for name in __all__:
-        value = globals()[name]
-        if isinstance(value, type) and issubclass(value, (CheckpointError, AiosnapWarning)):
-            value.__module__ = __name__
-
-
-_public_errors()
-
-
-if _typing.TYPE_CHECKING:
-    AnyOf = AnyPolicy  # deprecated: the name AnyPolicy had before
-else:
-
-    def __getattr__(name: str) -> type:
-        """``aiosnap.AnyOf``, the former name of ``AnyPolicy``, with a DeprecationWarning."""
-        return _former_name(__name__, name)
 
 
 def __dir__() -> list[str]:

@@ -134,7 +134,9 @@ async def train(directory: Path, epochs: int, kill_at: tuple[int, int] | None) -
     state = make_state()
     writer = aiosnap.QueueWriter(max_pending=2)
     writer.add_post_save_hook(report)
-    async with aiosnap.CheckpointManager(str(directory), writer=writer, keep=aiosnap.KeepLast(3)) as mgr:
+    async with aiosnap.CheckpointManager(
+        str(directory), writer=writer, keep=aiosnap.retention.KeepLast(3)
+    ) as mgr:
         start = await mgr.latest_step()
         if start is not None:
             print(f"  resuming from the newest valid checkpoint: epoch {start}", flush=True)

@@ -18,7 +18,7 @@ import warnings
 class AiosnapWarning(UserWarning):
     """Something a user of aiosnap should see although it raises nothing: a call held up
     by a remote store that does not answer, uploads left undone. Filter it as any
-    warning (``warnings.filterwarnings("ignore", category=aiosnap.AiosnapWarning)``)."""
+    warning (``warnings.filterwarnings("ignore", category=aiosnap.errors.AiosnapWarning)``)."""
 
 
 def notice(logger: logging.Logger, message: str) -> None:

@@ -240,9 +240,9 @@ def _read(path: str, *, fresh: bool, huge: bool = False) -> None:
     size = os.stat(path).st_size
     buffer = torch.empty(size if fresh else min(size, _PIECE), dtype=torch.uint8).numpy()
     if huge:
-        from .._storage.posix import _MADV_HUGEPAGE, _advise
+        from .._storage.posix import advise_huge
 
-        _advise(buffer.ctypes.data, size, _MADV_HUGEPAGE)
+        advise_huge(buffer.ctypes.data, size)
     view = memoryview(buffer)  # type: ignore[arg-type]
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -78,6 +78,12 @@ def huge_pages(address: int, nbytes: int, *, numpy_advised: bool = False) -> Non
         _advise(address, nbytes, _MADV_NOHUGEPAGE)
 
 
+def advise_huge(address: int, nbytes: int) -> None:
+    """``MADV_HUGEPAGE`` for the whole pages at ``[address, address + nbytes)``, whether or
+    not it pays on this kernel (``aiosnap bench`` measures both). Best effort."""
+    _advise(address, nbytes, _MADV_HUGEPAGE)
+
+
 def populate(address: int, nbytes: int) -> None:
     """Fault in the whole pages of fresh memory at ``[address, address + nbytes)`` (the
     kernel zeroes them), so that a read into it later does not stop at every page.

@@ -113,7 +113,7 @@ def remove_dir(path: str, marker: Marker, *, storage: LocalStorage | None = None
 
 def sweep_temps(directory: str, marker: Marker | None = None) -> list[str]:
     """Remove what interrupted commits left directly in ``directory`` (temp files and temp
-    directories, whose names start with ``aiosnap.TEMP_PREFIX``) and return their paths;
+    directories, whose names start with ``aiosnap.storage.TEMP_PREFIX``) and return their paths;
     first put back the checkpoint directories a publish cut short had moved aside
     (``repair_publishes``). An old directory whose name holds a checkpoint again goes only
     where that checkpoint is an integration's (it holds the aiosnap file ``marker``).

@@ -180,9 +180,9 @@ class AiosnapAccelerator(Accelerator):  # type: ignore[misc]  # accelerate ships
             try:
                 self._aiosnap_restore(folder, dict(kwargs))
                 return
-            except aiosnap.CorruptCheckpointError as exc:
+            except aiosnap.errors.CorruptCheckpointError as exc:
                 logger.warning("load_state skips %s: %s", folder, exc)
-        raise aiosnap.CheckpointNotFoundError(
+        raise aiosnap.errors.CheckpointNotFoundError(
             os.path.join(self.project_dir, "checkpoints"), "no complete aiosnap checkpoint to load"
         )
 

@@ -32,7 +32,7 @@ class AiosnapCheckpointIO(CheckpointIOBehaviour, CheckpointIO):
     Options are ``aiosnap.QueueWriter``'s. ``allow_pickle=True`` lets values that are not
     tensors, arrays or plain containers (``hyper_parameters`` holding arbitrary objects)
     be stored pickled, and unpickled at load: leave it off unless the checkpoint holds
-    such values (a save then raises ``aiosnap.UnsupportedTypeError`` naming the value).
+    such values (a save then raises ``aiosnap.errors.UnsupportedTypeError`` naming the value).
     ``flush()`` waits for every save; ``teardown()`` (after each fit, validate, test)
     also stops the background loop, which the next save starts again. ``committing(path)``
     says whether a save of ``path`` is still in flight: the Trainer's ``ModelCheckpoint``

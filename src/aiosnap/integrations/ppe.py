@@ -201,7 +201,7 @@ class _AiosnapSnapshot(_snapshot._Snapshot):
             path = writer.fs.get_actual_path(os.path.join(writer.out_dir, name))
             try:
                 state = run_sync(aiosnap.load, path, map_location="cpu", allow_pickle=allow_pickle)
-            except aiosnap.CheckpointError as exc:
+            except aiosnap.errors.CheckpointError as exc:
                 logger.warning("autoload skips %s: %s", path, exc)
                 continue
             target: Any = manager if self._target is None else self._target

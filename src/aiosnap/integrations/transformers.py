@@ -218,7 +218,7 @@ class AiosnapTrainerMixin(_Base):
             part = run_sync(
                 aiosnap.load, path, keys=[key], map_location="cpu", allow_pickle=self._aiosnap.allow_pickle
             )
-        except aiosnap.CheckpointKeyError:
+        except aiosnap.errors.CheckpointKeyError:
             return None
         return part[key]
 
