@@ -186,7 +186,9 @@ class DictLease:
             held = storage.leases.get(path)
             if held is not None and held.expires > time.monotonic():
                 left = held.expires - time.monotonic()
-                raise aiosnap.errors.DirectoryLockedError(f"{path} is in use by another CheckpointManager", left)
+                raise aiosnap.errors.DirectoryLockedError(
+                    f"{path} is in use by another CheckpointManager", left
+                )
             self.expires = time.monotonic() + ttl
             storage.leases[path] = self
 
@@ -206,7 +208,9 @@ class DictLease:
 async def main() -> None:
     storage = DictStorage()
     model = torch.nn.Linear(4, 2)
-    async with aiosnap.CheckpointManager("dict://run", storage=storage, keep=aiosnap.retention.KeepLast(2)) as mgr:
+    async with aiosnap.CheckpointManager(
+        "dict://run", storage=storage, keep=aiosnap.retention.KeepLast(2)
+    ) as mgr:
         for step in range(1, 5):
             await mgr.save(step, {"model": model, "step": step})
     print(sorted(e.name for e in storage.list("dict://run")))
