@@ -18,6 +18,7 @@ from .._save.handle import SaveHandle
 from .._save.options import CaptureMode, Incremental, QueueOptions, check_capture
 from .._save.writers import QueueWriter, Writer
 from .._storage.protocol import Storage
+from .options import check_writer_given
 
 
 @runtime_checkable
@@ -63,8 +64,7 @@ class WriterPort:
         capture: CaptureMode | None,
         read_only: bool,
     ) -> None:
-        if writer is not None and incremental is not None:
-            raise ValueError("incremental= goes to the writer when one is given")
+        check_writer_given(writer, incremental)
         options = QueueOptions(storage=storage, incremental=incremental)
         self.writer: Writer = QueueWriter(**options) if writer is None else writer
         # What the writer offers: looked at here, once (a probe at call time is what this
