@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 import aiosnap
+from aiosnap._manager.port import WriterPort
 from aiosnap._manager.tiers import TwoTiers
 
 OTHER = aiosnap.storage.LocalStorage()
@@ -327,3 +328,35 @@ async def test_what_a_writers_options_resolve_to(kind: str, name: str) -> None:
     made = cls(**{k: _built(v) for k, v in case.options.items()})
     expect = {**DEFAULT_WRITER, "type": kind, "storage": None, **case.expect}
     assert _writer(made, None) == expect
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        n
+        for n in aiosnap.__all__
+        if n.endswith("Writer") and n not in ("Writer", "ManagedWriter", "UploadWriter")
+    ],
+)
+def test_every_writer_of_aiosnap_offers_what_a_manager_uses(kind: str) -> None:
+    """The manager's port looks once at its writer: each of aiosnap's is a ManagedWriter
+    (lazy capture, incremental saves into step directories, a durable return), and the
+    port takes the writer's own capture and durability from it."""
+    writer = getattr(aiosnap, kind)(capture="lazy")
+    assert isinstance(writer, aiosnap.ManagedWriter)
+    port = WriterPort(writer, storage=OTHER, incremental=None, capture=None, read_only=False)
+    assert port.capture == "lazy" and port.returns_durable is (kind == "SimpleWriter")
+
+
+def test_a_writer_of_ones_own_is_called_and_saves_eagerly() -> None:
+    """A writer that offers only a call is no ManagedWriter: eager, not durable, and an
+    incremental save into step directories needs one of aiosnap's writers."""
+
+    class Own:
+        async def __call__(self, filename: str, out_dir: str, target: object) -> Any:
+            raise AssertionError("not called here")
+
+    port = WriterPort(Own(), storage=OTHER, incremental=None, capture=None, read_only=False)  # type: ignore[arg-type]
+    assert (port.capture, port.returns_durable, port.incremental) == ("eager", False, False)
+    with pytest.raises(ValueError, match="need one of aiosnap's writers"):
+        port.blobs_by_rank("rank_00000")

@@ -134,6 +134,9 @@ class _WriterBase(TaskGroupOwner, abc.ABC):
     """Behaviour shared by all writers; subclasses decide what follows a capture."""
 
     _arenas_kept = 1
+    #: Whether the call returns once the save is durable (a CheckpointManager's save with
+    #: it then does too): SimpleWriter's does.
+    returns_durable = False
 
     def __init__(
         self,
