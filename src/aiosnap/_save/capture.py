@@ -3,6 +3,18 @@
 capture make on the way, the header sealed after a pipelined capture, and a state
 larger than the memory budget written in pieces before the call returns.
 
+A save whose commit can start at once -- no earlier save ahead of it, a commit in a
+thread, no ``savefun`` -- is *pipelined*: its commit is handed the arena as soon as the
+image is laid out, and writes the first pieces while later ones are still being copied.
+The commit then owns the end of the save: it settles it, also when the capture fails
+(the caller gets that error, the writer reports nothing).
+
+A *lazy* save (``capture="lazy"``) releases its caller once the tree is walked: the
+staging thread goes on copying the tensors, with no help from the event loop, which a
+synchronous training step holds until the next save; a ``Guard`` holds the step of
+the optimizers in the state until the copies are done. A copy that fails after the
+call returned is a background failure, reported as a failed commit is.
+
 What follows the capture (the commit, a place in a queue) is the writer's.
 """
 

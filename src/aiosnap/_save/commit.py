@@ -8,6 +8,7 @@ failed commit ends its save with. Settling the save is the writer's (``job.py``)
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import time
 from collections.abc import Awaitable, Callable
@@ -19,6 +20,7 @@ from .engine import Engine
 from .handle import SaveStats
 from .incremental import Dedup, Known, commit_incremental
 from .job import SaveJob, logger
+from .options import Incremental
 from .pipeline import CaptureEnded, commit_pipelined
 
 PostSaveHook = Callable[[SaveStats], object] | Callable[[SaveStats], Awaitable[object]]
@@ -52,15 +54,22 @@ async def _call_hook(hook: PostSaveHook, stats: SaveStats) -> None:
 class Committer:
     """Writes captured saves durably, one way or another, and reports on them.
 
-    ``dedup``: incremental saves' options (None: full saves); ``known``: the blobs they
-    stored; ``failures``: the writer's list, where a failed commit is kept."""
+    ``dedup``: incremental saves' options (None: full saves, ``incremental=None``);
+    ``known``: the blobs they stored; ``failures``: the writer's list, where a failed commit is kept."""
 
-    def __init__(self, engine: Engine, dedup: Dedup | None, hooks: Hooks, failures: Failures) -> None:
+    def __init__(
+        self, engine: Engine, incremental: Incremental | None, hooks: Hooks, failures: Failures
+    ) -> None:
         self.engine = engine
-        self.dedup = dedup
+        self.dedup = None if incremental is None else Dedup.of(incremental)
         self.known = Known()
         self.hooks = hooks
         self._failures = failures
+
+    def keep_blobs_by_rank(self, rank_dir: str) -> None:
+        """Incremental saves keep their blobs in the rank's own folder (``rank_dir``)."""
+        if self.dedup is not None:
+            self.dedup = dataclasses.replace(self.dedup, rank_dir=rank_dir)
 
     def can_pipeline(self, job: SaveJob) -> bool:
         """Whether ``job``'s commit may start during its capture: in a thread of this

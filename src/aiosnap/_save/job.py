@@ -11,12 +11,16 @@ import logging
 from dataclasses import dataclass
 
 from .._base.errors import SaveCancelledError, WriterClosedError
+from .._base.names import check_component
 from .._base.tasks import SaveFailure
+from .._storage.backends import resolve
 from .._storage.protocol import Storage
 from .arena import Arena, ArenaPool
+from .device import DeviceCopier
 from .engine import SaveFun
 from .guard import Guard
 from .handle import Capture, Resolver, SaveHandle, SaveStats
+from .options import CaptureMode
 from .pipeline import Pipe
 from .stage import StagedImage
 
@@ -45,6 +49,32 @@ class SaveJob:
     producers: object = None  # the device streams producing the tensors, seen from the loop
     stats: SaveStats | None = None  # set when the save was written in pieces during capture
 
+    @classmethod
+    def new(
+        cls,
+        storage: Storage,
+        path: str,
+        target: object,
+        savefun: SaveFun | None,
+        t0: float,
+        capture: CaptureMode,
+        copier: DeviceCopier | None,
+    ) -> SaveJob:
+        """A save just accepted, on the loop's thread, its capture not begun."""
+
+        def abandon() -> None:
+            # A caller that stops waiting before the capture ended may be changing the state.
+            job.abandoned = True
+
+        taken = Capture(on_abandon=abandon)
+        job = cls(Resolver(path, taken), storage, target, savefun, t0, taken)
+        if capture == "lazy":
+            job.guard = Guard(copier)
+        if copier is not None:
+            # Current streams are per thread: take the caller's here, on the loop thread.
+            job.producers = copier.producer_streams()
+        return job
+
     @property
     def handle(self) -> SaveHandle:
         return self.resolver.handle
@@ -59,6 +89,18 @@ class SaveJob:
         if self.abandoned:
             return SaveCancelledError("the caller gave the save up before its capture ended")
         return WriterClosedError("the writer closed during a capture")
+
+
+def place(filename: str, out_dir: str, storage: Storage | None) -> tuple[Storage, str]:
+    """Where a save of ``filename`` in ``out_dir`` goes (``storage``: the writer's, if it
+    has one): the storage and the path in it. ``filename`` must be one name (ValueError)."""
+    if out_dir:
+        check_component(filename, "filename")
+        found, directory = resolve(out_dir, storage)
+        return found, found.join(directory, filename)
+    found, path = resolve(filename, storage)
+    check_component(found.split(path)[1], "the file name of")
+    return found, path
 
 
 class Jobs:
@@ -77,7 +119,7 @@ class Jobs:
             await job.handle.outcome()
 
     def settle(
-        self, job: SaveJob, error: SaveFailure | BaseException | None, stats: SaveStats | None = None
+        self, job: SaveJob, error: SaveFailure | BaseException | None = None, stats: SaveStats | None = None
     ) -> None:
         """End ``job``: its arena back to the pool, its guard released, its handle given
         ``stats`` (durable), ``error`` (failed), or neither (skipped); a handle resolved

@@ -6,49 +6,37 @@ capture, through an event, so plain-asyncio cancellation of the caller can never
 interrupt a copy or a commit half-way: a save cancelled before its capture finished
 is dropped whole; after it, it commits whole.
 
-A save whose commit can start at once -- no earlier save ahead of it, a commit in a
-thread, no ``savefun`` -- is *pipelined* (``_pipeline``): its commit is handed the
-arena as soon as the image is laid out, and writes the first pieces while later ones
-are still being copied. The commit then owns the end of the save: it settles it,
-also when the capture fails (the caller gets that error, the writer reports nothing).
-
-A *lazy* save (``capture="lazy"``) releases its caller once the tree is walked: the
-staging thread goes on copying the tensors, with no help from the event loop, which a
-synchronous training step holds until the next save; a ``Guard`` holds the step of
-the optimizers in the state until the copies are done. A copy that fails after the
-call returned is a background failure, reported as a failed commit is.
+A save is a ``SaveJob`` (``job.py``, which also settles it), captured by the writer's
+``Capturer`` (``capture.py``: pipelined and lazy captures) and committed by its
+``Committer`` (``commit.py``); each writer class is its admission policy: when a save
+may start, and what follows its capture.
 """
 
 from __future__ import annotations
 
 import abc
-import dataclasses
 import functools
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Protocol, Self, Unpack, final
 
 import anyio
 import anyio.abc
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .._base import offload as _offload
 from .._base.errors import WriterClosedError
 from .._base.names import check_component
 from .._base.tasks import Failures, SaveFailure, TaskGroupOwner, raise_first
-from .._storage.backends import resolve
 from .._storage.protocol import Storage
-from .arena import ArenaPool
+from .arena import ArenaPool, StagingMemory
 from .capture import Capturer
 from .commit import Committer, Hooks, PostSaveHook
 from .device import DeviceCopier, default_copier
 from .engine import ProcessEngine, SaveFun, ThreadEngine
-from .guard import Guard
-from .handle import Capture, Resolver, SaveHandle
+from .handle import SaveHandle
 from .incremental import Dedup
-from .job import Jobs, SaveJob
+from .job import Jobs, SaveJob, place
 from .options import (
     CaptureMode,
     Incremental,
@@ -61,6 +49,7 @@ from .options import (
     incremental_of,
 )
 from .pipeline import Pipe
+from .queue import SaveQueue
 from .window import take_off_finished
 from .window import warm as warm_window
 
@@ -129,15 +118,16 @@ class _WriterBase(TaskGroupOwner, abc.ABC):
         self.offload = offload
         self._storage = storage
         engine = ProcessEngine() if offload == "process" else ThreadEngine()
+        self._copier = (
+            device_copier if device_copier is not None else default_copier(device_staging=device_staging)
+        )
+        unpin = None if self._copier is None else self._copier.unpin  # an arena's pages, when freed
         self._pool = ArenaPool(
-            shared=engine.shared, keep=self._arenas_kept, budget=max_host_bytes, on_free=self._unpin
+            shared=engine.shared, keep=self._arenas_kept, budget=max_host_bytes, on_free=unpin
         )
         self._pipeline = pipeline
         self._failures = Failures()
         self._hooks = Hooks()
-        self._copier = (
-            device_copier if device_copier is not None else default_copier(device_staging=device_staging)
-        )
         #: The three pieces of a save: its settling, its capture, its commit.
         self._jobs = Jobs(self._pool)
         self._capturer = Capturer(
@@ -147,8 +137,7 @@ class _WriterBase(TaskGroupOwner, abc.ABC):
             hooks=self._hooks,
             failures=self._failures,
         )
-        dedup = None if options is None else Dedup.of(options)
-        self._committer = Committer(engine, dedup, self._hooks, self._failures)
+        self._committer = Committer(engine, options, self._hooks, self._failures)
         self.capture: CaptureMode = capture
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -236,17 +225,12 @@ class _WriterBase(TaskGroupOwner, abc.ABC):
         CheckpointManager calls this for its step directories). A writer that is not
         incremental ignores it."""
         check_component(rank_dir, "rank_dir")
-        if self._committer.dedup is not None:
-            self._committer.dedup = dataclasses.replace(self._committer.dedup, rank_dir=rank_dir)
+        self._committer.keep_blobs_by_rank(rank_dir)
 
     @property
     def worker_pid(self) -> int | None:
         """The process id of the offload worker (``offload="process"``, while open)."""
         return self._committer.engine.pid
-
-    def _unpin(self, array: object) -> None:
-        if self._copier is not None:
-            self._copier.unpin(array)
 
     def _on_open(self, tg: anyio.abc.TaskGroup) -> None:
         """Start the writer's own background tasks."""
@@ -317,26 +301,8 @@ class _WriterBase(TaskGroupOwner, abc.ABC):
                 if self._lifecycle not in ("new", "opening")
                 else "the writer is not open: use `async with writer:` around the saves"
             )
-        if out_dir:
-            check_component(filename, "filename")
-            storage, directory = resolve(out_dir, self._storage)
-            path = storage.join(directory, filename)
-        else:
-            storage, path = resolve(filename, self._storage)
-            check_component(storage.split(path)[1], "the file name of")
-
-        def abandon() -> None:
-            # A caller that stops waiting before the capture ended may be changing the state.
-            save.abandoned = True
-
-        taken = Capture(on_abandon=abandon)
-        save = SaveJob(Resolver(path, taken), storage, target, savefun, t0, taken)
-        if mode == "lazy":
-            save.guard = Guard(self._copier)
-        if self._copier is not None:
-            # Current streams are per thread: take the caller's here, on the loop thread.
-            save.producers = self._copier.producer_streams()
-        return await self._submit(save)
+        storage, path = place(filename, out_dir, self._storage)
+        return await self._submit(SaveJob.new(storage, path, target, savefun, t0, mode, self._copier))
 
     @abc.abstractmethod
     async def _submit(self, save: SaveJob) -> SaveHandle:
@@ -397,19 +363,6 @@ class _WriterBase(TaskGroupOwner, abc.ABC):
             raise
         else:
             self._jobs.settle(save, None, stats)
-
-
-@final
-@dataclass(frozen=True, slots=True)
-class StagingMemory:
-    """A writer's staging memory at one moment (``staging_memory()``): bytes of arenas
-    held by saves in flight, arenas kept for the next saves and their bytes, and
-    captures waiting for memory (``max_host_bytes``)."""
-
-    in_use: int
-    kept: int
-    kept_bytes: int
-    waiting: int
 
 
 @final
@@ -496,63 +449,33 @@ class QueueWriter(_WriterBase):
         super().__init__(offload=offload, **options)
         self.max_pending = max_pending
         self.when_full = when_full
-        self._slots = anyio.Semaphore(max_pending)
-        self._send: MemoryObjectSendStream[SaveJob]
-        self._receive: MemoryObjectReceiveStream[SaveJob]
-        self._send, self._receive = anyio.create_memory_object_stream[SaveJob](max_pending)
+        self._queue = SaveQueue(max_pending)
 
     def _on_open(self, tg: anyio.abc.TaskGroup) -> None:
-        tg.start_soon(self._consume)
-
-    async def _consume(self) -> None:
-        async with self._receive:
-            async for save in self._receive:
-                self._slots.release()
-                await self._commit(save)
+        tg.start_soon(self._queue.consume, self._commit)
 
     async def _drain(self) -> None:
         await super()._drain()
-        self._send.close()
+        self._queue.close()
 
     async def _submit(self, save: SaveJob) -> SaveHandle:
-        if not await self._take_slot():
+        if not await self._queue.admit(self.when_full, self._jobs.settle):
             save.resolver.skip()
             return save.handle
         self._start(save, self._enqueue)
         return save.handle
 
-    async def _take_slot(self) -> bool:
-        try:
-            self._slots.acquire_nowait()
-            return True
-        except anyio.WouldBlock:
-            if self.when_full == "skip":
-                return False
-        if self.when_full == "replace":
-            try:
-                oldest = self._receive.receive_nowait()
-            except anyio.WouldBlock:
-                pass
-            else:
-                self._jobs.settle(oldest, None)  # its slot passes to the new save
-                return True
-        await self._slots.acquire()
-        return True
-
     async def _enqueue(self, save: SaveJob) -> None:
-        self._send.send_nowait(save)
+        self._queue.put(save)
 
     def _commit_free(self) -> bool:
-        # The consumer waits, so nothing is queued or being committed: a save sent now
-        # goes straight to it, and can never be dropped by ``when_full="replace"``.
-        queue = self._receive.statistics()
-        return queue.tasks_waiting_receive > 0 and queue.current_buffer_used == 0
+        return self._queue.idle()
 
     def _hand_over(self, save: SaveJob, after: _After) -> None:
-        self._send.send_nowait(save)
+        self._queue.put(save)
 
     def _dropped(self, save: SaveJob) -> None:
-        self._slots.release()
+        self._queue.free()
 
 
 @final
