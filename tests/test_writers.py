@@ -537,16 +537,16 @@ async def test_a_save_in_pieces_writes_whole_aligned_pieces_while_the_next_is_co
 async def test_a_one_call_save_of_a_large_state_streams_through_small_buffers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import aiosnap._save.writers as writers
+    import aiosnap._save.capture as capture
 
     budgets: list[int] = []
-    streamed = writers.write_in_pieces
+    streamed = capture.write_in_pieces
 
     def spy(layout: Any, upload: Any, budget: int, stop: Any) -> None:
         budgets.append(budget)
         streamed(layout, upload, budget, stop)
 
-    monkeypatch.setattr(writers, "write_in_pieces", spy)
+    monkeypatch.setattr(capture, "write_in_pieces", spy)
     state = {"big": torch.randn(12 << 20), "small": torch.ones(3)}  # 48 MiB
     await aiosnap.save(str(tmp_path / "ckpt"), state)
     await aiosnap.save(str(tmp_path / "tiny"), {"x": torch.ones(3)})  # staged whole

@@ -11,8 +11,9 @@ import functools
 import mmap
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing import shared_memory
-from typing import Any
+from typing import Any, final
 
 import numpy as np
 import torch
@@ -177,3 +178,16 @@ class ArenaPool:
             self._cond.notify_all()
         for a in drop:
             self._free_arena(a)
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class StagingMemory:
+    """A writer's staging memory at one moment (``staging_memory()``): bytes of arenas
+    held by saves in flight, arenas kept for the next saves and their bytes, and
+    captures waiting for memory (``max_host_bytes``)."""
+
+    in_use: int
+    kept: int
+    kept_bytes: int
+    waiting: int

@@ -151,46 +151,7 @@ def commit_incremental(
     t0 = time.perf_counter()
     out = _Outcome()
     try:
-        slots: list[Ref | TensorInfo] = []
-        written: list[int] = []
-        new: dict[str, int] = {}  # blob -> the slot of the entry that writes it
-        again: list[tuple[int, int]] = []  # (slot, slot of the same bytes written by this save)
-        with _offload.side_thread() as side:
-            beside = False  # new blobs alternate between this thread and a helper
-            for info in sorted(header.tensors.values(), key=_START):
-                data = image[header.data_start + info.start : header.data_start + info.end]
-                if info.nbytes < MIN_BLOB or info.kind == "pickle":
-                    slots.append(info)
-                    continue
-                blob = _frozen_blob(folder, info, dedup, known) or content_hash(data)
-                PINS.pin(blob)
-                out.pinned.append(blob)
-                if blob in new:  # the same bytes twice in one save: written once
-                    again.append((len(slots), new[blob]))
-                    slots.append(info)
-                    continue
-                found = _found(storage, folder, blob, info, dedup.compression)
-                slots.append(found)
-                if found is not _MISSING:
-                    continue
-                new[blob] = at = len(slots) - 1
-                write = functools.partial(
-                    _write, storage, folder, blob, data, info, dedup, slots, at, written
-                )
-                if beside:
-                    side.wait()
-                    side.submit(write)
-                else:
-                    write()
-                beside = not beside
-            side.wait()  # its error raised here (the block's end would swallow it)
-        for at, first in again:
-            done = slots[first]
-            assert isinstance(done, Ref)
-            slots[at] = dataclasses.replace(done, info=_whole(slots[at]))
-        out.kept = [x for x in slots if isinstance(x, TensorInfo)]
-        out.refs = [x for x in slots if isinstance(x, Ref)]
-        out.blob_bytes = sum(written)
+        _store_blobs(storage, folder, header, image, dedup, known, out)
         blobs_s = time.perf_counter() - t0
         referring, size = _referring_image(header, out.kept, out.refs, image, dedup.rank_dir)
         times = write_image(storage, path, referring, size)
@@ -200,6 +161,58 @@ def commit_incremental(
         for ref in out.refs:
             known.last[folder, ref.info.name] = (ref.info.crc or 0, ref.info.nbytes, ref.blob)
     return CommitTimes(times.write_s + blobs_s, times.fsync_s, times.bytes + out.blob_bytes)
+
+
+def _store_blobs(
+    storage: Storage,
+    folder: str,
+    header: Header,
+    image: memoryview,
+    dedup: Dedup,
+    known: Known,
+    out: _Outcome,
+) -> None:
+    """Write the blobs of the image's large entries that ``folder`` lacks, pinned (in
+    ``out.pinned``) until the save ends; ``out`` gets the entries kept in the file and
+    the references to blobs, in the order of the data section, and the new blobs' bytes."""
+    slots: list[Ref | TensorInfo] = []
+    written: list[int] = []
+    new: dict[str, int] = {}  # blob -> the slot of the entry that writes it
+    again: list[tuple[int, int]] = []  # (slot, slot of the same bytes written by this save)
+    with _offload.side_thread() as side:
+        beside = False  # new blobs alternate between this thread and a helper
+        for info in sorted(header.tensors.values(), key=_START):
+            data = image[header.data_start + info.start : header.data_start + info.end]
+            if info.nbytes < MIN_BLOB or info.kind == "pickle":
+                slots.append(info)
+                continue
+            blob = _frozen_blob(folder, info, dedup, known) or content_hash(data)
+            PINS.pin(blob)
+            out.pinned.append(blob)
+            if blob in new:  # the same bytes twice in one save: written once
+                again.append((len(slots), new[blob]))
+                slots.append(info)
+                continue
+            found = _found(storage, folder, blob, info, dedup.compression)
+            slots.append(found)
+            if found is not _MISSING:
+                continue
+            new[blob] = at = len(slots) - 1
+            write = functools.partial(_write, storage, folder, blob, data, info, dedup, slots, at, written)
+            if beside:
+                side.wait()
+                side.submit(write)
+            else:
+                write()
+            beside = not beside
+        side.wait()  # its error raised here (the block's end would swallow it)
+    for at, first in again:
+        done = slots[first]
+        assert isinstance(done, Ref)
+        slots[at] = dataclasses.replace(done, info=_whole(slots[at]))
+    out.kept = [x for x in slots if isinstance(x, TensorInfo)]
+    out.refs = [x for x in slots if isinstance(x, Ref)]
+    out.blob_bytes = sum(written)
 
 
 def check_blob_folder(storage: Storage, folder: str, rank_dir: str | None) -> None:

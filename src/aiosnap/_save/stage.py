@@ -152,9 +152,7 @@ def stage(layout: Plan, request: StageRequest, optimizers: Sequence[Any] = ()) -
     try:
         arena = request.pool.acquire(layout.size)
         try:
-            if request.begin is not None:
-                offer = Pipe(arena, layout.size, layout.data_start)
-                pipe = offer if request.begin(offer) else None
+            pipe = _offer(layout, arena, request.begin)
             todo: Sequence[int] = range(len(layout.leaves))
             started: dict[int, object] = {}
             if lazy is not None:
@@ -178,15 +176,29 @@ def stage(layout: Plan, request: StageRequest, optimizers: Sequence[Any] = ()) -
             copies.close()
         if lazy is not None:
             lazy.guard.release()
+    staged = _staged(layout, arena, request.keep_tree, t0)
+    if lazy is not None and pipe is not None:
+        _seal_pipe(staged, pipe)
+    return staged
+
+
+def _offer(layout: Plan, arena: Arena, begin: Callable[[Pipe], bool] | None) -> Pipe | None:
+    """The pipe a commit took to write ``arena`` while it fills (``begin``), if any."""
+    if begin is None:
+        return None
+    offer = Pipe(arena, layout.size, layout.data_start)
+    return offer if begin(offer) else None
+
+
+def _staged(layout: Plan, arena: Arena, keep_tree: bool, t0: float) -> StagedImage:
+    """The staged image of ``layout`` in ``arena``, its copies done."""
     infos = layout.tensors
     spans = array.array("q")
     for i in range(0, len(infos), _SPANS):  # one C call over 100,000 held the GIL 14 ms
         spans.extend(itertools.chain.from_iterable(map(_START_END, infos[i : i + _SPANS])))
     staged = StagedImage(arena, layout.size, layout.template, spans, time.perf_counter() - t0)
-    if request.keep_tree:
+    if keep_tree:
         staged.tensors, staged.tree = infos, layout.tree
-    if lazy is not None and pipe is not None:
-        _seal_pipe(staged, pipe)
     return staged
 
 
@@ -273,12 +285,7 @@ def _fill(
         request.lazy.guard.ready(copier.fence() if on_device and copier is not None else None)
     if on_device:
         assert copier is not None
-        if pipe is not None:
-            # Every host leaf is staged: the watermark follows the device copies as they land.
-            for i, token in sorted(on_device.items()):
-                pipe.advance(data_start + infos[i].start)
-                copier.wait(token)
-        copier.finish()  # not a byte copied from a device is read before this
+        _land(layout, pipe, copier, on_device)
     if copies is not None:
         copies.check_device([i for i in todo if i in on_device])
         copies.raise_late()
@@ -286,6 +293,16 @@ def _fill(
         raise SaveCancelledError(GAVE_UP)
     if pipe is not None:
         pipe.advance(layout.size)
+
+
+def _land(layout: Plan, pipe: Pipe | None, copier: DeviceCopier, on_device: dict[int, object]) -> None:
+    """Wait for the device copies; with a ``pipe``, every host leaf is staged already:
+    its watermark follows the device copies as they land."""
+    if pipe is not None:
+        for i, token in sorted(on_device.items()):
+            pipe.advance(layout.data_start + layout.tensors[i].start)
+            copier.wait(token)
+    copier.finish()  # not a byte copied from a device is read before this
 
 
 def _copy_one(
