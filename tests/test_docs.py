@@ -172,6 +172,7 @@ EMBEDDED = {
     "fsdp2-example.md": "examples/fsdp2.py",
     "storage-backend.md": "examples/dict_storage.py",
     "integration-accelerate.md": "examples/accelerate_ddp.py",
+    "integration-transformers.md": "examples/transformers_ddp.py",
 }
 
 
