@@ -99,6 +99,7 @@ def accelerate_methods(size: int, scratch: Path) -> dict[str, Method]:
 
 def hf_methods(size: int, scratch: Path) -> dict[str, Method]:
     from transformers import Trainer, TrainingArguments
+    from transformers.utils import logging as hf_logging
 
     from aiosnap.integrations.transformers import AiosnapTrainer
 
@@ -125,6 +126,7 @@ def hf_methods(size: int, scratch: Path) -> dict[str, Method]:
         t.train()
         return t
 
+    hf_logging.disable_progress_bar()  # save_pretrained's, in the Trainer's own save
     ours = trainer(AiosnapTrainer, scratch / "aiosnap")
     own = trainer(Trainer, scratch / "own")
 
@@ -142,8 +144,9 @@ def hf_methods(size: int, scratch: Path) -> dict[str, Method]:
 FRAMEWORKS = {"accelerate": ("Accelerate", accelerate_methods), "hf": ("HF Trainer", hf_methods)}
 
 
-def rank_main(key: str, size: int, reps: int, scratch: str) -> None:
+def rank_main(key: str, size_arg: str, reps_arg: str, scratch: str) -> None:
     """One rank: set the framework up, time both methods, report on stdout."""
+    size, reps = int(size_arg), int(reps_arg)
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -232,9 +235,8 @@ def main() -> None:
     table = render(results, info, size, args.reps, args.nproc)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "integrations_ranks.json").write_text(
-        json.dumps({"size": size, "machine": info, "results": results})
-    )
+    record = {"size": size, "nproc": args.nproc, "machine": info, "results": results}
+    (out / "integrations_ranks.json").write_text(json.dumps(record))
     (out / "integrations_ranks.md").write_text(table)
     print(table)
 
