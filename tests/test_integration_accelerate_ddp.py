@@ -94,6 +94,10 @@ def test_killed_ddp_job_resumes_with_load_state_bit_identical_on_every_rank(
     assert start in (2, 4, 6), f"resumed from step {start}: not from a committed save of the killed job"
     committed = _committed(run)
     assert len(committed) == LIMIT
+    # The killed job's last save, never committed, is nowhere to be seen.
+    assert sorted(n for n in os.listdir(run / "checkpoints") if n.startswith("checkpoint_")) == sorted(
+        committed
+    )
     for name in committed:
         step_dir = run / "checkpoints" / name
         ranks = sorted(n for n in os.listdir(step_dir) if n.startswith("rank_"))

@@ -74,6 +74,7 @@ def test_killed_ddp_job_resumes_from_the_last_checkpoint_bit_identical(tmp_path:
     assert start in (2, 4, 6), f"resumed from step {start}: not from a committed save of the killed job"
     committed = _committed(out)
     assert committed == [f"checkpoint-{steps - 2}", f"checkpoint-{steps}"]
+    assert sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")) == sorted(committed)  # none half
     for name in committed:
         ranks = sorted(n for n in os.listdir(out / name) if n.startswith("rank_"))
         assert ranks == [f"rank_{r:05d}" for r in range(world)]
