@@ -260,3 +260,92 @@ def temp_entries(directory: Path) -> list[str]:
         for name in [*dirs, *files]
         if name.startswith(aiosnap.storage.TEMP_PREFIX)
     ]
+
+
+# -- multi-process jobs ------------------------------------------------------------------------
+class RanksChild(Child):
+    """A job of ``nproc`` processes, each running ``module.function(*args)`` with the
+    environment torchrun gives its workers (``RANK``, ``WORLD_SIZE``, ``MASTER_PORT``...;
+    gloo on 127.0.0.1), read and killed as ``Child``. torchrun itself starts each worker in
+    a session of its own, which a kill of the launcher's session would miss: here the ranks
+    are children of one launcher (``launch_ranks``), in its session, so the kill takes the
+    whole job at once. The ranks report with ``rank_loss``."""
+
+    def __init__(self, function: str, *args: object, nproc: int, log: Path) -> None:
+        code = "import sys; from tests.integration_runs import launch_ranks; launch_ranks(*sys.argv[1:])"
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONHASHSEED": "0"}
+        env["OMP_NUM_THREADS"] = "1"
+        self.log = log
+        self._stderr = open(log, "w")  # noqa: SIM115 - closed in finish()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code, str(nproc), function, *map(str, args)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            text=True,
+            start_new_session=True,
+        )
+
+
+#: Seconds after which ``launch_ranks`` calls a job hung (the exit status 124).
+HANG = 600
+
+
+def launch_ranks(nproc: str, function: str, *args: str) -> None:
+    """In the launcher of a ``RanksChild``: start the ranks, wait for all of them, exit
+    with the first failure's status (a rank that failed is named on stderr)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    module, name = function.rsplit(".", 1)
+    code = f"import sys; from {module} import {name}; {name}(*sys.argv[1:])"
+    world = int(nproc)
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+        procs.append(subprocess.Popen([sys.executable, "-c", code, *args], cwd=ROOT, env=env))
+    try:
+        # A bound only for a job that hangs (which is a failure): it fails the test
+        # instead of holding the suite; a run that works ends long before.
+        codes = [p.wait(timeout=HANG) for p in procs]
+    except subprocess.TimeoutExpired:
+        sys.stderr.write(f"the job hung: still running after {HANG} s\n")
+        sys.exit(124)
+    failed = [(rank, c) for rank, c in enumerate(codes) if c != 0]
+    for rank, c in failed:
+        sys.stderr.write(f"rank {rank} exited with status {c}\n")
+    sys.exit(failed[0][1] if failed else 0)
+
+
+def rank_loss(rank: int, step: int, value: float) -> None:
+    """From a rank of a torchrun job: its loss of ``step`` (``float.hex``)."""
+    report("rankloss", rank, step, float(value).hex())
+
+
+def losses_by_rank(run: Run) -> dict[int, dict[int, str]]:
+    """The ``rank_loss`` reports of a run: rank -> step -> hex."""
+    values = run.other.get("rankloss", [])
+    found: dict[int, dict[int, str]] = {}
+    for i in range(0, len(values), 3):
+        found.setdefault(int(values[i]), {})[int(values[i + 1])] = values[i + 2]
+    return found
+
+
+def assert_ranks_resumed_exactly(reference: Run, resumed: Run, last_step: int, world: int) -> int:
+    """Every rank of the resumed job resumed from the same step (its ``resumed`` reports)
+    and trained every step after it with the reference job's loss of that rank, bit for
+    bit; return that step."""
+    starts = {int(step) for step in resumed.other["resumed"]}
+    assert len(resumed.other["resumed"]) == world and len(starts) == 1, resumed.other["resumed"]
+    (start,) = starts
+    ref, got = losses_by_rank(reference), losses_by_rank(resumed)
+    assert sorted(got) == list(range(world)), sorted(got)
+    for rank, losses in got.items():
+        assert sorted(losses) == list(range(start + 1, last_step + 1)), (rank, sorted(losses))
+        for step, value in losses.items():
+            assert value == ref[rank][step], f"rank {rank}: step {step} differs after the resume"
+    return start

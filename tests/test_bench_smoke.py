@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -106,3 +108,13 @@ def test_dcp_benchmark_runs_small(tmp_path: Path) -> None:
     (row,) = json.loads((out / "dcp.json").read_text())["rows"]
     assert row["ranks"] == 1 and row["ratio"] > 0 and all(s > 0 for s in row["median_s"].values())
     assert "AiosnapStorageWriter" in (out / "dcp.md").read_text()
+
+
+@pytest.mark.slow  # two 2-process jobs, each importing its framework
+def test_integrations_ranks_benchmark_runs_small(tmp_path: Path) -> None:
+    out = run_bench("bench_integrations_ranks.py", tmp_path, "--size", "8MiB", "--reps", "1")
+    data = json.loads((out / "integrations_ranks.json").read_text())
+    assert data["nproc"] == 2 and sorted(data["results"]) == ["accelerate", "hf"]
+    for ranks in data["results"].values():
+        assert sorted(ranks) == ["0", "1"]
+        assert all(t > 0 for times in ranks.values() for series in times.values() for t in series)

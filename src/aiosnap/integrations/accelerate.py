@@ -14,6 +14,10 @@ killed between the two leaves the old one aside, put back by the next ``load_sta
 aiosnap wrote. ``load_state()`` takes the newest complete checkpoint (an older one if the
 newest fails its checksums) and restores the naming counter, so the next ``save_state``
 gets a fresh name. ``end_training()`` waits for every pending save.
+
+In a multi-process DDP run every rank saves its part of each ``checkpoint_N`` through a
+``CheckpointManager`` on the run's group, which commits it once every part is durable
+(see ``_group_save`` and ``_group``).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 import aiosnap
+from aiosnap._format.manifest import MANIFEST_NAME
 
 from ._bridge import SyncWriter, check_options, run_sync
 from ._files import (
@@ -43,6 +48,7 @@ from ._files import (
     sweep_temps,
     temp_dir,
 )
+from ._group import GroupSaver, in_a_group, rank
 
 __all__ = ["STATE_NAME", "AiosnapAccelerator"]
 
@@ -51,6 +57,9 @@ logger = logging.getLogger(__name__)
 STATE_NAME = "state.aiosnap"
 """The aiosnap file of a checkpoint directory."""
 _FOLDER = re.compile(r"^checkpoint_(\d+)$")
+_SUPPORTED = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+#: What the main process alone saves in Accelerate's own format: written once, by rank 0.
+_REPLICATED = ("models", "optimizers", "schedulers", "scaler", "custom")
 
 
 class AiosnapAccelerator(Accelerator):  # type: ignore[misc]  # accelerate ships no types
@@ -59,9 +68,10 @@ class AiosnapAccelerator(Accelerator):  # type: ignore[misc]  # accelerate ships
     ``when_full``, ``offload``, ``max_host_bytes``, ``allow_pickle``); every other
     argument is Accelerator's.
 
-    One process only, without DeepSpeed, FSDP, Megatron-LM or XLA (``save_state`` raises
-    NotImplementedError for them). A folder of Accelerate's own format is still read by
-    ``load_state``, through Accelerator's own code.
+    One process, or several in a DDP run (``MULTI_CPU``, ``MULTI_GPU``: see
+    ``_group_save``); not DeepSpeed, FSDP, Megatron-LM or XLA (``save_state`` raises
+    NotImplementedError for them, naming what to use). A folder of Accelerate's own format
+    is still read by ``load_state``, through Accelerator's own code.
     """
 
     def __init__(self, *args: Any, aiosnap_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
@@ -70,14 +80,20 @@ class AiosnapAccelerator(Accelerator):  # type: ignore[misc]  # accelerate ships
         #: Checkpoint folders accepted but maybe not published yet.
         self._aiosnap_dirs: set[str] = set()
         self._aiosnap_swept: set[str] = set()
+        self._aiosnap_options = check_options(aiosnap_options)
+        self._aiosnap_group: GroupSaver | None = None
 
     def _aiosnap_check(self) -> None:
-        plain = self.distributed_type in (DistributedType.NO, DistributedType.MULTI_CPU)
-        if not plain or self.num_processes > 1:
+        if self.distributed_type not in _SUPPORTED:
             raise NotImplementedError(
-                f"AiosnapAccelerator saves from one process only, not {self.distributed_type} "
-                f"with {self.num_processes} process(es)"
+                f"AiosnapAccelerator does not save {self.distributed_type} runs (it saves one process "
+                "and multi-process DDP: NO, MULTI_CPU, MULTI_GPU); use accelerate.Accelerator's own "
+                "save_state for this run, or aiosnap.integrations.dcp to save its sharded state"
             )
+
+    @property
+    def _aiosnap_multi(self) -> bool:
+        return self.num_processes > 1 and in_a_group()
 
     # -- saving ---------------------------------------------------------------------------
     def save_state(
@@ -86,6 +102,8 @@ class AiosnapAccelerator(Accelerator):  # type: ignore[misc]  # accelerate ships
         """Capture the state and return the directory it will appear as, once durable.
         ``safe_serialization`` and ``kwargs`` (DeepSpeed's) have nothing to choose here."""
         self._aiosnap_check()
+        if self._aiosnap_multi:
+            return self._group_save(output_dir)
         final = self._aiosnap_target(output_dir)
         parent, name = os.path.split(final)
         if parent not in self._aiosnap_swept:
@@ -95,7 +113,20 @@ class AiosnapAccelerator(Accelerator):  # type: ignore[misc]  # accelerate ships
         weights = [self.get_state_dict(model, unwrap=False) for model in self._models]
         for hook in self._save_model_state_pre_hook.values():
             hook(self._models, weights, tmp)  # files a hook writes there are published with it
-        state = {
+        limit = self.project_configuration.total_limit if self._naming else None
+        self._aiosnap.save(
+            os.path.join(tmp, STATE_NAME),
+            self._aiosnap_state(weights),
+            then=functools.partial(_publish, tmp, final, limit),
+            on_failure=functools.partial(discard, tmp),
+        )
+        self._aiosnap_dirs.add(final)
+        self.project_configuration.iteration += 1
+        return Path(final)
+
+    def _aiosnap_state(self, weights: list[Any]) -> dict[str, Any]:
+        """What a checkpoint holds (of this process, in a multi-process run)."""
+        return {
             "models": weights,
             "optimizers": [opt.state_dict() for opt in self._optimizers],
             "schedulers": [scheduler.state_dict() for scheduler in self._schedulers],
@@ -107,16 +138,41 @@ class AiosnapAccelerator(Accelerator):  # type: ignore[misc]  # accelerate ships
             "rng": _rng_states(self.step),
             "custom": [obj.state_dict() for obj in self._custom_objects],
         }
-        limit = self.project_configuration.total_limit if self._naming else None
-        self._aiosnap.save(
-            os.path.join(tmp, STATE_NAME),
-            state,
-            then=functools.partial(_publish, tmp, final, limit),
-            on_failure=functools.partial(discard, tmp),
-        )
-        self._aiosnap_dirs.add(final)
+
+    def _group_save(self, output_dir: str | None) -> Path:
+        """A multi-process run: every rank saves its part of ``checkpoint_N`` through the
+        group's manager (``_group``). The main process's models, optimizers, schedulers,
+        scaler and registered objects are written once, by rank 0; each rank's RNG states
+        and data loaders' positions are its own. The step commits once every rank's part
+        is durable; ``total_limit`` keeps the newest committed ones."""
+        if not self._naming or output_dir is not None:
+            raise ValueError(
+                "a multi-process AiosnapAccelerator saves with automatic checkpoint naming only: pass "
+                "ProjectConfiguration(automatic_checkpoint_naming=True) and call save_state() without "
+                "a folder (each step is a directory the whole group commits)"
+            )
+        if self._save_model_state_pre_hook:
+            raise NotImplementedError(
+                "save_state pre-hooks are not run in a multi-process AiosnapAccelerator (the "
+                "checkpoint directory is the group's): save what the hook writes as a registered object"
+            )
+        saver = self._group_saver()
+        step = self.save_iteration
+        saver.save(step, self._aiosnap_state([self.get_state_dict(m, unwrap=False) for m in self._models]))
         self.project_configuration.iteration += 1
-        return Path(final)
+        return Path(saver.directory, f"checkpoint_{step}")
+
+    def _group_saver(self) -> GroupSaver:
+        if self._aiosnap_group is None:
+            limit = self.project_configuration.total_limit
+            self._aiosnap_group = GroupSaver(
+                os.path.join(os.path.abspath(self.project_dir), "checkpoints"),
+                "checkpoint_{step}",
+                keep=limit if limit is not None and limit > 0 else None,
+                replicated=_REPLICATED,
+                options=self._aiosnap_options,
+            )
+        return self._aiosnap_group
 
     @property
     def _naming(self) -> bool:
@@ -141,13 +197,20 @@ class AiosnapAccelerator(Accelerator):  # type: ignore[misc]  # accelerate ships
         """Wait until every checkpoint saved so far is published (durable, in place);
         raise the first failure not reported yet."""
         self._aiosnap.flush()
+        if self._aiosnap_group is not None:
+            self._aiosnap_group.flush()
 
     def end_training(self) -> None:
         """Wait for every pending save (raising a failure), then Accelerator's own."""
+        group, self._aiosnap_group = self._aiosnap_group, None
         try:
             self._aiosnap.close()
         finally:
-            super().end_training()
+            try:
+                if group is not None:
+                    group.close()
+            finally:
+                super().end_training()
 
     # -- loading ---------------------------------------------------------------------------
     def load_state(
@@ -156,6 +219,9 @@ class AiosnapAccelerator(Accelerator):  # type: ignore[misc]  # accelerate ships
         """Restore the newest complete checkpoint (or ``input_dir``), verifying checksums,
         and set the naming counter past every existing checkpoint."""
         self._aiosnap.flush()  # a pending save is loaded only once it is published
+        if self._aiosnap_multi:
+            self._group_load(input_dir, load_kwargs, kwargs)
+            return
         if input_dir is not None:
             input_dir = os.path.expanduser(input_dir)
             repair_publishes(*os.path.split(os.path.abspath(input_dir)))  # a save into it cut short
@@ -186,17 +252,53 @@ class AiosnapAccelerator(Accelerator):  # type: ignore[misc]  # accelerate ships
             os.path.join(self.project_dir, "checkpoints"), "no complete aiosnap checkpoint to load"
         )
 
+    def _group_load(
+        self, input_dir: str | None, load_kwargs: dict[str, Any] | None, kwargs: dict[str, Any]
+    ) -> None:
+        """A multi-process run: every rank reads its part of the newest step the group
+        committed (of ``input_dir``, a step directory, if given): rank 0's replicated
+        state and its own RNG states."""
+        saver = self._group_saver()
+        saver.flush()
+        if input_dir is None:
+            if not self._naming:
+                raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
+            restored = saver.restore()
+            if restored is None:
+                raise aiosnap.CheckpointNotFoundError(
+                    saver.directory, "no committed aiosnap checkpoint to load"
+                )
+            directory, state = restored.path, restored.state
+        elif not os.path.isfile(os.path.join(input_dir, MANIFEST_NAME)):
+            super().load_state(input_dir, load_kwargs, **kwargs)  # Accelerate's own
+            return
+        else:
+            directory = os.path.abspath(os.path.expanduser(input_dir))
+            state = run_sync(
+                aiosnap.load,
+                directory,
+                rank=rank(),
+                map_location="cpu",
+                allow_pickle=self._aiosnap.allow_pickle,
+            )
+        self._aiosnap_apply(directory, state, kwargs)
+        if self._naming:
+            self.project_configuration.iteration = max(saver.steps(), default=-1) + 1
+
     def _aiosnap_restore(self, directory: str, kwargs: dict[str, Any]) -> None:
-        logger.info("Loading states from %s", directory)
-        for hook in self._load_model_state_pre_hook.values():
-            hook(self._models, directory)
-        kwargs.pop("map_location", None)  # read to the CPU; load_state_dict moves the state
         state = run_sync(
             aiosnap.load,
             os.path.join(directory, STATE_NAME),
             map_location="cpu",
             allow_pickle=self._aiosnap.allow_pickle,
         )
+        self._aiosnap_apply(directory, state, kwargs)
+
+    def _aiosnap_apply(self, directory: str, state: dict[str, Any], kwargs: dict[str, Any]) -> None:
+        logger.info("Loading states from %s", directory)
+        for hook in self._load_model_state_pre_hook.values():
+            hook(self._models, directory)
+        kwargs.pop("map_location", None)  # read to the CPU; load_state_dict moves the state
         _check_counts(directory, state, self)
         for model, weights in zip(self._models, state["models"], strict=True):
             model.load_state_dict(weights, **kwargs)

@@ -16,6 +16,11 @@ re-save of an existing ``checkpoint-N`` moves the old one aside first; a process
 between the two renames leaves it to be put back by the next ``train()``.
 ``save_total_limit`` rotates after that rename, deleting only directories aiosnap wrote;
 ``train()`` returns once every save is durable.
+
+In a multi-process DDP run (torchrun), every rank saves its part of each ``checkpoint-N``
+through a ``CheckpointManager`` on the run's group (``_group``): rank 0's file holds the
+model, optimizer, scheduler and scaler, each rank's its own RNG states, and the step is
+committed (its manifest) once every part is durable. See ``AiosnapTrainerMixin._group_save``.
 """
 
 from __future__ import annotations
@@ -27,14 +32,18 @@ import logging
 import os
 import random
 import re
+import shutil
+import tempfile
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
+from transformers.training_args import ParallelMode
 
 import aiosnap
+from aiosnap._format.manifest import MANIFEST_NAME
 
 from ._bridge import SyncWriter, check_options, run_sync
 from ._files import (
@@ -48,6 +57,7 @@ from ._files import (
     temp_dir,
     write_durably,
 )
+from ._group import GroupSaver, in_a_group, rank
 from ._hf_export import MODEL_NAME, Export
 
 __all__ = ["MODEL_NAME", "STATE_NAME", "AiosnapTrainer", "AiosnapTrainerMixin"]
@@ -62,6 +72,9 @@ MARKERS = (STATE_NAME, MODEL_NAME)
 (``save_only_model`` writes no ``state.aiosnap``)."""
 TRAINER_STATE_NAME = "trainer_state.json"
 _CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+#: What the main process alone saves in the Trainer's own format: written once, by rank 0.
+_REPLICATED = ("model", "optimizer", "scheduler", "scaler")
+_SUPPORTED = (ParallelMode.NOT_PARALLEL, ParallelMode.NOT_DISTRIBUTED, ParallelMode.DISTRIBUTED)
 
 if TYPE_CHECKING:
     _Base = Trainer
@@ -74,15 +87,20 @@ class AiosnapTrainerMixin(_Base):
     module docstring). ``aiosnap_options`` are ``aiosnap.QueueWriter``'s (``max_pending``,
     ``when_full``, ``offload``, ``max_host_bytes``, ``allow_pickle``).
 
-    One process only (no DeepSpeed, FSDP, XLA, SageMaker or multi-process runs: ``train``
-    raises NotImplementedError for them). A directory of the Trainer's own format is still
-    read, by the Trainer's own loaders.
+    One process, or several in a DDP run (torchrun); not DeepSpeed, FSDP, XLA or SageMaker
+    (``train`` raises NotImplementedError for them, naming what to use). A directory of
+    the Trainer's own format is still read, by the Trainer's own loaders.
     """
 
     def __init__(self, *args: Any, aiosnap_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
         self._aiosnap = SyncWriter(**check_options(aiosnap_options))
         #: Checkpoint directories accepted but maybe not published yet.
         self._aiosnap_dirs: set[str] = set()
+        self._aiosnap_options = check_options(aiosnap_options)
+        self._aiosnap_group: GroupSaver | None = None
+        #: A multi-process resume: the folder handed to the Trainer (its trainer_state.json
+        #: only) and this rank's part of the checkpoint it stands for.
+        self._aiosnap_view: tuple[str, dict[str, Any]] | None = None
         super().__init__(*args, **kwargs)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
@@ -90,6 +108,8 @@ class AiosnapTrainerMixin(_Base):
         First puts back a checkpoint whose re-save was cut short (in the output directory,
         and the one named by ``resume_from_checkpoint``), then sweeps temp directories."""
         self._aiosnap_check()
+        if self._aiosnap_multi:
+            return self._group_train(resume_from_checkpoint, *args, **kwargs)
         if isinstance(resume_from_checkpoint, str):
             repair_publishes(*os.path.split(os.path.abspath(resume_from_checkpoint)))
         if self.args.should_save and self.args.output_dir is not None:
@@ -114,14 +134,108 @@ class AiosnapTrainerMixin(_Base):
             for name, on in (
                 ("DeepSpeed", self.is_deepspeed_enabled),
                 ("FSDP", self.is_fsdp_enabled),
-                (f"{self.args.world_size} processes", self.args.world_size > 1),
+                (str(self.args.parallel_mode.value), self.args.parallel_mode not in _SUPPORTED),
             )
             if on
         ]
         if unsupported:
-            raise NotImplementedError(f"AiosnapTrainer saves from one process only, not with {unsupported}")
+            raise NotImplementedError(
+                f"AiosnapTrainer does not save {unsupported} runs (it saves one process and multi-process "
+                "DDP); use transformers.Trainer for this run, or aiosnap.integrations.dcp to save a "
+                "model's sharded state"
+            )
+
+    @property
+    def _aiosnap_multi(self) -> bool:
+        return self.args.world_size > 1 and in_a_group()
+
+    def _group_train(self, resume_from_checkpoint: str | bool | None, *args: Any, **kwargs: Any) -> Any:
+        """``train`` in a multi-process run. A resume reads this rank's part of the newest
+        step the group committed (or of the step directory given) on every rank, and hands
+        the Trainer a folder of this process holding that step's ``trainer_state.json``
+        (the step directory holds only the group's files); the loaders read the rest from
+        the part. Returns once the group committed every save, or raises its failure."""
+        if self.args.load_best_model_at_end:
+            raise NotImplementedError(
+                "load_best_model_at_end is not supported by a multi-process AiosnapTrainer (its "
+                "save_total_limit keeps the newest steps, not the best): load the best step after "
+                "training with aiosnap.load(step_directory, rank=0)"
+            )
+        saver = self._group_saver()
+        try:
+            if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
+                resume_from_checkpoint = self._group_resume(saver, resume_from_checkpoint)
+            output = super().train(resume_from_checkpoint, *args, **kwargs)
+        except BaseException:
+            self._aiosnap_group = None
+            try:
+                saver.close()
+            except Exception:
+                logger.exception("a background checkpoint save failed too")
+            raise
+        finally:
+            if self._aiosnap_view is not None:
+                shutil.rmtree(self._aiosnap_view[0], ignore_errors=True)  # this process's own
+                self._aiosnap_view = None
+        self._aiosnap_group = None
+        saver.close()
+        return output
+
+    def _group_saver(self) -> GroupSaver:
+        if self._aiosnap_group is None:
+            limit = self.args.save_total_limit
+            self._aiosnap_group = GroupSaver(
+                os.path.abspath(self.args.output_dir or "."),
+                f"{PREFIX_CHECKPOINT_DIR}-{{step}}",
+                keep=limit if limit is not None and limit > 0 else None,
+                replicated=_REPLICATED,
+                options=self._aiosnap_options,
+            )
+        return self._aiosnap_group
+
+    def _group_resume(self, saver: GroupSaver, checkpoint: str | bool) -> str | bool:
+        if isinstance(checkpoint, str) and not os.path.isfile(os.path.join(checkpoint, MANIFEST_NAME)):
+            return checkpoint  # the Trainer's own format, read by its own loaders
+        if isinstance(checkpoint, str):
+            pickles = self._aiosnap.allow_pickle
+            part = run_sync(aiosnap.load, checkpoint, rank=rank(), map_location="cpu", allow_pickle=pickles)
+        else:
+            restored = saver.restore()
+            if restored is None:
+                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
+            part = restored.state
+        view = tempfile.mkdtemp(prefix="aiosnap-resume-")
+        with open(os.path.join(view, TRAINER_STATE_NAME), "w") as f:
+            f.write(part.pop("trainer_state"))
+        self._aiosnap_view = (view, part)
+        return view
 
     # -- saving ---------------------------------------------------------------------------
+    def _group_save(self, run_dir: str) -> None:
+        """Every rank's part of ``checkpoint-N`` (see the module docstring): the Trainer's
+        own split, the main process's model and optimizer once and each rank's RNG states,
+        with ``trainer_state.json`` held in the files, committed by the group."""
+        if self.args.save_only_model or run_dir != os.path.abspath(self.args.output_dir or "."):
+            raise NotImplementedError(
+                "a multi-process AiosnapTrainer saves the whole training state into output_dir: "
+                "save_only_model and hyperparameter-search trials are not supported there"
+            )
+        assert self.model is not None
+        assert self.optimizer is not None
+        assert self.lr_scheduler is not None
+        state: dict[str, Any] = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.lr_scheduler.state_dict(),
+            "rng": _rng_states(),
+        }
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is not None:
+            state["scaler"] = scaler.state_dict()
+        self._aiosnap_export_callbacks()
+        state["trainer_state"] = json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True) + "\n"
+        self._group_saver().save(self.state.global_step, state)
+
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         if self.hp_search_backend is None and trial is None:
@@ -129,6 +243,9 @@ class AiosnapTrainerMixin(_Base):
         run_dir = self._get_output_dir(trial=trial)
         output_dir = os.path.join(run_dir, name)
         self._aiosnap_track_best(run_dir)
+        if self._aiosnap_multi:
+            self._group_save(run_dir)
+            return
         if not self.args.should_save:
             return
         assert self.model is not None
@@ -203,6 +320,8 @@ class AiosnapTrainerMixin(_Base):
         """Wait until every checkpoint saved so far is published (durable, in place);
         raise the first failure not reported yet."""
         self._aiosnap.flush()
+        if self._aiosnap_group is not None:
+            self._aiosnap_group.flush()
 
     def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
         self._aiosnap.flush()  # the best model is loaded from a published directory
@@ -210,7 +329,10 @@ class AiosnapTrainerMixin(_Base):
 
     # -- loading ---------------------------------------------------------------------------
     def _aiosnap_load(self, checkpoint: str, key: str) -> Any:
-        """``key`` of the checkpoint's ``state.aiosnap``; None where that part was not saved."""
+        """``key`` of the checkpoint's ``state.aiosnap`` (of this rank's part, for a
+        multi-process resume); None where that part was not saved."""
+        if self._aiosnap_view is not None and checkpoint == self._aiosnap_view[0]:
+            return self._aiosnap_view[1].get(key)
         path = os.path.join(checkpoint, STATE_NAME)
         if not os.path.isfile(path):
             return None  # save_only_model: the weights only
@@ -226,12 +348,18 @@ class AiosnapTrainerMixin(_Base):
         """The model's state dict: ``model.safetensors`` (read and verified by aiosnap), or
         the ``model`` of ``state.aiosnap`` in a checkpoint of the earlier layout."""
         path = os.path.join(checkpoint, MODEL_NAME)
-        if not os.path.isfile(path):
+        if not os.path.isfile(path) or self._aiosnap_ours(checkpoint) == "view":
             return self._aiosnap_load(checkpoint, "model")
         return run_sync(aiosnap.load, path, map_location="cpu", allow_pickle=self._aiosnap.allow_pickle)
 
+    def _aiosnap_ours(self, checkpoint: str) -> str | bool:
+        """Whether aiosnap wrote ``checkpoint`` ("view": a multi-process resume's folder)."""
+        if self._aiosnap_view is not None and checkpoint == self._aiosnap_view[0]:
+            return "view"
+        return _ours(checkpoint)
+
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        if not _ours(resume_from_checkpoint):
+        if not self._aiosnap_ours(resume_from_checkpoint):
             super()._load_from_checkpoint(resume_from_checkpoint, model)
             return
         model = self.model if model is None else model
@@ -240,7 +368,7 @@ class AiosnapTrainerMixin(_Base):
         self._issue_warnings_after_load(result)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        if checkpoint is None or not _ours(checkpoint):
+        if checkpoint is None or not self._aiosnap_ours(checkpoint):
             super()._load_optimizer_and_scheduler(checkpoint)
             return
         optimizer = self._aiosnap_load(checkpoint, "optimizer")
@@ -251,7 +379,7 @@ class AiosnapTrainerMixin(_Base):
             self.lr_scheduler.load_state_dict(self._aiosnap_load(checkpoint, "scheduler"))
 
     def _load_scaler(self, checkpoint: str | None) -> None:
-        if checkpoint is None or not _ours(checkpoint):
+        if checkpoint is None or not self._aiosnap_ours(checkpoint):
             super()._load_scaler(checkpoint)
             return
         scaler = self._aiosnap_load(checkpoint, "scaler")
@@ -259,7 +387,7 @@ class AiosnapTrainerMixin(_Base):
             self.accelerator.scaler.load_state_dict(scaler)
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
-        if checkpoint is None or not _ours(checkpoint):
+        if checkpoint is None or not self._aiosnap_ours(checkpoint):
             super()._load_rng_state(checkpoint)
             return
         states = self._aiosnap_load(checkpoint, "rng")
@@ -274,7 +402,7 @@ class AiosnapTrainerMixin(_Base):
 
     def _load_best_model(self) -> None:
         best = self.state.best_model_checkpoint
-        if best is None or not _ours(best):
+        if best is None or not self._aiosnap_ours(best):
             super()._load_best_model()
             return
         logger.info("Loading best model from %s (score: %s).", best, self.state.best_metric)
