@@ -52,7 +52,7 @@ def train(project: str, steps: int, every: int = 2, show: Callable[..., None] = 
     torch.manual_seed(100 + rank)  # each rank its own dropout masks
     try:
         accelerator.load_state()  # every rank: the newest step the whole group committed
-    except aiosnap.CheckpointNotFoundError:
+    except aiosnap.errors.CheckpointNotFoundError:
         pass  # a fresh start
     show("resumed", rank, progress.step)
     data = torch.randn(8, 16, 32, generator=torch.Generator().manual_seed(1 + rank))  # rank's shard

@@ -69,7 +69,7 @@ def ddp_child(project: str, fail_rank: str = "-1") -> None:
 
     try:
         train(project, STEPS, EVERY, show)
-    except aiosnap.RankFailedError as exc:
+    except aiosnap.errors.RankFailedError as exc:
         report("raised", rank, type(exc).__name__, *sorted(exc.failed))
 
 

@@ -51,7 +51,7 @@ def ddp_child(out: str, fail_rank: str = "-1") -> None:
         _fail_rank_file(rank, "checkpoint-4")
     try:
         train(out, EPOCHS, _Report())
-    except aiosnap.RankFailedError as exc:
+    except aiosnap.errors.RankFailedError as exc:
         report("raised", rank, type(exc).__name__, *sorted(exc.failed))
 
 

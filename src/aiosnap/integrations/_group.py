@@ -27,8 +27,7 @@ from typing import Any, ParamSpec, TypeVar
 import anyio.from_thread
 
 import aiosnap
-
-from ._bridge import WriterOptions
+from aiosnap._save.options import QueueOptions
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +54,7 @@ def rank() -> int:
 
 
 def group_manager(
-    directory: str, name: str, *, keep: int | None, replicated: Sequence[str], options: WriterOptions
+    directory: str, name: str, *, keep: int | None, replicated: Sequence[str], options: QueueOptions
 ) -> aiosnap.CheckpointManager:
     """The one place the integrations build a manager: over the default process group,
     ``name`` a template with ``{step}``, the newest ``keep`` steps kept (all for None)."""
@@ -64,10 +63,9 @@ def group_manager(
         directory,
         writer=aiosnap.QueueWriter(**options) if options else None,
         name=name,
-        keep=None if keep is None else aiosnap.KeepLast(keep),
-        replicated=replicated,
+        keep=None if keep is None else aiosnap.retention.KeepLast(keep),
+        ranks=aiosnap.Ranks(replicated=replicated, timeout=TIMEOUT),
         allow_pickle=allow_pickle,
-        timeout=TIMEOUT,
     )
 
 
@@ -82,7 +80,7 @@ class GroupSaver:
         *,
         keep: int | None,
         replicated: Sequence[str],
-        options: WriterOptions,
+        options: QueueOptions,
     ) -> None:
         self._make = functools.partial(
             group_manager, directory, name, keep=keep, replicated=replicated, options=options

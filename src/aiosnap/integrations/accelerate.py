@@ -265,7 +265,7 @@ class AiosnapAccelerator(Accelerator):  # type: ignore[misc]  # accelerate ships
                 raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
             restored = saver.restore()
             if restored is None:
-                raise aiosnap.CheckpointNotFoundError(
+                raise aiosnap.errors.CheckpointNotFoundError(
                     saver.directory, "no committed aiosnap checkpoint to load"
                 )
             directory, state = restored.path, restored.state
