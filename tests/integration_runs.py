@@ -260,3 +260,147 @@ def temp_entries(directory: Path) -> list[str]:
         for name in [*dirs, *files]
         if name.startswith(aiosnap.TEMP_PREFIX)
     ]
+
+
+# -- jobs of several ranks (torch.distributed, gloo on 127.0.0.1) ------------------------------
+
+
+def rank_loss(step: int, value: float) -> None:
+    """From a rank of a ``RankJob``: its loss of ``step`` (``loss RANK STEP HEX``)."""
+    report("loss", os.environ["RANK"], step, float(value).hex())
+
+
+def rank_report(kind: str, *values: object) -> None:
+    """From a rank of a ``RankJob``: ``kind RANK VALUES...`` (``resumed``, ``raised``...)."""
+    report(kind, os.environ["RANK"], *values)
+
+
+@dataclass
+class RankRun:
+    """What the ranks of a job reported: per rank, its losses and its other reports;
+    ``saves``, every ``saved`` line of any rank, in the order they came."""
+
+    losses: dict[int, dict[int, str]] = field(default_factory=dict)
+    reports: dict[int, dict[str, list[str]]] = field(default_factory=dict)
+    saves: list[str] = field(default_factory=list)
+    killed: bool = False
+    returncodes: list[int] = field(default_factory=list)
+
+    def of(self, rank: int, kind: str) -> list[str]:
+        return self.reports.get(rank, {}).get(kind, [])
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+#: Seconds a job of ranks may stay silent before the test fails (a hang, not a timing).
+JOB_CAP = 600
+
+
+class RankJob:
+    """A torch.distributed job: ``ranks`` children each running ``module.function(*args)``
+    with torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``
+    127.0.0.1, a free ``MASTER_PORT``), started at once, all in one process group of
+    their own (in this session: a process may only join a group of its own session),
+    so that one SIGKILL takes the whole job at the same instant (torchrun puts
+    each worker in a session of its own: killing it would orphan them)."""
+
+    def __init__(self, function: str, *args: object, ranks: int, log: Path) -> None:
+        import queue
+
+        module, name = function.rsplit(".", 1)
+        code = f"import sys; from {module} import {name}; {name}(*sys.argv[1:])"
+        base = {
+            **os.environ,
+            "PYTHONHASHSEED": "0",
+            "WORLD_SIZE": str(ranks),
+            "LOCAL_WORLD_SIZE": str(ranks),
+            "GROUP_RANK": "0",  # with TORCHELASTIC_RUN_ID: what Lightning takes for a torchrun job
+            "TORCHELASTIC_RUN_ID": "aiosnap-test",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(_free_port()),
+        }
+        self.logs = [log.with_name(f"{log.stem}.rank{r}.log") for r in range(ranks)]
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self.procs: list[subprocess.Popen[str]] = []
+        for r in range(ranks):
+            with open(self.logs[r], "w") as stderr:
+                group = {"process_group": 0 if r == 0 else self.procs[0].pid}
+                self.procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-c", code, *map(str, args)],
+                        cwd=ROOT,
+                        env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+                        stdout=subprocess.PIPE,
+                        stderr=stderr,
+                        text=True,
+                        **group,  # type: ignore[arg-type]
+                    )
+                )
+            threading.Thread(target=self._read, args=(r,), daemon=True).start()
+
+    def _read(self, r: int) -> None:
+        stdout = self.procs[r].stdout
+        assert stdout is not None
+        for line in stdout:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def finish(self, *, kill_after_save: int | None = None, check: bool = True) -> RankRun:
+        """Read every rank's reports until all exit, or until the ``kill_after_save``-th
+        ``saved`` line of any rank: then SIGKILL the whole job. ``check``: every rank
+        must have exited with 0 (unless killed)."""
+        run = RankRun()
+        open_streams = len(self.procs)
+        try:
+            while open_streams:
+                # A cap, not a timing: a job that hangs fails the test instead of stalling it.
+                line = self._lines.get(timeout=JOB_CAP)
+                if line is None:
+                    open_streams -= 1
+                    continue
+                if not line.startswith(MARK):
+                    continue
+                kind, *values = line[len(MARK) :].split()
+                if kind == "saved":
+                    run.saves.append(" ".join(values))
+                    if len(run.saves) == kill_after_save:
+                        os.killpg(self.procs[0].pid, signal.SIGKILL)
+                        run.killed = True
+                        break
+                elif kind == "loss":
+                    run.losses.setdefault(int(values[0]), {})[int(values[1])] = values[2]
+                else:
+                    run.reports.setdefault(int(values[0]), {}).setdefault(kind, []).extend(values[1:])
+        finally:
+            for proc in self.procs:
+                proc.wait()
+            try:
+                os.killpg(self.procs[0].pid, signal.SIGKILL)  # anything that outlived them
+            except ProcessLookupError:
+                pass
+        run.returncodes = [proc.returncode for proc in self.procs]
+        if check and not run.killed:
+            for log, code in zip(self.logs, run.returncodes, strict=True):
+                assert code == 0, f"a rank failed ({code}):\n{log.read_text()[-6000:]}"
+        return run
+
+
+def assert_ranks_resumed_exactly(reference: RankRun, resumed: RankRun, last_step: int) -> int:
+    """Every rank resumed from the same step and trained every step after it with the
+    reference run's loss of that rank, bit for bit; return that step."""
+    starts = {int(resumed.of(r, "resumed")[0]) for r in reference.losses}
+    assert len(starts) == 1, f"the ranks resumed from different steps: {starts}"
+    start = starts.pop()
+    assert sorted(resumed.losses) == sorted(reference.losses)
+    for rank, losses in resumed.losses.items():
+        assert sorted(losses) == list(range(start + 1, last_step + 1)), (rank, sorted(losses))
+        for step, value in losses.items():
+            assert value == reference.losses[rank][step], f"rank {rank}, step {step} differs after the resume"
+    return start
