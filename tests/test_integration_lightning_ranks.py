@@ -132,9 +132,12 @@ def ddp_child(out: str, fault: str = "") -> None:
         rank_report("returned", last["global_step"])
 
 
-def test_a_killed_ddp_fit_resumes_from_last_on_every_rank_bit_identical(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ranks", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_a_killed_ddp_fit_resumes_from_last_on_every_rank_bit_identical(tmp_path: Path, ranks: int) -> None:
     def job(name: str, out: Path) -> RankJob:
-        return RankJob("tests.test_integration_lightning_ranks.ddp_child", out, ranks=2, log=tmp_path / name)
+        return RankJob(
+            "tests.test_integration_lightning_ranks.ddp_child", out, ranks=ranks, log=tmp_path / name
+        )
 
     run = tmp_path / "run"
     # Each epoch saves its top-k file, then last.ckpt: the 5th is epoch 2's top-k file. A save
@@ -142,7 +145,9 @@ def test_a_killed_ddp_fit_resumes_from_last_on_every_rank_bit_identical(tmp_path
     assert job("killed", run).finish(kill_after_save=5).killed
     reference = job("reference", tmp_path / "ref").finish()
     resumed = job("resumed", run).finish()
-    assert [resumed.of(r, "returned") for r in (0, 1)] == [[str(EPOCHS * STEPS)]] * 2, resumed.reports
+    assert [resumed.of(r, "returned") for r in range(ranks)] == [[str(EPOCHS * STEPS)]] * ranks, (
+        resumed.reports
+    )
     start = assert_ranks_resumed_exactly(reference, resumed, EPOCHS * STEPS)
     assert start in (STEPS, 2 * STEPS), f"resumed from step {start}: not from a last.ckpt of the killed run"
     names = set(os.listdir(run))

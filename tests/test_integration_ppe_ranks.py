@@ -88,16 +88,17 @@ def ddp_child(out: str, saver_rank: str, die_at: str = "") -> None:
     dist.destroy_process_group()
 
 
-def test_a_killed_ddp_job_resumes_on_every_rank_bit_identical(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ranks", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_a_killed_ddp_job_resumes_on_every_rank_bit_identical(tmp_path: Path, ranks: int) -> None:
     def job(name: str, out: str) -> RankJob:
-        return RankJob("tests.test_integration_ppe_ranks.ddp_child", out, 1, ranks=2, log=tmp_path / name)
+        return RankJob("tests.test_integration_ppe_ranks.ddp_child", out, 1, ranks=ranks, log=tmp_path / name)
 
     run = str(tmp_path / "run")
     killed = job("killed", run).finish(kill_after_save=3)  # right after iteration 12's save returned
     assert killed.killed
     reference = job("reference", str(tmp_path / "reference")).finish()
     resumed = job("resumed", run).finish()
-    assert not resumed.reports.get(0, {}).get("raised") and not resumed.reports.get(1, {}).get("raised")
+    assert not any(resumed.of(r, "raised") for r in range(ranks)), resumed.reports
     start = assert_ranks_resumed_exactly(reference, resumed, ITERATIONS)
     assert start in (4, 8, 12), f"resumed from {start}: not from a snapshot of the killed run"
     names = sorted(os.listdir(run))  # saved by rank 1 alone, one file each; n_retains=2
