@@ -29,7 +29,7 @@ class Module(L.LightningModule):
     def training_step(self, batch: Any, index: int) -> torch.Tensor:
         x, y = batch
         loss = torch.nn.functional.mse_loss(self.net(x), y)
-        print(f"rank {self.global_rank} step {self.global_step + 1}: loss {loss.item().hex()}", flush=True)
+        print(f"rank {self.global_rank} step {self.global_step + 1}: loss {loss.item():.6f}", flush=True)
         return loss
 
     def on_train_start(self) -> None:
@@ -58,6 +58,8 @@ def main(out: str, epochs: int) -> None:
         enable_model_summary=False,
     )
     trainer.fit(Module(), data, ckpt_path="last")  # returns once rank 0's checkpoints are durable
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ def main(out: str, iterations: int) -> None:
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            print(f"rank {rank} iteration {manager.iteration + 1}: loss {loss.item().hex()}", flush=True)
+            print(f"rank {rank} iteration {manager.iteration + 1}: loss {loss.item():.6f}", flush=True)
     dist.destroy_process_group()  # the manager finalized the snapshot: every save is durable, or raised
 
 

@@ -329,21 +329,26 @@ class RankJob:
         self.logs = [log.with_name(f"{log.stem}.rank{r}.log") for r in range(ranks)]
         self._lines: queue.Queue[str | None] = queue.Queue()
         self.procs: list[subprocess.Popen[str]] = []
-        for r in range(ranks):
-            with open(self.logs[r], "w") as stderr:
-                group = {"process_group": 0 if r == 0 else self.procs[0].pid}
-                self.procs.append(
-                    subprocess.Popen(
-                        [sys.executable, "-c", code, *map(str, args)],
-                        cwd=ROOT,
-                        env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
-                        stdout=subprocess.PIPE,
-                        stderr=stderr,
-                        text=True,
-                        **group,  # type: ignore[arg-type]
+        try:
+            for r in range(ranks):
+                with open(self.logs[r], "w") as stderr:
+                    group = {"process_group": 0 if r == 0 else self.procs[0].pid}
+                    self.procs.append(
+                        subprocess.Popen(
+                            [sys.executable, "-c", code, *map(str, args)],
+                            cwd=ROOT,
+                            env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+                            stdout=subprocess.PIPE,
+                            stderr=stderr,
+                            text=True,
+                            **group,  # type: ignore[arg-type]
+                        )
                     )
-                )
-            threading.Thread(target=self._read, args=(r,), daemon=True).start()
+                threading.Thread(target=self._read, args=(r,), daemon=True).start()
+        except BaseException:
+            if self.procs:  # the ranks started so far would wait for the others forever
+                os.killpg(self.procs[0].pid, signal.SIGKILL)
+            raise
 
     def _read(self, r: int) -> None:
         stdout = self.procs[r].stdout

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -132,8 +133,9 @@ def ddp_child(out: str, fault: str = "") -> None:
         rank_report("returned", last["global_step"])
 
 
-@pytest.mark.parametrize("ranks", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_a_killed_ddp_fit_resumes_from_last_on_every_rank_bit_identical(tmp_path: Path, ranks: int) -> None:
+def test_a_killed_ddp_fit_resumes_from_last_on_every_rank_bit_identical(tmp_path: Path) -> None:
+    ranks = 2
+
     def job(name: str, out: Path) -> RankJob:
         return RankJob(
             "tests.test_integration_lightning_ranks.ddp_child", out, ranks=ranks, log=tmp_path / name
@@ -180,21 +182,28 @@ def test_a_save_call_failing_on_rank_0_makes_every_rank_s_fit_raise(tmp_path: Pa
     assert done.of(1, "raised"), done.reports  # gloo's error: rank 0 left the group
 
 
-def _example(out: Path, epochs: int) -> list[str]:
+def _losses(stdout: str) -> dict[tuple[int, int], str]:
+    """Each rank's printed loss per step: found anywhere in the output, where two ranks'
+    lines may have come out glued together."""
+    found = re.findall(r"rank (\d+) step (\d+): loss (-?\d+\.\d{6})", stdout)
+    return {(int(rank), int(at)): value for rank, at, value in found}
+
+
+def _example(out: Path, epochs: int) -> str:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     script = [str(Path(__file__).parent.parent / "examples" / "lightning_ddp.py"), "--out", str(out)]
     done = subprocess.run(
         [*command, *script, "--epochs", str(epochs)], capture_output=True, text=True, timeout=JOB_CAP
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout.splitlines()
+    return done.stdout
 
 
 @pytest.mark.slow
 def test_the_torchrun_example_of_the_docs_resumes_with_the_same_losses(tmp_path: Path) -> None:
     _example(tmp_path / "run", 2)
     resumed = _example(tmp_path / "run", 4)
-    assert {"rank 0: resumed at step 8", "rank 1: resumed at step 8"} <= set(resumed), resumed
-    reference = set(_example(tmp_path / "reference", 4))
-    later = [line for line in resumed if " step " in line and ": loss " in line]
-    assert len(later) == 2 * 8 and all(line in reference for line in later)
+    assert "rank 0: resumed at step 8" in resumed and "rank 1: resumed at step 8" in resumed, resumed
+    later, reference = _losses(resumed), _losses(_example(tmp_path / "reference", 4))
+    assert sorted(later) == [(r, s) for r in (0, 1) for s in range(9, 17)], sorted(later)
+    assert all(reference[key] == value for key, value in later.items())

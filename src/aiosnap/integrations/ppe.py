@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterator
+from types import TracebackType
 from typing import Any, Literal
 
 import torch
@@ -267,6 +268,15 @@ class _SaverRankSnapshot(_AiosnapSnapshot):
             except Exception as exc:  # every rank raises it, below
                 error = exc
         self._agreement.agree("ppe snapshot", error)
+
+    def on_error(self, manager: ExtensionsManagerProtocol, exc: Exception, tb: TracebackType) -> None:
+        # On a failing run's way out the other ranks may never come to an agreement (they
+        # wait in a collective of the training, or died): the saver saves on its own, and
+        # waits until the snapshot is durable, as the process is about to end.
+        if self._snapshot_on_error and self._is_saver:
+            _AiosnapSnapshot._make_snapshot(self, manager)
+            if isinstance(self.writer, Writer):  # ppe's own writers are synchronous
+                self.writer.flush()
 
     def finalize(self, manager: ExtensionsManagerProtocol) -> None:
         error = None
