@@ -71,6 +71,8 @@ def bench(session: nox.Session) -> None:
         session.run("python", "benchmarks/bench_ranks.py", *quick, *publish)
         session.run("python", "benchmarks/bench_sharded.py", *quick, *publish)
         session.run("python", "benchmarks/bench_integrations.py", *quick, *publish)
+        session.run("python", "benchmarks/bench_ranks_ppe_lightning.py", *quick)
+        session.run("python", "benchmarks/bench_ranks_hf_accelerate.py", *quick)
         session.run("python", "benchmarks/bench_incremental.py", *quick, *publish)
 
 

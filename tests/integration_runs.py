@@ -262,90 +262,153 @@ def temp_entries(directory: Path) -> list[str]:
     ]
 
 
-# -- multi-process jobs ------------------------------------------------------------------------
-class RanksChild(Child):
-    """A job of ``nproc`` processes, each running ``module.function(*args)`` with the
-    environment torchrun gives its workers (``RANK``, ``WORLD_SIZE``, ``MASTER_PORT``...;
-    gloo on 127.0.0.1), read and killed as ``Child``. torchrun itself starts each worker in
-    a session of its own, which a kill of the launcher's session would miss: here the ranks
-    are children of one launcher (``launch_ranks``), in its session, so the kill takes the
-    whole job at once. The ranks report with ``rank_loss``."""
-
-    def __init__(self, function: str, *args: object, nproc: int, log: Path) -> None:
-        code = "import sys; from tests.integration_runs import launch_ranks; launch_ranks(*sys.argv[1:])"
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONHASHSEED": "0"}
-        env["OMP_NUM_THREADS"] = "1"
-        self.log = log
-        self._stderr = open(log, "w")  # noqa: SIM115 - closed in finish()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", code, str(nproc), function, *map(str, args)],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=self._stderr,
-            text=True,
-            start_new_session=True,
-        )
+# -- jobs of several ranks (torch.distributed, gloo on 127.0.0.1) ------------------------------
 
 
-#: Seconds after which ``launch_ranks`` calls a job hung (the exit status 124).
-HANG = 600
+def rank_loss(step: int, value: float) -> None:
+    """From a rank of a ``RankJob``: its loss of ``step`` (``loss RANK STEP HEX``)."""
+    report("loss", os.environ["RANK"], step, float(value).hex())
 
 
-def launch_ranks(nproc: str, function: str, *args: str) -> None:
-    """In the launcher of a ``RanksChild``: start the ranks, wait for all of them, exit
-    with the first failure's status (a rank that failed is named on stderr)."""
+def rank_report(kind: str, *values: object) -> None:
+    """From a rank of a ``RankJob``: ``kind RANK VALUES...`` (``resumed``, ``raised``...)."""
+    report(kind, os.environ["RANK"], *values)
+
+
+@dataclass
+class RankRun:
+    """What the ranks of a job reported: per rank, its losses and its other reports;
+    ``saves``, every ``saved`` line of any rank, in the order they came."""
+
+    losses: dict[int, dict[int, str]] = field(default_factory=dict)
+    reports: dict[int, dict[str, list[str]]] = field(default_factory=dict)
+    saves: list[str] = field(default_factory=list)
+    killed: bool = False
+    returncodes: list[int] = field(default_factory=list)
+
+    def of(self, rank: int, kind: str) -> list[str]:
+        return self.reports.get(rank, {}).get(kind, [])
+
+
+def _free_port() -> int:
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    module, name = function.rsplit(".", 1)
-    code = f"import sys; from {module} import {name}; {name}(*sys.argv[1:])"
-    world = int(nproc)
-    procs = []
-    for rank in range(world):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-        procs.append(subprocess.Popen([sys.executable, "-c", code, *args], cwd=ROOT, env=env))
-    try:
-        # A bound only for a job that hangs (which is a failure): it fails the test
-        # instead of holding the suite; a run that works ends long before.
-        codes = [p.wait(timeout=HANG) for p in procs]
-    except subprocess.TimeoutExpired:
-        sys.stderr.write(f"the job hung: still running after {HANG} s\n")
-        sys.exit(124)
-    failed = [(rank, c) for rank, c in enumerate(codes) if c != 0]
-    for rank, c in failed:
-        sys.stderr.write(f"rank {rank} exited with status {c}\n")
-    sys.exit(failed[0][1] if failed else 0)
+        port: int = s.getsockname()[1]
+        return port
 
 
-def rank_loss(rank: int, step: int, value: float) -> None:
-    """From a rank of a torchrun job: its loss of ``step`` (``float.hex``)."""
-    report("rankloss", rank, step, float(value).hex())
+#: Seconds a job of ranks may stay silent before the test fails (a hang, not a timing).
+JOB_CAP = 600
 
 
-def losses_by_rank(run: Run) -> dict[int, dict[int, str]]:
-    """The ``rank_loss`` reports of a run: rank -> step -> hex."""
-    values = run.other.get("rankloss", [])
-    found: dict[int, dict[int, str]] = {}
-    for i in range(0, len(values), 3):
-        found.setdefault(int(values[i]), {})[int(values[i + 1])] = values[i + 2]
-    return found
+class RankJob:
+    """A torch.distributed job: ``ranks`` children each running ``module.function(*args)``
+    with torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``
+    127.0.0.1, a free ``MASTER_PORT``), started at once, all in one process group of
+    their own (in this session: a process may only join a group of its own session),
+    so that one SIGKILL takes the whole job at the same instant (torchrun puts
+    each worker in a session of its own: killing it would orphan them)."""
+
+    def __init__(self, function: str, *args: object, ranks: int, log: Path) -> None:
+        import queue
+
+        module, name = function.rsplit(".", 1)
+        code = f"import sys; from {module} import {name}; {name}(*sys.argv[1:])"
+        base = {
+            **os.environ,
+            "PYTHONHASHSEED": "0",
+            "OMP_NUM_THREADS": "1",  # 2 cores for all the ranks: no thread pools fighting
+            "HF_HUB_OFFLINE": "1",  # nothing leaves the machine (transformers, accelerate)
+            "TRANSFORMERS_OFFLINE": "1",
+            "WORLD_SIZE": str(ranks),
+            "LOCAL_WORLD_SIZE": str(ranks),
+            "GROUP_RANK": "0",  # with TORCHELASTIC_RUN_ID: what Lightning takes for a torchrun job
+            "TORCHELASTIC_RUN_ID": "aiosnap-test",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(_free_port()),
+        }
+        self.logs = [log.with_name(f"{log.stem}.rank{r}.log") for r in range(ranks)]
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self.procs: list[subprocess.Popen[str]] = []
+        try:
+            for r in range(ranks):
+                with open(self.logs[r], "w") as stderr:
+                    group = {"process_group": 0 if r == 0 else self.procs[0].pid}
+                    self.procs.append(
+                        subprocess.Popen(
+                            [sys.executable, "-c", code, *map(str, args)],
+                            cwd=ROOT,
+                            env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+                            stdout=subprocess.PIPE,
+                            stderr=stderr,
+                            text=True,
+                            **group,  # type: ignore[arg-type]
+                        )
+                    )
+                threading.Thread(target=self._read, args=(r,), daemon=True).start()
+        except BaseException:
+            if self.procs:  # the ranks started so far would wait for the others forever
+                os.killpg(self.procs[0].pid, signal.SIGKILL)
+            raise
+
+    def _read(self, r: int) -> None:
+        stdout = self.procs[r].stdout
+        assert stdout is not None
+        for line in stdout:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def finish(self, *, kill_after_save: int | None = None, check: bool = True) -> RankRun:
+        """Read every rank's reports until all exit, or until the ``kill_after_save``-th
+        ``saved`` line of any rank: then SIGKILL the whole job. ``check``: every rank
+        must have exited with 0 (unless killed)."""
+        run = RankRun()
+        open_streams = len(self.procs)
+        try:
+            while open_streams:
+                # A cap, not a timing: a job that hangs fails the test instead of stalling it.
+                line = self._lines.get(timeout=JOB_CAP)
+                if line is None:
+                    open_streams -= 1
+                    continue
+                if not line.startswith(MARK):
+                    continue
+                kind, *values = line[len(MARK) :].split()
+                if kind == "saved":
+                    run.saves.append(" ".join(values))
+                    if len(run.saves) == kill_after_save:
+                        os.killpg(self.procs[0].pid, signal.SIGKILL)
+                        run.killed = True
+                        break
+                elif kind == "loss":
+                    run.losses.setdefault(int(values[0]), {})[int(values[1])] = values[2]
+                else:
+                    run.reports.setdefault(int(values[0]), {}).setdefault(kind, []).extend(values[1:])
+        finally:
+            for proc in self.procs:
+                proc.wait()
+            try:
+                os.killpg(self.procs[0].pid, signal.SIGKILL)  # anything that outlived them
+            except ProcessLookupError:
+                pass
+        run.returncodes = [proc.returncode for proc in self.procs]
+        if check and not run.killed:
+            for log, code in zip(self.logs, run.returncodes, strict=True):
+                assert code == 0, f"a rank failed ({code}):\n{log.read_text()[-6000:]}"
+        return run
 
 
-def assert_ranks_resumed_exactly(reference: Run, resumed: Run, last_step: int, world: int) -> int:
-    """Every rank of the resumed job resumed from the same step (its ``resumed`` reports)
-    and trained every step after it with the reference job's loss of that rank, bit for
-    bit; return that step."""
-    starts = {int(step) for step in resumed.other["resumed"]}
-    assert len(resumed.other["resumed"]) == world and len(starts) == 1, resumed.other["resumed"]
-    (start,) = starts
-    ref, got = losses_by_rank(reference), losses_by_rank(resumed)
-    assert sorted(got) == list(range(world)), sorted(got)
-    for rank, losses in got.items():
+def assert_ranks_resumed_exactly(reference: RankRun, resumed: RankRun, last_step: int) -> int:
+    """Every rank resumed from the same step and trained every step after it with the
+    reference run's loss of that rank, bit for bit; return that step."""
+    starts = {int(resumed.of(r, "resumed")[0]) for r in reference.losses}
+    assert len(starts) == 1, f"the ranks resumed from different steps: {starts}"
+    start = starts.pop()
+    assert sorted(resumed.losses) == sorted(reference.losses)
+    for rank, losses in resumed.losses.items():
         assert sorted(losses) == list(range(start + 1, last_step + 1)), (rank, sorted(losses))
         for step, value in losses.items():
-            assert value == ref[rank][step], f"rank {rank}: step {step} differs after the resume"
+            assert value == reference.losses[rank][step], f"rank {rank}, step {step} differs after the resume"
     return start

@@ -112,8 +112,8 @@ def test_dcp_benchmark_runs_small(tmp_path: Path) -> None:
 
 @pytest.mark.slow  # two 2-process jobs, each importing its framework
 def test_integrations_ranks_benchmark_runs_small(tmp_path: Path) -> None:
-    out = run_bench("bench_integrations_ranks.py", tmp_path, "--size", "8MiB", "--reps", "1")
-    data = json.loads((out / "integrations_ranks.json").read_text())
+    out = run_bench("bench_ranks_hf_accelerate.py", tmp_path, "--size", "8MiB", "--reps", "1")
+    data = json.loads((out / "ranks_hf_accelerate.json").read_text())
     assert data["nproc"] == 2 and sorted(data["results"]) == ["accelerate", "hf"]
     for ranks in data["results"].values():
         assert sorted(ranks) == ["0", "1"]

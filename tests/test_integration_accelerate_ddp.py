@@ -23,7 +23,7 @@ import aiosnap
 from aiosnap._format.manifest import MANIFEST_NAME
 from examples.accelerate_ddp import train
 from tests.integration_runs import (
-    RanksChild,
+    RankJob,
     assert_ranks_resumed_exactly,
     rank_loss,
     report,
@@ -61,7 +61,7 @@ def ddp_child(project: str, fail_rank: str = "-1") -> None:
 
     def show(kind: str, rank: int, *values: Any) -> None:
         if kind == "loss":
-            rank_loss(rank, *values)
+            rank_loss(*values)
         elif kind == "saved":
             report("saved", rank, Path(values[0]).name)
         else:
@@ -86,11 +86,11 @@ def test_killed_ddp_job_resumes_with_load_state_bit_identical_on_every_rank(
     tmp_path: Path, world: int
 ) -> None:
     run = tmp_path / "run"
-    reference = RanksChild(CHILD, tmp_path / "ref", nproc=world, log=tmp_path / "ref.log").finish()
-    killed = RanksChild(CHILD, run, nproc=world, log=tmp_path / "killed.log")
+    reference = RankJob(CHILD, tmp_path / "ref", ranks=world, log=tmp_path / "ref.log").finish()
+    killed = RankJob(CHILD, run, ranks=world, log=tmp_path / "killed.log")
     assert killed.finish(kill_after_save=3 * world).killed  # every rank's third save returned
-    resumed = RanksChild(CHILD, run, nproc=world, log=tmp_path / "resumed.log").finish()
-    start = assert_ranks_resumed_exactly(reference, resumed, STEPS, world)
+    resumed = RankJob(CHILD, run, ranks=world, log=tmp_path / "resumed.log").finish()
+    start = assert_ranks_resumed_exactly(reference, resumed, STEPS)
     assert start in (2, 4, 6), f"resumed from step {start}: not from a committed save of the killed job"
     committed = _committed(run)
     assert len(committed) == LIMIT
@@ -115,8 +115,8 @@ def test_killed_ddp_job_resumes_with_load_state_bit_identical_on_every_rank(
 @pytest.mark.slow
 def test_a_rank_failing_its_part_fails_the_save_on_every_rank(tmp_path: Path) -> None:
     project = tmp_path / "run"
-    run = RanksChild(CHILD, project, "1", nproc=2, log=tmp_path / "fail.log").finish()
-    raised = run.other["raised"]
+    run = RankJob(CHILD, project, "1", ranks=2, log=tmp_path / "fail.log").finish()
+    raised = [v for r in (0, 1) for v in (str(r), *run.of(r, "raised"))]
     # Every rank raised, naming rank 1, and no later step was saved after it.
     assert sorted(raised[i] for i in range(0, len(raised), 3)) == ["0", "1"], raised
     assert all(raised[i + 1] == "RankFailedError" and raised[i + 2] == "1" for i in range(0, len(raised), 3))

@@ -22,7 +22,14 @@ from transformers import TrainerCallback
 import aiosnap
 from aiosnap._format.manifest import MANIFEST_NAME
 from examples.transformers_ddp import train
-from tests.integration_runs import RanksChild, assert_ranks_resumed_exactly, rank_loss, report, temp_entries
+from tests.integration_runs import (
+    RankJob,
+    assert_ranks_resumed_exactly,
+    rank_loss,
+    rank_report,
+    report,
+    temp_entries,
+)
 from tests.test_integration_accelerate_ddp import _fail_rank_file
 
 EPOCHS = 2
@@ -32,11 +39,11 @@ CHILD = "tests.test_integration_transformers_ddp.ddp_child"
 
 class _Report(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        report("resumed", state.global_step)
+        rank_report("resumed", state.global_step)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
         if logs and "loss" in logs:
-            rank_loss(args.process_index, state.global_step, logs["loss"])
+            rank_loss(state.global_step, logs["loss"])
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         report("saved", args.process_index, state.global_step)  # right after the save call returned
@@ -66,11 +73,11 @@ def _committed(out: Path) -> list[str]:
 def test_killed_ddp_job_resumes_from_the_last_checkpoint_bit_identical(tmp_path: Path, world: int) -> None:
     out = tmp_path / "run"
     steps = STEPS * 2 // world
-    reference = RanksChild(CHILD, tmp_path / "ref", nproc=world, log=tmp_path / "ref.log").finish()
-    killed = RanksChild(CHILD, out, nproc=world, log=tmp_path / "killed.log")
+    reference = RankJob(CHILD, tmp_path / "ref", ranks=world, log=tmp_path / "ref.log").finish()
+    killed = RankJob(CHILD, out, ranks=world, log=tmp_path / "killed.log")
     assert killed.finish(kill_after_save=3 * world).killed  # every rank's third save returned
-    resumed = RanksChild(CHILD, out, nproc=world, log=tmp_path / "resumed.log").finish()
-    start = assert_ranks_resumed_exactly(reference, resumed, steps, world)
+    resumed = RankJob(CHILD, out, ranks=world, log=tmp_path / "resumed.log").finish()
+    start = assert_ranks_resumed_exactly(reference, resumed, steps)
     assert start in (2, 4, 6), f"resumed from step {start}: not from a committed save of the killed job"
     committed = _committed(out)
     assert committed == [f"checkpoint-{steps - 2}", f"checkpoint-{steps}"]
@@ -87,8 +94,8 @@ def test_killed_ddp_job_resumes_from_the_last_checkpoint_bit_identical(tmp_path:
 @pytest.mark.slow
 def test_a_rank_failing_its_part_makes_train_raise_on_every_rank(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    run = RanksChild(CHILD, out, "1", nproc=2, log=tmp_path / "fail.log").finish()
-    raised = run.other["raised"]
+    run = RankJob(CHILD, out, "1", ranks=2, log=tmp_path / "fail.log").finish()
+    raised = [v for r in (0, 1) for v in (str(r), *run.of(r, "raised"))]
     assert sorted(raised[i] for i in range(0, len(raised), 3)) == ["0", "1"], raised
     assert all(raised[i + 1] == "RankFailedError" and raised[i + 2] == "1" for i in range(0, len(raised), 3))
     assert "checkpoint-4" not in _committed(out)

@@ -19,6 +19,7 @@ from aiosnap.storage import LocalStorage
 from ._bridge import SyncWriter, run_sync
 from ._files import is_aiosnap_file, remove_file, sweep_temps
 from ._lightning_trainer import calling_trainer, refuse_wrapper, watch_names
+from ._ranks import RankAgreement, group_size
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +60,11 @@ class CheckpointIOBehaviour:
         offload: Literal["thread", "process"] = "thread",
         max_host_bytes: int | None = None,
         allow_pickle: bool = False,
+        timeout: float = 300.0,
     ) -> None:
         self.allow_pickle = allow_pickle
+        #: Seconds of silence after which a rank counts as failed in teardown's agreement.
+        self.timeout = timeout
         self._bridge = SyncWriter(
             max_pending=max_pending,
             when_full=when_full,
@@ -183,8 +187,28 @@ class CheckpointIOBehaviour:
 
     def teardown(self) -> None:
         """Wait for every save, raise a failure not reported yet, stop the background loop.
-        Lightning calls it after every fit, validate and test: the next save opens it again."""
-        self._bridge.close()
+        Lightning calls it after every fit, validate and test: the next save opens it again.
+
+        In a torch.distributed run (``strategy="ddp"``: rank 0 alone saves), every rank
+        calls it, and every rank returns only once rank 0's saves are durable, or raises
+        (rank 0 its own error, the others ``aiosnap.errors.RankFailedError``); a rank silent for
+        ``timeout`` seconds makes the others raise. A teardown after a failure of the run
+        (Lightning tears down while the exception is handled) does not wait for the
+        others: they may never come, and they raise once this process ends."""
+        error: Exception | None = None
+        try:
+            self._bridge.close()
+        except Exception as exc:
+            error = exc
+        if group_size()[1] == 1 or sys.exc_info()[1] is not None:
+            if error is not None:
+                raise error
+            return
+        agreement = RankAgreement(timeout=self.timeout)
+        try:
+            agreement.agree("lightning teardown", error)
+        finally:
+            agreement.close()
 
 
 #: The local disk link removals go through.

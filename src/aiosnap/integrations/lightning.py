@@ -38,6 +38,9 @@ class AiosnapCheckpointIO(CheckpointIOBehaviour, CheckpointIO):
     says whether a save of ``path`` is still in flight: the Trainer's ``ModelCheckpoint``
     callbacks count such a name as taken. The plugin pickles (``ddp_spawn``,
     ``torch.save(trainer)``) as a plugin with the same options and nothing in flight.
+    Under ``strategy="ddp"`` rank 0 saves, and ``teardown()`` on every rank returns only
+    once rank 0's saves are durable, or raises on every rank (``timeout``: seconds of
+    silence after which a rank counts as failed).
     """
 
     framework = FRAMEWORK

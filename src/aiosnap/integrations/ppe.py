@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterator
+from types import TracebackType
 from typing import Any, Literal
 
 import torch
@@ -31,6 +32,7 @@ from aiosnap.storage import TEMP_PREFIX
 
 from ._bridge import SyncWriter, run_sync
 from ._files import remove_file, sweep_temps
+from ._ranks import RankAgreement
 
 __all__ = ["Writer", "snapshot", "snapshot_object"]
 
@@ -218,6 +220,77 @@ class _AiosnapSnapshot(_snapshot._Snapshot):
             self.writer.finalize()
 
 
+class _SaverRankSnapshot(_AiosnapSnapshot):
+    """ppe's ``saver_rank`` snapshot of a torch.distributed run: the saver rank writes,
+    and every rank learns how that went before it trains on. Where ppe's own waits at a
+    barrier (a saver that raised leaves the others there until the group times out),
+    here every save, autoload and finalize is an agreement (``RankAgreement``): either
+    every rank returns, or every rank raises."""
+
+    def __init__(self, *, saver_rank: int, timeout: float, **options: Any) -> None:
+        super().__init__(**options)
+        if not torch.distributed.is_initialized():
+            raise RuntimeError("The Distributed Snapshot extension requires torch.distributed initialized")
+        self._agreement = RankAgreement(timeout=timeout)
+        size = self._agreement.size
+        if not 0 <= saver_rank < size:
+            raise ValueError(f"Distributed snapshot requires a saver rank in the range [0-{size})")
+        self._is_saver = self._agreement.rank == saver_rank
+
+    def initialize(self, manager: ExtensionsManagerProtocol) -> str | None:  # type: ignore[override]
+        self._agreement.open()  # the ranks set up together: the group is made here, not in a save
+        if self.writer is None:
+            self.writer = Writer(out_dir=manager.out)
+        loaded, error = None, None
+        if self.autoload:
+            try:
+                loaded = self._load_latest(manager)
+            except Exception as exc:
+                error = exc
+        names = self._agreement.agree("ppe autoload", error, loaded)
+        if len(set(names)) > 1:
+            raise RuntimeError(
+                f"autoload found different snapshots on the ranks ({dict(enumerate(names))}): every rank "
+                f"must see the same output directory ({self.writer.out_dir!r})"
+            )
+        self._add_cleanup_hook(self.writer)
+        return loaded
+
+    def _add_cleanup_hook(self, writer: _PpeWriter) -> None:
+        if self._is_saver:
+            super()._add_cleanup_hook(writer)
+
+    def _make_snapshot(self, manager: ExtensionsManagerProtocol) -> None:
+        error = None
+        if self._is_saver:
+            try:
+                super()._make_snapshot(manager)
+            except Exception as exc:  # every rank raises it, below
+                error = exc
+        self._agreement.agree("ppe snapshot", error)
+
+    def on_error(self, manager: ExtensionsManagerProtocol, exc: Exception, tb: TracebackType) -> None:
+        # On a failing run's way out the other ranks may never come to an agreement (they
+        # wait in a collective of the training, or died): the saver saves on its own, and
+        # waits until the snapshot is durable, as the process is about to end.
+        if self._snapshot_on_error and self._is_saver:
+            _AiosnapSnapshot._make_snapshot(self, manager)
+            if isinstance(self.writer, Writer):  # ppe's own writers are synchronous
+                self.writer.flush()
+
+    def finalize(self, manager: ExtensionsManagerProtocol) -> None:
+        error = None
+        if self._is_saver and self.writer is not None:
+            try:
+                self.writer.finalize()
+            except Exception as exc:
+                error = exc
+        try:
+            self._agreement.agree("ppe finalize", error)
+        finally:
+            self._agreement.close()
+
+
 def snapshot(
     savefun: Any = None,
     filename: str = "snapshot_iter_{.iteration}",
@@ -230,6 +303,7 @@ def snapshot(
     autoload: bool = False,
     saver_rank: int | None = None,
     snapshot_mode: _snapshot.SnapshotMode = _snapshot.SnapshotMode.DEFAULT,
+    timeout: float = 300.0,
 ) -> extension.Extension:
     """ppe's ``extensions.snapshot``, saving through aiosnap and autoloading aiosnap files.
 
@@ -238,16 +312,26 @@ def snapshot(
     ``writer=Writer(...)`` for its options). ``autoload`` reads the newest
     snapshot that loads, verifying checksums (a damaged one is skipped, with a warning).
     ``n_retains`` deletes older snapshots only after a newer one is durable, and only
-    aiosnap files. Distributed snapshots (``saver_rank``, ``snapshot_mode``) are ppe's
-    only: they raise NotImplementedError here.
+    aiosnap files.
+
+    ``saver_rank`` (in a torch.distributed run; ``SnapshotMode.DEFAULT`` or
+    ``DISTRIBUTED``): that rank alone saves, every rank autoloads the same snapshot, and
+    every rank learns how each save call went before it trains on: a save (or, at
+    ``finalize``, a background commit) that failed on the saver raises there and
+    ``aiosnap.errors.RankFailedError`` on every other rank; a rank silent for ``timeout``
+    seconds (dead, or stuck elsewhere) makes the others raise. ``SnapshotMode.SHARDED``
+    is ppe's own only: it raises NotImplementedError here.
     """
     if savefun is not None and writer is not None:
         raise TypeError("savefun and writer arguments cannot be specified together.")
-    if saver_rank is not None or snapshot_mode != _snapshot.SnapshotMode.DEFAULT:
+    if snapshot_mode == _snapshot.SnapshotMode.SHARDED:
         raise NotImplementedError(
-            "aiosnap's ppe snapshot saves from one process: use ppe's own for saver_rank"
+            "aiosnap's ppe snapshot has no SnapshotMode.SHARDED: use ppe's own, or "
+            "aiosnap.CheckpointManager in a process group for per-rank state"
         )
-    return _AiosnapSnapshot(
+    if snapshot_mode == _snapshot.SnapshotMode.DISTRIBUTED and saver_rank is None:
+        raise ValueError("SnapshotMode.DISTRIBUTED needs a saver_rank")
+    options: dict[str, Any] = dict(
         target=target,
         condition=condition,
         writer=writer,
@@ -257,6 +341,9 @@ def snapshot(
         autoload=autoload,
         savefun=savefun,
     )
+    if saver_rank is not None:
+        return _SaverRankSnapshot(saver_rank=saver_rank, timeout=timeout, **options)
+    return _AiosnapSnapshot(**options)
 
 
 def snapshot_object(target: Any, filename: str, savefun: Any = None, **kwargs: Any) -> extension.Extension:

@@ -1,7 +1,7 @@
 """The save call of Accelerate and the HF Trainer in a multi-process DDP run, per rank:
 aiosnap's integration against the framework's own save made durable, in one run.
 
-    python benchmarks/bench_integrations_ranks.py [--nproc 2] [--size 100MiB] [--reps 3] [--only hf]
+    python benchmarks/bench_ranks_hf_accelerate.py [--nproc 2] [--size 100MiB] [--reps 3] [--only hf]
 
 Starts ``--nproc`` processes on CPU (gloo on 127.0.0.1, the environment torchrun gives its
 workers). Each holds the same DDP model plus its AdamW state, ``--size`` in all (an MLP; a
@@ -11,7 +11,7 @@ waited for, untimed, before the next repetition), and the framework's own, follo
 ``fsync`` of every file it wrote on that rank and a barrier: what a save that is durable
 on every rank when the call returns costs. The ratio is aiosnap's call over that, per rank.
 Medians of ``--reps`` repetitions after a warm-up; the order alternates. Results:
-``benchmarks/results/integrations_ranks.{md,json}``.
+``benchmarks/results/ranks_hf_accelerate.{md,json}``.
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ def run(key: str, nproc: int, size: int, reps: int, scratch: Path) -> dict[int, 
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
         env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
         env["HF_HUB_OFFLINE"] = "1"
-        code = "import sys; from bench_integrations_ranks import rank_main; rank_main(*sys.argv[1:])"
+        code = "import sys; from bench_ranks_hf_accelerate import rank_main; rank_main(*sys.argv[1:])"
         args = [sys.executable, "-c", code, key, str(size), str(reps), str(scratch)]
         procs.append(subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True))
     found: dict[int, dict[str, list[float]]] = {}
@@ -236,8 +236,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     record = {"size": size, "nproc": args.nproc, "machine": info, "results": results}
-    (out / "integrations_ranks.json").write_text(json.dumps(record))
-    (out / "integrations_ranks.md").write_text(table)
+    (out / "ranks_hf_accelerate.json").write_text(json.dumps(record))
+    (out / "ranks_hf_accelerate.md").write_text(table)
     print(table)
 
 
