@@ -2,7 +2,7 @@
 in a multi-process run: aiosnap's integration, the framework's default, and a durable
 torch.save from rank 0, per rank, in one run.
 
-    python benchmarks/bench_ranks_ppe_lightning.py [--ranks 2] [--size 200MiB] [--reps 5] [--only ppe,lightning]
+    python benchmarks/bench_ranks_ppe_lightning.py [--ranks 2] [--size 200MiB] [--reps 5] [--only ppe]
 
 Each rank holds the same DDP model plus its AdamW state, ``--size`` in all, after one step.
 The save call is timed on every rank as training sees it, from the call to its return:
