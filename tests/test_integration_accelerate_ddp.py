@@ -26,6 +26,7 @@ from tests.integration_runs import (
     RankJob,
     assert_ranks_resumed_exactly,
     rank_loss,
+    rank_report,
     report,
     temp_entries,
 )
@@ -65,7 +66,7 @@ def ddp_child(project: str, fail_rank: str = "-1") -> None:
         elif kind == "saved":
             report("saved", rank, Path(values[0]).name)
         else:
-            report(kind, *values)
+            rank_report(kind, *values)
 
     try:
         train(project, STEPS, EVERY, show)
