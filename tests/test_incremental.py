@@ -290,7 +290,7 @@ async def test_zstd_blobs_are_recorded_compressed_and_checked(tmp_path: Path) ->
 async def test_incremental_options_that_are_none_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="compression"):
         aiosnap.ThreadWriter(incremental=aiosnap.Incremental(compression="lz4"))
-    with pytest.raises(ValueError, match="go to the writer"):
+    with pytest.raises(ValueError, match="goes to the writer"):
         aiosnap.CheckpointManager(str(tmp_path), writer=aiosnap.ThreadWriter(), incremental=True)
     with pytest.raises(ValueError, match="reserved|aiosnap's own"):
         async with aiosnap.ThreadWriter() as writer:

@@ -4,7 +4,7 @@ Real endpoints on 127.0.0.1: a port where nothing listens (refused), a server th
 accepts and never answers (hung), an instance metadata service that has no credentials
 to give (404), moto for the tiered manager's local side. Missing credentials are said at
 once, never retried; ``--deadline`` bounds a command; a tiered ``resume()`` on a fresh
-start waits ``remote_timeout`` seconds for a dead remote tier, then says what to do; the
+start waits ``Remote(timeout=...)`` seconds for a dead remote tier, then says what to do; the
 notices and errors name the URL and what the user asked for, never a function of
 aiosnap's. Bounds are far above what the calls take (a fraction of the deadline they
 used to wait out in full), never raced.
@@ -204,7 +204,7 @@ async def test_a_fresh_resume_with_a_dead_remote_tier_says_what_to_do_within_its
     message = str(caught.value)
     assert elapsed < LONG / 4, elapsed
     assert f"{remote}: the remote tier is unavailable: it has not answered within 1 s" in message
-    assert "remote_timeout" in message and "without remote=" in message
+    assert "Remote(..., timeout=...)" in message and "without remote=" in message
     assert not INTERNAL.search(message) and "GenericError" not in message
     notices = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert any(f"opening the remote tier {remote}: no answer for 0.2 s" in n for n in notices), notices
