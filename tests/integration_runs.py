@@ -400,6 +400,20 @@ class RankJob:
         return run
 
 
+def run_torchrun_example(script: str, out: Path, *args: str) -> str:
+    """Run ``examples/<script>`` under torchrun on 2 CPU processes, as its docs page says,
+    with ``--out out`` and ``args``; its stdout (it must exit 0)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    done = subprocess.run(
+        [*command, str(ROOT / "examples" / script), "--out", str(out), *args],
+        capture_output=True,
+        text=True,
+        timeout=JOB_CAP,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
 def sum_in_rank_order(state, bucket):  # type: ignore[no-untyped-def]  # DDP reads real annotations
     """A DDP communication hook: the bucket's mean over the ranks, summed in rank order.
     DDP rebuilds its buckets after a process's first step, and a ring allreduce over more

@@ -8,7 +8,6 @@ from __future__ import annotations
 import errno
 import os
 import re
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -26,13 +25,13 @@ import aiosnap
 from aiosnap.integrations.lightning import AiosnapCheckpointIO
 from aiosnap.storage import Posix
 from tests.integration_runs import (
-    JOB_CAP,
     RankJob,
     assert_aiosnap_checkpoint,
     assert_ranks_resumed_exactly,
     rank_loss,
     rank_report,
     report,
+    run_torchrun_example,
     temp_entries,
 )
 
@@ -194,13 +193,7 @@ def _losses(stdout: str) -> dict[tuple[int, int], str]:
 
 
 def _example(out: Path, epochs: int) -> str:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    script = [str(Path(__file__).parent.parent / "examples" / "lightning_ddp.py"), "--out", str(out)]
-    done = subprocess.run(
-        [*command, *script, "--epochs", str(epochs)], capture_output=True, text=True, timeout=JOB_CAP
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+    return run_torchrun_example("lightning_ddp.py", out, "--epochs", str(epochs))
 
 
 @pytest.mark.slow

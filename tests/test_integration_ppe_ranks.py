@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,13 +22,13 @@ import torch.distributed as dist
 
 from aiosnap.integrations.ppe import Writer, snapshot
 from tests.integration_runs import (
-    JOB_CAP,
     RankJob,
     assert_aiosnap_checkpoint,
     assert_ranks_resumed_exactly,
     rank_loss,
     rank_report,
     report,
+    run_torchrun_example,
     sum_in_rank_order,
     temp_entries,
 )
@@ -178,13 +177,7 @@ def _losses(stdout: str) -> dict[tuple[int, int], str]:
 
 
 def _example(out: Path, iterations: int) -> str:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    script = [str(Path(__file__).parent.parent / "examples" / "ppe_ddp.py"), "--out", str(out)]
-    done = subprocess.run(
-        [*command, *script, "--iterations", str(iterations)], capture_output=True, text=True, timeout=JOB_CAP
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+    return run_torchrun_example("ppe_ddp.py", out, "--iterations", str(iterations))
 
 
 @pytest.mark.slow
