@@ -9,6 +9,8 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import traceback
@@ -607,3 +609,28 @@ def test_a_save_never_waits_for_a_vote_that_needs_a_rank_blocked_in_a_collective
     assert sorted(results) == [0, 1], results
     for r in results.values():
         assert r.get("steps") == [1, 2, 3, 4] and r["total"] == 2.0, r
+
+
+_CLOSE_SCRIPT = """
+import weakref
+import torch.distributed as dist
+from aiosnap._dist.coord import GlooChannel, new_group
+
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+channel = GlooChannel(new_group(None, 30), timeout=30, destroy=True)
+held = channel.close  # what an offload thread keeps of the last call it ran, for a while
+group = weakref.ref(channel.group)
+channel.close()
+del channel
+print("freed" if group() is None else "alive")
+dist.destroy_process_group()
+"""
+
+
+def test_a_closed_channel_frees_its_group_in_the_closing_thread() -> None:
+    """An offload thread that still holds a closed channel must not be the one to free its
+    process group: freeing one releases the GIL, and a thread caught there by the
+    interpreter's shutdown aborts the process (the ppe example's rank 0, 1 run in 5)."""
+    done = subprocess.run([sys.executable, "-c", _CLOSE_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["freed"]

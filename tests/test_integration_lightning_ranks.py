@@ -132,10 +132,6 @@ def ddp_child(out: str, fault: str = "") -> None:
         rank_report("returned", last["global_step"])
 
 
-# slow: as the ppe rank jobs, a rank sometimes aborts at exit ("terminate called without an
-# active exception"); an open defect, suspected in RankAgreement's gloo group. Out of the
-# default run until it is mended.
-@pytest.mark.slow
 def test_a_killed_ddp_fit_resumes_from_last_on_every_rank_bit_identical(tmp_path: Path) -> None:
     ranks = 2
 

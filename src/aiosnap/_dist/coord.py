@@ -113,11 +113,22 @@ class GlooChannel:
         return GlooTurn(self, op, prev, done)
 
     def close(self) -> None:
-        """Release the group, if it can be (see ``new_group``). Blocking."""
+        """Release the group (destroyed, if it can be: see ``new_group``), and let go of it
+        here, in the closing thread. Blocking.
+
+        The offload thread that ran this channel's last exchange may still hold the
+        channel (anyio's worker drops the function it ran only after reporting back). Had
+        the channel kept the group, that thread could be the one to free it, and freeing a
+        ProcessGroup releases the GIL: if the interpreter began to shut down meanwhile,
+        the thread is stopped inside a C++ destructor and the process aborts ("terminate
+        called without an active exception", 1 run in 5 of the ppe example at 2 ranks)."""
+        group = self.group
+        del self.group
+        self._broken = self._broken or RankFailedError("the channel is closed", {})
         if not self._destroy:
             return
         try:
-            dist.destroy_process_group(self.group)
+            dist.destroy_process_group(group)
         except Exception as exc:  # the group may be broken already; closing must not fail
             logger.debug("destroying the coordination group: %r", exc)
 

@@ -115,9 +115,8 @@ class _Open:
         return result
 
     def close(self) -> None:
-        # The loop first, then the group, from the thread that closes: with the group
-        # destroyed from a worker thread, the Lightning example's rank 0 aborted at exit
-        # in 2 runs of 4 ("terminate called without an active exception"); not seen since.
+        # The loop first, then the group, from the thread that closes (the channel lets go
+        # of its group there: see ``GlooChannel.close``).
         try:
             self._portal_cm.__exit__(None, None, None)
         finally:
