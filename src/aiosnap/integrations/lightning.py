@@ -6,6 +6,8 @@ file) is committed in the background, durable and atomic: ``ckpt_path="last"`` n
 sees a half-written one. ``remove_checkpoint`` waits until the newer file is durable.
 ``AiosnapLoadMixin`` makes ``MyModule.load_from_checkpoint(path)`` read aiosnap files;
 ``export_safetensors`` writes a checkpoint's weights as a plain safetensors file.
+``AiosnapModelParallelStrategy`` is Lightning's ``ModelParallelStrategy`` (FSDP2, tensor
+parallel) saving its sharded checkpoints through aiosnap's DCP backend.
 Users of the standalone ``pytorch_lightning`` package import the same names from
 ``aiosnap.integrations.pytorch_lightning``.
 """
@@ -16,11 +18,19 @@ import os
 from typing import Any, TypeVar
 
 from lightning.fabric.plugins import CheckpointIO
+from lightning.pytorch.strategies import ModelParallelStrategy
 
 from ._lightning_io import CheckpointIOBehaviour
 from ._lightning_load import LoadMixinBehaviour, export_safetensors, load_module
+from ._lightning_sharded import ShardedStrategyBehaviour
 
-__all__ = ["AiosnapCheckpointIO", "AiosnapLoadMixin", "export_safetensors", "load_from_checkpoint"]
+__all__ = [
+    "AiosnapCheckpointIO",
+    "AiosnapLoadMixin",
+    "AiosnapModelParallelStrategy",
+    "export_safetensors",
+    "load_from_checkpoint",
+]
 
 M = TypeVar("M")
 FRAMEWORK = "lightning.pytorch"
@@ -44,6 +54,20 @@ class AiosnapCheckpointIO(CheckpointIOBehaviour, CheckpointIO):
     """
 
     framework = FRAMEWORK
+
+
+class AiosnapModelParallelStrategy(ShardedStrategyBehaviour, ModelParallelStrategy):
+    """``ModelParallelStrategy`` whose sharded checkpoints (``save_distributed_checkpoint=True``,
+    the default) are written and read through aiosnap: every rank's shards committed
+    durably and atomically by aiosnap's DCP storage writer, the loop state (Lightning's
+    ``meta.pt``) an aiosnap file that the checkpoint's ``.metadata`` names, so a save killed
+    at any point leaves the checkpoint before it whole; every byte verified at load,
+    nothing unpickled (``allow_pickle=True`` lets ``hyper_parameters`` hold arbitrary
+    objects). Resume with ``fit(ckpt_path=...)``.
+    Loading a checkpoint Lightning's own strategy wrote still works. With
+    ``save_distributed_checkpoint=False`` the full checkpoint goes through the
+    CheckpointIO plugin (``AiosnapCheckpointIO``, if given). Other arguments are
+    ``ModelParallelStrategy``'s."""
 
 
 class AiosnapLoadMixin(LoadMixinBehaviour):

@@ -11,11 +11,19 @@ import os
 from typing import Any, TypeVar
 
 from lightning_fabric.plugins import CheckpointIO
+from pytorch_lightning.strategies import ModelParallelStrategy
 
 from ._lightning_io import CheckpointIOBehaviour
 from ._lightning_load import LoadMixinBehaviour, export_safetensors, load_module
+from ._lightning_sharded import ShardedStrategyBehaviour
 
-__all__ = ["AiosnapCheckpointIO", "AiosnapLoadMixin", "export_safetensors", "load_from_checkpoint"]
+__all__ = [
+    "AiosnapCheckpointIO",
+    "AiosnapLoadMixin",
+    "AiosnapModelParallelStrategy",
+    "export_safetensors",
+    "load_from_checkpoint",
+]
 
 M = TypeVar("M")
 FRAMEWORK = "pytorch_lightning"
@@ -26,6 +34,10 @@ class AiosnapCheckpointIO(CheckpointIOBehaviour, CheckpointIO):
     .AiosnapCheckpointIO``'s twin, on ``lightning_fabric``'s base."""
 
     framework = FRAMEWORK
+
+
+class AiosnapModelParallelStrategy(ShardedStrategyBehaviour, ModelParallelStrategy):
+    """``aiosnap.integrations.lightning.AiosnapModelParallelStrategy`` for ``pytorch_lightning``."""
 
 
 class AiosnapLoadMixin(LoadMixinBehaviour):

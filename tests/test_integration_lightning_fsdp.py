@@ -1,0 +1,127 @@
+"""aiosnap's ``AiosnapModelParallelStrategy``: Lightning's FSDP2 strategy saving its sharded
+checkpoints through aiosnap's DCP backend, in real torch.distributed jobs (gloo on 127.0.0.1,
+a CPU device mesh): the job SIGKILLed right after a save returned resumes with
+``fit(ckpt_path="last")`` with every rank's losses bit for bit those of a run never killed;
+the loop state read without unpickling. (A flipped byte is refused naming the item by the
+same reader: tests/test_dcp.py.)"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("lightning", reason="needs aiosnap[lightning]")
+
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.distributed.fsdp import fully_shard
+
+import aiosnap
+from aiosnap.integrations.lightning import AiosnapModelParallelStrategy
+from tests.integration_runs import (
+    RankJob,
+    assert_ranks_resumed_exactly,
+    rank_loss,
+    rank_report,
+    report,
+    temp_entries,
+)
+
+EPOCHS = 4
+STEPS = 4  # per epoch and rank
+
+
+class _Module(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+
+    def configure_model(self) -> None:
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.net:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
+
+    def training_step(self, batch: Any, index: int) -> torch.Tensor:
+        x, y = batch
+        value = torch.nn.functional.mse_loss(self.net(x), y)
+        rank_loss(self.global_step + 1, value.item())
+        return value
+
+    def on_train_start(self) -> None:
+        rank_report("resumed", self.global_step)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class _Reporting(AiosnapModelParallelStrategy):
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+        if self.global_rank == 0:
+            report("saved", os.path.basename(filepath))
+
+
+def fsdp_child(out: str) -> None:
+    """A fit of EPOCHS epochs on every rank, FSDP2 over all of them, resuming from
+    ``last``; a top-k checkpoint and last.ckpt each epoch."""
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    world = int(os.environ["WORLD_SIZE"])
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(STEPS * 8 * world, 32, generator=g)
+    data = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        strategy=_Reporting(data_parallel_size=world, tensor_parallel_size=1),
+        devices=world,
+        max_epochs=EPOCHS,
+        callbacks=[
+            ModelCheckpoint(
+                dirpath=out, every_n_epochs=1, save_top_k=1, monitor="step", mode="max", save_last=True
+            )
+        ],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    try:
+        trainer.fit(_Module(), data, ckpt_path="last")
+    except Exception as exc:
+        rank_report("raised", type(exc).__name__)
+        sys.stderr.write(f"fit raised: {exc!r}\n")
+    torch.distributed.destroy_process_group()
+
+
+def _job(name: str, out: Path, log: Path) -> RankJob:
+    return RankJob("tests.test_integration_lightning_fsdp.fsdp_child", out, ranks=2, log=log / name)
+
+
+def test_a_killed_fsdp2_fit_resumes_from_last_on_every_rank_bit_identical(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    # Each epoch saves its top-k checkpoint, then last.ckpt: killed after epoch 1's last.ckpt.
+    assert _job("killed", run, tmp_path).finish(kill_after_save=4).killed
+    reference = _job("reference", tmp_path / "ref", tmp_path).finish()
+    resumed = _job("resumed", run, tmp_path).finish()
+    assert not any(resumed.of(r, "raised") for r in range(2)), resumed.reports
+    start = assert_ranks_resumed_exactly(reference, resumed, EPOCHS * STEPS)
+    assert start in (2 * STEPS, 3 * STEPS), (
+        f"resumed from step {start}: not from a last.ckpt of the killed run"
+    )
+    last = run / "last.ckpt"
+    names = sorted(os.listdir(last))
+    metas = [n for n in names if n.startswith("lightning-meta-")]
+    assert len(metas) == 1 and ".metadata" in names, names  # earlier saves' loop states removed
+    meta = aiosnap.load_sync(str(last / metas[0]))  # an aiosnap file, nothing pickled
+    assert meta["global_step"] == EPOCHS * STEPS
+    assert temp_entries(run) == []
