@@ -1,6 +1,6 @@
-"""The save call of ppe's ``snapshot(saver_rank=0)`` and of Lightning's ``strategy="ddp"``
-in a multi-process run: aiosnap's integration, the framework's default, and a durable
-torch.save from rank 0, per rank, in one run.
+"""The save call of ppe's ``snapshot(saver_rank=0)``, of Lightning's ``strategy="ddp"`` and of
+Lightning's FSDP2 ``ModelParallelStrategy`` in a multi-process run: aiosnap's integration,
+the framework's default, and a durable torch.save from rank 0, per rank, in one run.
 
     python benchmarks/bench_ranks_ppe_lightning.py [--ranks 2] [--size 200MiB] [--reps 5] [--only ppe]
 
@@ -134,7 +134,61 @@ def lightning_methods(size: int, scratch: Path) -> Methods:
     }
 
 
-FRAMEWORKS = {"ppe": ppe_methods, "lightning": lightning_methods}
+def lightning_fsdp_methods(size: int, scratch: Path) -> Methods:
+    """FSDP2 (``ModelParallelStrategy``): each rank holds its shards, ``size`` in all over the
+    ranks. The framework's default, DCP's synchronous save (``FileSystemWriter``, which
+    fsyncs), is durable when it returns: it is also the durable baseline."""
+    import lightning as L
+    import torch.distributed as dist
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.distributed.fsdp import fully_shard
+
+    from aiosnap.integrations.lightning import AiosnapModelParallelStrategy
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = mlp(size)
+
+        def configure_model(self) -> None:
+            for layer in self.net:
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer, mesh=self.device_mesh["data_parallel"])
+
+        def training_step(self, batch: Any, index: int) -> torch.Tensor:
+            return self.net(batch[0]).square().mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def trainer(kind: type[Any]) -> Any:
+        world = dist.get_world_size()
+        made = L.Trainer(
+            accelerator="cpu", strategy=kind(data_parallel_size=world, tensor_parallel_size=1), devices=world,
+            max_steps=1, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False,
+        )  # fmt: skip
+        width = mlp(size)[0].in_features
+        data = torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(torch.randn(8, width)), batch_size=4
+        )
+        made.fit(Module(), data)
+        return made
+
+    ours, theirs = trainer(AiosnapModelParallelStrategy), trainer(ModelParallelStrategy)
+    ours.strategy.setup_environment()  # fit's teardown released the strategy's save group
+
+    def durable() -> None:
+        ours.strategy.settle()
+        dist.barrier()
+
+    return {
+        AIOSNAP: (lambda rep: ours.save_checkpoint(scratch / f"ours-{rep}.ckpt"), durable),
+        DEFAULT: (lambda rep: theirs.save_checkpoint(scratch / f"theirs-{rep}.ckpt"), dist.barrier),
+    }
+
+
+FRAMEWORKS = {"ppe": ppe_methods, "lightning": lightning_methods, "lightning_fsdp": lightning_fsdp_methods}
 
 
 def worker(framework: str, size: int, reps: int, scratch: str) -> None:
@@ -186,9 +240,10 @@ def table(rows: list[dict[str, Any]], size: int, ranks: int) -> str:
     ]
     for row in sorted(rows, key=lambda r: (r["framework"], r["rank"])):
         m = {name: statistics.median(values) for name, values in row["times"].items()}
+        durable = m.get(DURABLE, m[DEFAULT])  # FSDP2: the default is durable (see lightning_fsdp_methods)
         lines.append(
-            f"| {row['framework']} | {row['rank']} | {m[AIOSNAP]:.3f} | {m[DEFAULT]:.3f} | {m[DURABLE]:.3f} "
-            f"| {m[AIOSNAP] / m[DURABLE]:.2f}x |"
+            f"| {row['framework']} | {row['rank']} | {m[AIOSNAP]:.3f} | {m[DEFAULT]:.3f} "
+            f"| {f'{m[DURABLE]:.3f}' if DURABLE in m else 'the default'} | {m[AIOSNAP] / durable:.2f}x |"
         )
     return "\n".join(lines)
 
@@ -198,7 +253,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--size", default="200MiB")
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--only", default="ppe,lightning")
+    parser.add_argument("--only", default="ppe,lightning,lightning_fsdp")
     parser.add_argument("--dir", default=None)
     parser.add_argument("--out", default=str(ROOT / "results"))
     parser.add_argument("--worker", default=None)

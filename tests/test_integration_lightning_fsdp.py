@@ -7,6 +7,7 @@ same reader: tests/test_dcp.py.)"""
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import warnings
@@ -24,6 +25,7 @@ from torch.distributed.fsdp import fully_shard
 
 import aiosnap
 from aiosnap.integrations.lightning import AiosnapModelParallelStrategy
+from aiosnap.storage import Posix
 from tests.integration_runs import (
     RankJob,
     assert_ranks_resumed_exactly,
@@ -69,12 +71,30 @@ class _Reporting(AiosnapModelParallelStrategy):
             report("saved", os.path.basename(filepath))
 
 
-def fsdp_child(out: str) -> None:
+def _fail_shard_commits_from(save: int) -> None:
+    """On this rank, the commit of its shard file fails as on a full disk from its
+    ``save``-th save on."""
+    rename, seen = Posix.rename, []
+
+    def failing(self: Posix, src: str, dst: str) -> None:
+        if dst.endswith(".distcp"):
+            seen.append(dst)
+            if len(seen) >= save:
+                raise OSError(errno.ENOSPC, "No space left on device (injected)", dst)
+        rename(self, src, dst)
+
+    Posix.rename = failing  # type: ignore[method-assign]
+
+
+def fsdp_child(out: str, fault: str = "") -> None:
     """A fit of EPOCHS epochs on every rank, FSDP2 over all of them, resuming from
-    ``last``; a top-k checkpoint and last.ckpt each epoch."""
+    ``last``; a top-k checkpoint and last.ckpt each epoch. ``fault``: ``disk`` (rank 1's
+    shard files fail to commit from the 3rd save on). Reports what fit raised."""
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     world = int(os.environ["WORLD_SIZE"])
+    if fault == "disk" and os.environ["RANK"] == "1":
+        _fail_shard_commits_from(3)
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(STEPS * 8 * world, 32, generator=g)
@@ -109,15 +129,14 @@ def _job(name: str, out: Path, log: Path) -> RankJob:
 
 def test_a_killed_fsdp2_fit_resumes_from_last_on_every_rank_bit_identical(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    # Each epoch saves its top-k checkpoint, then last.ckpt: killed after epoch 1's last.ckpt.
+    # Each epoch saves its top-k checkpoint, then last.ckpt: killed once epoch 1's last.ckpt call
+    # returned (staged; its commit may still be in flight: epoch 0's last.ckpt is committed).
     assert _job("killed", run, tmp_path).finish(kill_after_save=4).killed
     reference = _job("reference", tmp_path / "ref", tmp_path).finish()
     resumed = _job("resumed", run, tmp_path).finish()
     assert not any(resumed.of(r, "raised") for r in range(2)), resumed.reports
     start = assert_ranks_resumed_exactly(reference, resumed, EPOCHS * STEPS)
-    assert start in (2 * STEPS, 3 * STEPS), (
-        f"resumed from step {start}: not from a last.ckpt of the killed run"
-    )
+    assert start in (STEPS, 2 * STEPS), f"resumed from step {start}: not a last.ckpt of the killed run"
     last = run / "last.ckpt"
     names = sorted(os.listdir(last))
     metas = [n for n in names if n.startswith("lightning-meta-")]
@@ -125,3 +144,16 @@ def test_a_killed_fsdp2_fit_resumes_from_last_on_every_rank_bit_identical(tmp_pa
     meta = aiosnap.load_sync(str(last / metas[0]))  # an aiosnap file, nothing pickled
     assert meta["global_step"] == EPOCHS * STEPS
     assert temp_entries(run) == []
+
+
+def test_a_shard_that_fails_to_commit_makes_every_rank_s_fit_raise(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    child = "tests.test_integration_lightning_fsdp.fsdp_child"
+    done = RankJob(child, out, "disk", ranks=2, log=tmp_path / "job").finish(check=False)
+    # The 3rd save (epoch 1's top-k) fails in the background. Lightning then removes epoch 0's
+    # top-k: that waits for the 3rd, which raises there, on rank 1 as itself.
+    assert done.of(1, "raised") == ["OSError"], done.reports
+    assert done.of(0, "raised") == ["RankFailedError"], done.reports
+    assert max(int(s) for r in range(2) for s in done.losses.get(r, {})) < EPOCHS * STEPS
+    assert (out / "epoch=0-step=4.ckpt" / ".metadata").is_file()  # the last good one, kept
+    assert temp_entries(out) == []

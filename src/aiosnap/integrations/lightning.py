@@ -63,7 +63,9 @@ class AiosnapModelParallelStrategy(ShardedStrategyBehaviour, ModelParallelStrate
     ``meta.pt``) an aiosnap file that the checkpoint's ``.metadata`` names, so a save killed
     at any point leaves the checkpoint before it whole; every byte verified at load,
     nothing unpickled (``allow_pickle=True`` lets ``hyper_parameters`` hold arbitrary
-    objects). Resume with ``fit(ckpt_path=...)``.
+    objects). A save returns once staged and commits in the background; the next save,
+    a load and ``teardown()`` wait for it and raise its error on every rank (``timeout``:
+    seconds after which a silent rank fails the save). Resume with ``fit(ckpt_path=...)``.
     Loading a checkpoint Lightning's own strategy wrote still works. With
     ``save_distributed_checkpoint=False`` the full checkpoint goes through the
     CheckpointIO plugin (``AiosnapCheckpointIO``, if given). Other arguments are
