@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -32,6 +33,7 @@ from tests.integration_runs import (
     rank_loss,
     rank_report,
     report,
+    run_torchrun_example,
     temp_entries,
 )
 
@@ -157,3 +159,23 @@ def test_a_shard_that_fails_to_commit_makes_every_rank_s_fit_raise(tmp_path: Pat
     assert max(int(s) for r in range(2) for s in done.losses.get(r, {})) < EPOCHS * STEPS
     assert (out / "epoch=0-step=4.ckpt" / ".metadata").is_file()  # the last good one, kept
     assert temp_entries(out) == []
+
+
+def _losses(stdout: str) -> dict[tuple[int, int], str]:
+    """Each rank's printed loss per step, found anywhere in the output (lines may be glued)."""
+    found = re.findall(r"rank (\d+) step (\d+): loss (-?\d+\.\d{6})", stdout)
+    return {(int(rank), int(at)): value for rank, at, value in found}
+
+
+def _example(out: Path, epochs: int) -> str:
+    return run_torchrun_example("lightning_fsdp2.py", out, "--epochs", str(epochs))
+
+
+@pytest.mark.slow
+def test_the_torchrun_example_of_the_docs_resumes_with_the_same_losses(tmp_path: Path) -> None:
+    _example(tmp_path / "run", 2)
+    resumed = _example(tmp_path / "run", 4)
+    assert "rank 0: resumed at step 8" in resumed and "rank 1: resumed at step 8" in resumed, resumed
+    later, reference = _losses(resumed), _losses(_example(tmp_path / "reference", 4))
+    assert sorted(later) == [(r, s) for r in (0, 1) for s in range(9, 17)], sorted(later)
+    assert all(reference[key] == value for key, value in later.items())
