@@ -6,7 +6,9 @@ last by rank 0 (``_manager.step_dirs``). Replicated entries (tree paths matching
 them external and are read together with it.
 A DTensor's boxes are stored by one rank each; the manifest indexes where every box
 of every DTensor lies, so a restore at any world size reads exactly the bytes it
-needs. A step exists once its manifest does; rank 0 writes it only after every rank
+needs. Since format /3 a DTensor's boxes are a rule (``grids.Grid``: O(1) per DTensor,
+whatever the number of ranks), or listed where no rule fits them; /1 and /2 listed
+every box, and still read. A step exists once its manifest does; rank 0 writes it only after every rank
 reported its file durable, with the crc32c of its header (which holds the checksum
 of every entry), so a restore can tell that each file is the one that was committed.
 """
@@ -17,7 +19,7 @@ import fnmatch
 import json
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import final
 
@@ -27,6 +29,7 @@ from .._base.typed import decode, encode
 from .._storage.protocol import Storage, get
 from .codec import TensorInfo, nbytes
 from .dtypes import TORCH_DTYPES
+from .grids import Grid, SavedBox, grid_problem
 from .shards import Box, tiles
 
 logger = logging.getLogger(__name__)
@@ -34,8 +37,9 @@ logger = logging.getLogger(__name__)
 MANIFEST_NAME = "aiosnap-manifest.json"
 """The manifest of a group's step directory: rank 0 writes it once every rank's file has
 committed, so a step directory without it is no checkpoint (and is never loaded)."""
-MANIFEST_FORMAT = "aiosnap-manifest/2"
-_OLD_FORMATS = ("aiosnap-manifest/1",)
+MANIFEST_FORMAT = "aiosnap-manifest/3"
+#: Formats that list every box (no grids): still read.
+_OLD_FORMATS = ("aiosnap-manifest/1", "aiosnap-manifest/2")
 
 
 def rank_file(rank: int) -> str:
@@ -54,29 +58,38 @@ def replicated_matcher(patterns: Sequence[str]) -> Callable[[str], bool]:
     return matches
 
 
-@final
-@dataclass(frozen=True, slots=True)
-class SavedBox:
-    """A box of a DTensor, stored as entry ``name`` of file number ``file``."""
-
-    file: int
-    name: str
-    offsets: list[int]
-    lengths: list[int]
-
-    @property
-    def box(self) -> Box:
-        return Box(tuple(self.offsets), tuple(self.lengths))
+__all__ = ["Grid", "SavedBox"]  # re-exported: the manifest's parts
 
 
 @final
 @dataclass(frozen=True, slots=True)
 class SavedTensor:
-    """Every stored box of one DTensor (they tile its ``shape`` exactly)."""
+    """Where the stored boxes of one DTensor lie (they tile its ``shape`` exactly): a
+    ``grid`` rule, or the list of ``boxes`` where no rule fits (never both)."""
 
     dtype: str
     shape: list[int]
-    boxes: list[SavedBox]
+    boxes: list[SavedBox] = field(default_factory=list)
+    grid: Grid | None = None
+
+    def every_box(self) -> Iterator[SavedBox]:
+        """Every stored box (a verify, or a load of the whole, reads them all)."""
+        return self.grid.every(self.shape) if self.grid is not None else iter(self.boxes)
+
+    def overlapping(self, box: Box) -> Iterator[SavedBox]:
+        """The stored boxes that share an element with ``box``: from a grid, only those
+        (per dimension, the range of cells it meets); a list is searched."""
+        if self.grid is not None:
+            yield from self.grid.overlapping(self.shape, box)
+            return
+        for sb in self.boxes:
+            overlap = sb.box.intersect(box)
+            if overlap is not None and overlap.numel:
+                yield sb
+
+    def count(self) -> int:
+        """The number of stored boxes."""
+        return math.prod(self.grid.counts(self.shape)) if self.grid is not None else len(self.boxes)
 
 
 def holds_box(info: TensorInfo | None, saved: SavedTensor, box: SavedBox) -> bool:
@@ -140,6 +153,8 @@ class Manifest:
             ):
                 raise ValueError("format or checksum mismatch")
             manifest = decode(cls, outer["body"])
+            if outer["format"] in _OLD_FORMATS and any(s.grid for s in manifest.shards.values()):
+                raise ValueError(f"a grid in a manifest of format {outer['format']}")
         except RecursionError:  # json's C parser and encoder stop at the interpreter's limit
             raise CorruptCheckpointError(path, "bad manifest: nested too deeply") from None
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -168,6 +183,11 @@ class Manifest:
                 or nbytes(saved.shape, dtype.itemsize) is None
             ):
                 return f"DTensor {path!r}: bad dtype or shape"
+            if saved.grid is not None:
+                problem = "both a grid and boxes" if saved.boxes else grid_problem(saved.grid, saved.shape, n)
+                if problem:
+                    return f"DTensor {path!r}: {problem}"
+                continue  # a grid tiles its shape by construction
             if any(not len(b.offsets) == len(b.lengths) == len(saved.shape) for b in saved.boxes):
                 return f"DTensor {path!r}: a box of another number of dimensions"
             if any(not 0 <= b.file < n for b in saved.boxes):
