@@ -84,7 +84,7 @@ def test_a_step_with_a_format_2_manifest_loads_whole_per_rank_and_verifies(tmp_p
     assert got["report"].checksummed
     manifest = read_manifest(LocalStorage(), str(step))
     assert sorted(manifest.shards) == sorted(f"dt.{n}" for n in LAYOUTS)
-    assert all(getattr(saved, "grid", None) is None for saved in manifest.shards.values())
+    assert all(saved.grid is None for saved in manifest.shards.values())
 
 
 @pytest.mark.parametrize("rank", [0, 1])

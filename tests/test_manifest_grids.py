@@ -188,10 +188,7 @@ def _brute_overlapping(saved: SavedTensor, box: Box) -> list[tuple[int, tuple[in
     return sorted(found)
 
 
-@pytest.mark.parametrize(
-    ("saved_ranks", "shape"),
-    [pytest.param(1000, (4096, 8), marks=pytest.mark.slow), (96, (11008, 5)), (7, (3, 3, 5))],
-)
+@pytest.mark.parametrize(("saved_ranks", "shape"), [(1000, (4096, 8)), (96, (11008, 5)), (7, (3, 3, 5))])
 def test_a_grid_finds_the_boxes_a_target_meets_as_a_search_of_every_box_does(
     saved_ranks: int, shape: tuple[int, ...]
 ) -> None:
