@@ -143,8 +143,10 @@ def _valid() -> dict[str, Any]:
         ({"strides": [3, -1]}, "not in the step"),
         ({"strides": [1, 1]}, "two cells in one file"),
         ({"strides": [0, 1]}, "two cells in one file"),
-        ({"pieces": "4"}, "fits none of"),
-        ({"first": 1.0}, "fits none of"),
+        ({"pieces": "4"}, "grid.pieces: not a list of ints"),
+        ({"first": 1.0}, "grid.first: 1.0 is not an int"),
+        ({"first": True}, "grid.first: True is not an int"),
+        ({"extra": 1}, "unknown fields"),
     ],
 )
 def test_a_hostile_grid_is_refused_with_its_reason(change: dict[str, Any], reason: str) -> None:

@@ -15,13 +15,14 @@ of every entry), so a restore can tell that each file is the one that was commit
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import json
 import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import final
+from typing import Any, final
 
 from .._base.checksums import crc32c
 from .._base.errors import CorruptCheckpointError
@@ -152,7 +153,7 @@ class Manifest:
                 or outer.get("crc32c") != f"{crc32c(body.encode()):08x}"
             ):
                 raise ValueError("format or checksum mismatch")
-            manifest = decode(cls, outer["body"])
+            manifest = _decode(cls, outer["body"])
             if outer["format"] in _OLD_FORMATS and any(s.grid for s in manifest.shards.values()):
                 raise ValueError(f"a grid in a manifest of format {outer['format']}")
         except RecursionError:  # json's C parser and encoder stop at the interpreter's limit
@@ -195,6 +196,79 @@ class Manifest:
             if not tiles(saved.shape, [b.box for b in saved.boxes]):
                 return f"DTensor {path!r}: its boxes do not cover it exactly once"
         return ""
+
+
+def _decode(cls: type[Manifest], body: Any) -> Manifest:
+    """The body as a Manifest, every field checked: the index of DTensors by hand (the
+    typed decoder's generic walk took 40 ms for 873 DTensors), the rest by ``decode``."""
+    if not isinstance(body, dict) or "shards" not in body:
+        return decode(cls, body)
+    rest = decode(cls, {k: v for k, v in body.items() if k != "shards"})
+    shards = body["shards"]
+    if not isinstance(shards, dict):
+        raise ValueError("Manifest.shards: not an object")
+    return dataclasses.replace(rest, shards={p: _saved(v, f"Manifest.shards.{p}") for p, v in shards.items()})
+
+
+def _saved(data: Any, where: str) -> SavedTensor:
+    _fields(data, where, {"dtype", "shape"}, {"boxes", "grid"})
+    boxes = data.get("boxes", [])
+    if type(boxes) is not list:
+        raise ValueError(f"{where}.boxes: not a list")
+    grid = data.get("grid")
+    return SavedTensor(
+        _str(data["dtype"], f"{where}.dtype"),
+        _ints(data["shape"], f"{where}.shape"),
+        [_box(b, f"{where}.boxes[{i}]") for i, b in enumerate(boxes)],
+        None if grid is None else _grid(grid, f"{where}.grid"),
+    )
+
+
+def _box(data: Any, where: str) -> SavedBox:
+    _fields(data, where, {"file", "name", "offsets", "lengths"}, set())
+    return SavedBox(
+        _int(data["file"], f"{where}.file"),
+        _str(data["name"], f"{where}.name"),
+        _ints(data["offsets"], f"{where}.offsets"),
+        _ints(data["lengths"], f"{where}.lengths"),
+    )
+
+
+def _grid(data: Any, where: str) -> Grid:
+    _fields(data, where, {"pieces", "first", "strides", "name"}, set())
+    return Grid(
+        _ints(data["pieces"], f"{where}.pieces"),
+        _int(data["first"], f"{where}.first"),
+        _ints(data["strides"], f"{where}.strides"),
+        _str(data["name"], f"{where}.name"),
+    )
+
+
+def _fields(data: Any, where: str, required: set[str], optional: set[str]) -> None:
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: not an object")
+    if not data.keys() <= required | optional:
+        raise ValueError(f"{where}: unknown fields {sorted(data.keys() - required - optional)}")
+    if not required <= data.keys():
+        raise ValueError(f"{where}: missing fields {sorted(required - data.keys())}")
+
+
+def _int(value: Any, where: str) -> int:
+    if type(value) is not int:  # not a bool, not a float
+        raise ValueError(f"{where}: {value!r:.60} is not an int")
+    return value
+
+
+def _str(value: Any, where: str) -> str:
+    if type(value) is not str:
+        raise ValueError(f"{where}: {value!r:.60} is not a str")
+    return value
+
+
+def _ints(value: Any, where: str) -> list[int]:
+    if type(value) is not list or not all(type(v) is int for v in value):
+        raise ValueError(f"{where}: not a list of ints")
+    return value
 
 
 def _plain_name(name: str) -> bool:
