@@ -30,6 +30,7 @@ modules.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -45,8 +46,10 @@ import torch
 
 import aiosnap
 from aiosnap._base.checksums import crc32c
+from aiosnap._base.typed import decode
 from aiosnap._dist.decisions import commit
 from aiosnap._format.codec import read_header
+from aiosnap._format.grids import Grid, grid_problem
 from aiosnap._format.header import BLOCK, CRC_KEY
 from aiosnap._format.manifest import Manifest, rank_file, read_manifest, replicated_matcher
 from aiosnap._format.tree import ExternalLeaves, format_path, walk_leaves
@@ -216,15 +219,29 @@ class StepEdit:
         shards = body.get("shards") if isinstance(body, dict) else None
         return shards if isinstance(shards, dict) else None
 
-    def saved(self) -> tuple[str, dict[str, Any]] | None:
+    def saved(self, listed: bool = False) -> tuple[str, dict[str, Any]] | None:
+        """A DTensor's entry of the index; ``listed``: its grid (if it has one) replaced
+        by the boxes it gives, so that mutations of boxes have some to work on."""
         shards = self.shards()
         if not shards:
             return None
         path = self.rng.choice(list(shards))
-        return (path, shards[path]) if isinstance(shards[path], dict) else None
+        saved = shards[path]
+        if not isinstance(saved, dict):
+            return None
+        if listed and isinstance(saved.get("grid"), dict):
+            try:  # only a grid as the seed has it (a mutated one could claim any number of boxes)
+                grid = decode(Grid, saved["grid"])
+                valid = not grid_problem(grid, saved["shape"], WORLD)
+            except (ValueError, TypeError):
+                valid = False
+            if valid:
+                saved["boxes"] = [dataclasses.asdict(b) for b in grid.every(saved["shape"])]
+                saved["grid"] = None
+        return path, saved
 
     def box(self) -> tuple[str, dict[str, Any]] | None:
-        found = self.saved()
+        found = self.saved(listed=True)
         boxes = found[1].get("boxes") if found else None
         if not found or not isinstance(boxes, list) or not boxes or not isinstance(boxes[0], dict):
             return None
@@ -308,7 +325,7 @@ def sm_box(c: StepEdit) -> str:
 
 def sm_boxes(c: StepEdit) -> str:
     """A DTensor's list of boxes: one dropped, doubled, moved, split, emptied, reordered."""
-    found = c.saved()
+    found = c.saved(listed=True)
     if found is None or not isinstance(found[1].get("boxes"), list):
         return "no boxes"
     path, saved = found
@@ -359,7 +376,7 @@ def sm_saved(c: StepEdit) -> str:
     """A DTensor's dtype or shape: another dtype of the same or another size, hostile
     shapes, and shapes the boxes are made to tile (allocation bombs: 2^40 elements
     claimed by one box of a small entry)."""
-    found = c.saved()
+    found = c.saved(listed=c.rng.random() < 0.5)
     if found is None:
         return "no DTensor"
     path, saved = found
@@ -407,6 +424,41 @@ def sm_saved(c: StepEdit) -> str:
             lengths[0] += grown - shape[0]
     saved["shape"] = [grown, *shape[1:]]
     return f"{path}: {factor}x as long, the last boxes stretched"
+
+
+def sm_grid(c: StepEdit) -> str:
+    """One field of a DTensor's grid rule (pieces, first file, strides, entry name), the
+    grid replaced by junk, or a grid beside its boxes."""
+    found = c.saved()
+    grid = found[1].get("grid") if found else None
+    if not found or not isinstance(grid, dict):
+        return "no grid"
+    path, saved = found
+    key = c.rng.choice(["pieces", "strides", "first", "first", "name", "extra", "whole"])
+    old = grid.get(key)
+    if key in ("pieces", "strides") and isinstance(old, list) and old:
+        new = list(old)
+        action = c.rng.random()
+        if action < 0.7:
+            d = c.rng.randrange(len(new))
+            new[d] = _int_value(c.rng, new[d])
+        elif action < 0.85:
+            new = [*new, c.rng.choice([0, 1, 2])]
+        else:
+            new = c.rng.choice([[], None, new[:-1], [x * 2 for x in new if type(x) is int]])
+        grid[key] = new
+    elif key == "first":
+        grid[key] = _int_value(c.rng, old)
+    elif key == "name":
+        first = grid.get("first")
+        pool = c.entries(rank_file(first)) if type(first) is int and 0 <= first < WORLD else []
+        grid[key] = c.rng.choice([*pool, *pool, *ODD_STRINGS[:6], "missing", 0, None])
+    elif key == "extra":
+        saved["boxes"] = [{"file": 0, "name": path, "offsets": [0] * len(old or []), "lengths": [1]}]
+        return f"{path}: a grid and boxes"
+    else:
+        saved["grid"] = c.rng.choice([{}, [], "x", 0, junk(c.rng)])
+    return f"{path}: grid {key} = {grid.get(key)!r:.60}"
 
 
 def sm_paths(c: StepEdit) -> str:
@@ -749,6 +801,7 @@ def sf_stale(c: StepEdit) -> str:
 STEP_MUTATIONS: list[tuple[Callable[[StepEdit], str], int]] = [
     (sm_box, 14),
     (sm_boxes, 8),
+    (sm_grid, 10),
     (sm_saved, 8),
     (sm_paths, 6),
     (sm_per_rank, 4),

@@ -11,6 +11,7 @@ private modules.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -414,6 +415,19 @@ def _resealed(step: Path, edit: Any) -> None:
     (step / MANIFEST_NAME).write_text(json.dumps(outer))
 
 
+def _listed(body: Any, path: str) -> list[Any]:
+    """The boxes of DTensor ``path``, listed in place of its grid (format /3 lists them
+    where no grid fits): the edits below are of one box."""
+    from aiosnap._format.grids import Grid
+
+    saved = body["shards"][path]
+    if saved.get("grid") is not None:
+        saved["boxes"] = [dataclasses.asdict(b) for b in Grid(**saved["grid"]).every(saved["shape"])]
+        saved["grid"] = None
+    boxes: list[Any] = saved["boxes"]
+    return boxes
+
+
 def _rank_edited(step: Path, rank: int, edit: Any, *, recompute: bool = False) -> None:
     """Rank ``rank``'s file edited and sealed, and the manifest committing it."""
     path = _edited(step / f"rank_{rank:05d}", edit, recompute=recompute)
@@ -499,7 +513,7 @@ def test_a_whole_the_boxes_entries_do_not_hold_allocates_nothing(step: Path) -> 
     _resealed(
         step,
         lambda body: body["shards"].update(
-            {"dt.row": {**body["shards"]["dt.row"], "shape": [2**40], "boxes": [box]}}
+            {"dt.row": {**body["shards"]["dt.row"], "shape": [2**40], "boxes": [box], "grid": None}}
         ),
     )
     _step_refused(step, "does not hold the box of dt.row")
@@ -508,7 +522,7 @@ def test_a_whole_the_boxes_entries_do_not_hold_allocates_nothing(step: Path) -> 
 @pytest.mark.parametrize(("key", "value"), [("lengths", [3]), ("offsets", [0, 0, 0]), ("lengths", [])])
 def test_a_box_of_another_number_of_dimensions_is_refused(step: Path, key: str, value: list[int]) -> None:
     # Was: ValueError (zip() argument 2 is shorter than argument 1) from Box.within.
-    _resealed(step, lambda body: body["shards"]["dt.row"]["boxes"][1].update({key: value}))
+    _resealed(step, lambda body: _listed(body, "dt.row")[1].update({key: value}))
     _step_refused(step, "another number of dimensions")
 
 
@@ -531,7 +545,12 @@ def test_a_rank_file_is_never_read_as_another_format(step: Path) -> None:
 
 def test_verify_refuses_a_box_that_is_not_the_entry_it_names(step: Path) -> None:
     # Was: verify checked each file alone; a restore refused the box.
-    _resealed(step, lambda body: body["shards"]["dt.row"]["boxes"][1].update(name="dt.col"))
+    _resealed(step, lambda body: _listed(body, "dt.row")[1].update(name="dt.col"))
+    _step_refused(step, "does not hold the box of dt.row")
+
+
+def test_verify_refuses_a_grid_whose_entry_is_not_the_box_it_names(step: Path) -> None:
+    _resealed(step, lambda body: body["shards"]["dt.row"]["grid"].update(name="dt.col"))
     _step_refused(step, "does not hold the box of dt.row")
 
 

@@ -202,7 +202,7 @@ def _stored(header: Header, path: Path, kind: str, name: str, manifest: Manifest
     shape = info.shape
     saved = None if manifest is None else manifest.shards.get(format_path(path))
     if kind == "dtensor" and saved is not None:
-        shape, note = tuple(saved.shape), f"sharded in {len(saved.boxes)} boxes"
+        shape, note = tuple(saved.shape), f"sharded in {saved.count()} boxes"
         crc = None  # each box has its own
     elif kind == "dtensor" and info.shard is not None:
         note = f"shard at {list(info.shard[1])} of {list(info.shard[0])}"

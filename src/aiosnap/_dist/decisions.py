@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from .._format.grids import derive
 from .._format.manifest import Manifest, SavedBox, SavedTensor, rank_file
 from .._format.shards import tiles
-from .messages import FileReport, LoadReport, OpenReport
+from .messages import FileReport, LoadReport, OpenReport, ShardBox
 
 
 class Refused(Exception):
@@ -62,26 +63,40 @@ def commit(
 
 
 def shard_index(reports: Sequence[FileReport]) -> dict[str, SavedTensor]:
-    """Where every box of every DTensor lies; Refused if the ranks disagree on a
+    """Where every box of every DTensor lies: a grid rule where one regenerates exactly
+    the reported boxes, else the boxes themselves; Refused if the ranks disagree on a
     DTensor's dtype or shape, or if its boxes do not cover it exactly once."""
-    index: dict[str, SavedTensor] = {}
+    found: dict[str, tuple[str, list[int], list[int], list[ShardBox]]] = {}
     for r, report in enumerate(reports):
         for b in report.shards:
-            saved = index.setdefault(b.path, SavedTensor(b.dtype, b.shape, []))
-            if (saved.dtype, saved.shape) != (b.dtype, b.shape):
+            entry = found.get(b.path)
+            if entry is None:
+                entry = found[b.path] = (b.dtype, b.shape, [], [])
+            elif entry[0] != b.dtype or entry[1] != b.shape:
                 raise Refused(
-                    {r: f"holds {b.path} as {b.dtype} {b.shape}, another rank as {saved.dtype} {saved.shape}"}
+                    {r: f"holds {b.path} as {b.dtype} {b.shape}, another rank as {entry[0]} {entry[1]}"}
                 )
-            saved.boxes.append(SavedBox(r, b.name, b.offsets, b.lengths))
-    for path, saved in index.items():
-        if not tiles(saved.shape, [b.box for b in saved.boxes]):
-            holders = sorted({b.file for b in saved.boxes})
+            entry[2].append(r)
+            entry[3].append(b)
+    index: dict[str, SavedTensor] = {}
+    for path, (dtype, shape, files, boxes) in found.items():
+        grid = derive(shape, files, boxes)
+        if grid is not None:  # it regenerates every reported box: they tile the shape
+            index[path] = SavedTensor(dtype, shape, [], grid)
+            continue
+        saved = SavedTensor(
+            dtype,
+            shape,
+            [SavedBox(f, b.name, b.offsets, b.lengths) for f, b in zip(files, boxes, strict=True)],
+        )
+        if not tiles(shape, [b.box for b in saved.boxes]):
             raise Refused(
                 {
-                    r: f"the shards of {path} do not cover its shape {saved.shape} exactly once"
-                    for r in holders
+                    r: f"the shards of {path} do not cover its shape {shape} exactly once"
+                    for r in sorted(set(files))
                 }
             )
+        index[path] = saved
     return index
 
 

@@ -77,9 +77,15 @@ Indices = list[range]
 
 def _chunk(indices: Indices, k: int) -> list[Indices]:
     """``torch.chunk``'s split: pieces of ceil(n/k), the last ones short or empty."""
+    return [_piece(indices, k, c) for c in range(k)]
+
+
+def _piece(indices: Indices, k: int, c: int) -> Indices:
+    """Piece ``c`` of ``_chunk(indices, k)``, alone: a rank of 10,000 derives its box
+    of each DTensor without the other 9,999 pieces."""
     n = sum(len(r) for r in indices)
     size = -(-n // k) if n else 0
-    return [_take(indices, min(n, c * size), min(n, c * size + size)) for c in range(k)]
+    return _take(indices, min(n, c * size), min(n, c * size + size))
 
 
 def _take(indices: Indices, start: int, stop: int) -> Indices:
@@ -114,9 +120,9 @@ def local_box(
         if isinstance(p, _StridedShard):
             k, c = mesh_shape[mdim], coord[mdim]
             pieces = _chunk(indices[p.dim], int(p.split_factor))
-            indices[p.dim] = [r for piece in pieces for r in _chunk(piece, k)[c]]
+            indices[p.dim] = [r for piece in pieces for r in _piece(piece, k, c)]
         elif p.is_shard():
-            indices[p.dim] = _chunk(indices[p.dim], mesh_shape[mdim])[coord[mdim]]
+            indices[p.dim] = _piece(indices[p.dim], mesh_shape[mdim], coord[mdim])
         elif not p.is_replicate():
             raise UnsupportedTypeError(f"the DTensor at {where}: placement {p!r} is not supported")
     offsets, lengths = [], []

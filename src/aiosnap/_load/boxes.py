@@ -105,10 +105,7 @@ def plan_dtensor(shards: Shards, saved: SavedTensor, target: Any, where: str) ->
 def _plan(shards: Shards, saved: SavedTensor, box: Box, where: str) -> Plan:
     itemsize = _dtypes.TORCH_DTYPES[saved.dtype].itemsize
     plan = []
-    for sb in saved.boxes:
-        overlap = sb.box.intersect(box)
-        if overlap is None or not overlap.numel:
-            continue
+    for sb in saved.overlapping(box):  # a grid's: only the cells the box meets
         # The entry first: the runs of a box no file holds could be any number.
         f, header = shards.open(sb.file)
         info = header.tensors.get(sb.name)

@@ -73,7 +73,7 @@ def _verify_step(storage: Storage, path: str, manifest: Manifest, headers: dict[
     empty) and read the same at each of its paths, and every replicated entry a rank's
     file describes is in the file of them. A step verify accepts, a restore reads."""
     for where, saved in manifest.shards.items():
-        for box in saved.boxes:
+        for box in saved.every_box():
             name = manifest.files[box.file]
             if not holds_box(headers[name].tensors.get(box.name), saved, box):
                 raise CorruptCheckpointError(
