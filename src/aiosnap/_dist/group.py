@@ -30,6 +30,7 @@ from typing import Any, Protocol, TypeVar
 
 import anyio
 
+from .._base import offload as _offload
 from .._base.errors import RankFailedError
 from .._base.typed import decode
 from .channel import Decide, Ordered
@@ -84,6 +85,11 @@ class Transport(Protocol):
 def accept(envelope: Envelope, raw: dict[int, bytes]) -> tuple[dict[int, Any], dict[int, str]]:
     """Rank 0's check of what the other ranks sent for ``envelope``'s exchange: each
     one's body, or why it failed (malformed, or out of step). Blocking (JSON)."""
+    with _offload.gc_paused(keep=True):  # the bodies are kept: rank 0 decides on them
+        return _accept(envelope, raw)
+
+
+def _accept(envelope: Envelope, raw: dict[int, bytes]) -> tuple[dict[int, Any], dict[int, str]]:
     bodies: dict[int, Any] = {}
     failed: dict[int, str] = {}
     for r, data in raw.items():
@@ -129,8 +135,11 @@ class GroupChannel:
         self.transport = transport
         self.rank, self.size = transport.rank, transport.size
         self.timeout = timeout
-        #: How often ranks that wait for each other's work say they are still alive.
-        self.poll = max(0.01, min(timeout / 4, 2.0))
+        #: How often ranks that wait for each other's work say they are still alive: as
+        #: rarely as the deadline allows (each round is a message per rank). A rank's
+        #: round reaches rank 0 up to one ``poll`` after rank 0 starts waiting for it,
+        #: within its deadline of ``timeout``, with three quarters of it to spare.
+        self.poll = max(0.01, timeout / 4)
         self._seq = 0
         self._tail: anyio.Event | None = None
         self._broken: RankFailedError | None = None
@@ -263,7 +272,9 @@ def _states(bodies: list[Any]) -> dict[int, WorkState]:
 
 
 async def _round(bodies: list[Any], decide: Decide) -> Any:
-    states = _states(bodies)
+    # One worker-thread call for every rank's state: a large group's are no work for
+    # the event loop (the results themselves are ``decide``'s to decode).
+    states = await _offload.run_cpu(_states, bodies)
     failed = {r: s.why for r, s in states.items() if s.state == "failed"}
     if failed:
         raise Refused(failed)
