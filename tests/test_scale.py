@@ -9,9 +9,11 @@ rank makes every other rank raise RankFailedError naming it, and nothing hangs.
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -169,3 +171,46 @@ async def test_a_commit_of_a_7b_fsdp_state_in_steady_state_sends_digests(tmp_pat
     await saved(group, steps, 1)
     sent, messages = await saved(group, steps, 2)
     assert max(sent[1:]) <= 1024 and set(messages[1:]) == {2}
+
+
+# -- a real group's connections ------------------------------------------------------------
+def _sockets() -> int:
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:  # closed meanwhile (the listing's own descriptor)
+            pass
+    return count
+
+
+async def _channels_connect_lazily(rank: int, world: int) -> dict[str, Any]:
+    from aiosnap._dist import coord
+
+    before = _sockets()
+    votes, control = await coord.channels(None, 60.0)
+    made = _sockets()
+
+    async def total(bodies: list[Any]) -> int:
+        return sum(bodies)
+
+    async with votes.turn("sum") as turn:
+        result = await turn.exchange(rank, total)
+    async with control.turn("sum") as turn:
+        again = await turn.exchange(rank, total)
+    used = _sockets()
+    votes.close()
+    control.close()
+    return {"opened": made - before, "after": used - before, "results": [result, again]}
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts sockets in /proc")
+def test_a_real_groups_channels_connect_each_rank_to_rank_0_only() -> None:
+    from .test_distributed import run_ranks
+
+    results = run_ranks(4, _channels_connect_lazily)
+    assert all(r["results"] == [6, 6] for r in results.values()), results
+    # Each channel's group listens (one socket) and connects a pair only at its first
+    # message: a rank other than 0 connects to rank 0 alone, not to every other rank.
+    assert all(results[r]["opened"] <= 2 for r in range(4)), results
+    assert all(results[r]["after"] <= 4 for r in range(1, 4)), results

@@ -11,9 +11,13 @@ coordination thread (``run_coord``) with a deadline of its own.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
+import os
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any, final
 
 import torch
@@ -67,14 +71,38 @@ def new_group(parent: dist.ProcessGroup | None, timeout: float) -> dist.ProcessG
     with the rendezvous keys of the old group still in the store (the next creation
     hangs). So only groups over all ranks are destroyed at close (see ``Channel.close``)."""
     ranks = None if parent is None else dist.get_process_group_ranks(parent)
-    group = dist.new_group(
-        ranks=ranks,
-        backend="gloo",
-        timeout=datetime.timedelta(seconds=timeout),
-        use_local_synchronization=parent is not None,
-    )
+    with _lazy_connections():
+        group = dist.new_group(
+            ranks=ranks,
+            backend="gloo",
+            timeout=datetime.timedelta(seconds=timeout),
+            use_local_synchronization=parent is not None,
+        )
     assert isinstance(group, dist.ProcessGroup)  # this rank is a member
     return group
+
+
+#: gloo connects every pair of ranks when a group is made, unless this is set as it is
+#: made (read once per group, in torch 2.13): then a pair connects at its first message.
+#: aiosnap's groups only ever talk to rank 0, so N-1 connections instead of N(N-1)/2.
+LAZY_INIT = "TORCH_GLOO_LAZY_INIT"
+_environ_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _lazy_connections() -> Iterator[None]:
+    """Make the gloo groups made meanwhile connect lazily; the user's own are left alone
+    (the variable is set only for the call, and as it was before afterwards)."""
+    with _environ_lock:
+        before = os.environ.get(LAZY_INIT)
+        os.environ[LAZY_INIT] = "1"
+        try:
+            yield
+        finally:
+            if before is None:
+                del os.environ[LAZY_INIT]
+            else:
+                os.environ[LAZY_INIT] = before
 
 
 class GlooChannel(GroupChannel):
