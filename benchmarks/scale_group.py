@@ -119,16 +119,29 @@ class Heartbeat:
 
     def __init__(self) -> None:
         self.worst = 0.0
+        #: (when it woke, how late) of each tick.
+        self.ticks: list[tuple[float, float]] = []
         self._stop = anyio.Event()
 
     def reset(self) -> None:
         self.worst = 0.0
+        self.ticks = []
 
     async def run(self) -> None:
         while not self._stop.is_set():
             start = anyio.current_time()
             await anyio.sleep(0.001)
-            self.worst = max(self.worst, anyio.current_time() - start - 0.001)
+            woke = anyio.current_time()
+            self.ticks.append((woke, woke - start - 0.001))
+            self.worst = max(self.worst, woke - start - 0.001)
+
+    def worst_within(self, windows: list[tuple[float, float]]) -> float:
+        """The worst block that overlapped one of ``windows`` (loop time): rank 0's
+        work, while the other ranks of the simulation only wait for its verdict."""
+        return max(
+            (late for woke, late in self.ticks for s, e in windows if woke >= s and woke - late <= e),
+            default=0.0,
+        )
 
     def stop(self) -> None:
         self._stop.set()

@@ -210,7 +210,9 @@ def test_a_real_groups_channels_connect_each_rank_to_rank_0_only() -> None:
 
     results = run_ranks(4, _channels_connect_lazily)
     assert all(r["results"] == [6, 6] for r in results.values()), results
-    # Each channel's group listens (one socket) and connects a pair only at its first
-    # message: a rank other than 0 connects to rank 0 alone, not to every other rank.
-    assert all(results[r]["opened"] <= 2 for r in range(4)), results
-    assert all(results[r]["after"] <= 4 for r in range(1, 4)), results
+    # Each channel's group listens (a socket each) and connects a pair only at its first
+    # message: a rank other than 0 connects to rank 0 alone (4 sockets for the two
+    # channels), not to every other rank (8: a listener and 3 peers each). A peer's
+    # first message may be accepted before a rank counts, and so may the store's.
+    assert all(results[r]["opened"] <= 5 for r in range(4)), results
+    assert all(results[r]["after"] <= 5 for r in range(1, 4)), results

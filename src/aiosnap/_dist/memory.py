@@ -79,8 +79,8 @@ class Traffic:
     #: Process CPU seconds from rank 0 having every message of an exchange to its
     #: verdict sent: the other ranks only wait meanwhile, so this is rank 0's work.
     rank0_cpu: float = 0.0
-    exchanges: int = 0
-    samples: list[float] = field(default_factory=list)
+    #: The same spans in the loop's time (start, end): while the other ranks only wait.
+    windows: list[tuple[float, float]] = field(default_factory=list)
 
 
 @final
@@ -101,7 +101,7 @@ class MemoryGroup:
             anyio.create_memory_object_stream[bytes](math.inf) for _ in range(size)
         ]
         self._watch: list[tuple[set[int], anyio.Event]] = []
-        self._started = 0.0
+        self._started = (0.0, 0.0)
 
     def channel(self, rank: int) -> GroupChannel:
         return GroupChannel(MemoryTransport(self, rank), timeout=self.timeout)
@@ -159,10 +159,9 @@ class MemoryGroup:
                     await self._arrived.wait()
         self._ready.extend(later)
         failed.update({r: f"did not answer within {timeout:g} s" for r in pending})
-        start = time.process_time()
+        self._started = (time.process_time(), anyio.current_time())
         bodies, more = await _offload.run_coord(accept, envelope, raw)
         failed.update(more)
-        self._started = start
         return [envelope.body] + [bodies.get(r) for r in range(1, self.size)], failed
 
     async def scatter(self, verdict: Outcome, skip: set[int]) -> None:
@@ -171,10 +170,9 @@ class MemoryGroup:
             if r not in skip and r not in self.dead:
                 self._down[r][0].send_nowait(data)
                 self.traffic.messages[r] += 1
-        spent = time.process_time() - self._started
-        self.traffic.rank0_cpu += spent
-        self.traffic.samples.append(spent)
-        self.traffic.exchanges += 1
+        cpu, start = self._started
+        self.traffic.rank0_cpu += time.process_time() - cpu
+        self.traffic.windows.append((start, anyio.current_time()))
 
     async def send_and_receive(self, rank: int, envelope: Envelope, silence: float) -> Outcome:
         timeout = silence

@@ -41,7 +41,7 @@ from .blobs import collect
 from .catalog import Catalog
 from .layouts import Layout
 from .records import CheckpointRecord
-from .reports import Keeper, Sender
+from .reports import Collected, Keeper, Sender
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ class Member:
         stats: list[SaveStats] = []
         own: list[SaveFailure] = []  # this member's own part, failed
         sent: list[tuple[FileReport, str]] = []  # its report, and its layout's digest
-        first: list[FileReport] = []  # rank 0: the reports of the first round
+        first = Collected()  # rank 0: the reports of this vote's exchanges
 
         async def work() -> Any:
             if isinstance(inner, BaseException):
@@ -208,7 +208,7 @@ class Member:
             self.busy.discard(record.file)
         outer.finish(stats[0])
 
-    async def _settle(self, record: CheckpointRecord, bodies: list[Any], first: list[FileReport]) -> Any:
+    async def _settle(self, record: CheckpointRecord, bodies: list[Any], first: Collected) -> Any:
         """Rank 0: the verdict on a save from every member's report, the step committed if
         it is to be. Decoding, expanding and indexing the reports is one worker-thread
         call: at 1,024 ranks it is seconds of work the event loop must not do."""

@@ -83,10 +83,12 @@ class Sender:
 @final
 @dataclass(frozen=True, slots=True)
 class Held:
-    """What rank 0 holds after a commit: each rank's layout (digest, boxes), the layouts
-    of all ranks in order, the manifest's fields the boxes decide, the per-rank leaves."""
+    """What rank 0 holds after a commit: each rank's layout (digest, and its boxes as
+    JSON text: one object, not a million for the collector to walk at 1,024 ranks), the
+    layouts of all ranks in order, the manifest's fields the boxes decide, and the
+    per-rank leaves."""
 
-    layouts: dict[int, tuple[str, list[ShardBox]]]
+    layouts: dict[int, tuple[str, str]]
     order: tuple[str, ...]
     derived: dict[str, Any]
     per_rank: list[str]
@@ -101,6 +103,23 @@ class Settled:
     manifest: Manifest | None = None
     resend: list[int] = dataclasses.field(default_factory=list)
     held: Held | None = None
+
+
+@final
+class Collected:
+    """The reports of one save's vote on rank 0, across its exchanges."""
+
+    def __init__(self) -> None:
+        self.reports: list[FileReport] = []
+        #: The boxes sent whole in this vote, as JSON text (what ``Held`` keeps).
+        self.texts: dict[int, str] = {}
+        #: Ranks whose boxes are those rank 0 holds (their digest matched): decoded only
+        #: if the index must be built again.
+        self.held: set[int] = set()
+
+    def take(self, r: int, report: FileReport, body: Any) -> None:
+        if not report.compact:
+            self.texts[r] = json.dumps(body["shards"], separators=(",", ":"))
 
 
 @final
@@ -120,7 +139,7 @@ class Keeper:
         step: int,
         epoch: int | None,
         bodies: list[Any],
-        first: list[FileReport],
+        first: Collected,
         replicated: Sequence[str],
     ) -> Settled:
         """The manifest of ``step`` from every rank's body; ``first`` keeps the reports of
@@ -138,27 +157,31 @@ class Keeper:
         step: int,
         epoch: int | None,
         bodies: list[Any],
-        first: list[FileReport],
+        first: Collected,
         replicated: Sequence[str],
     ) -> Settled:
-        if not first:
+        if not first.reports:
             reports = decoded(bodies)
-            resend = self._expand(reports)
-            first.extend(reports)
+            for r, report in enumerate(reports):
+                first.take(r, report, bodies[r])
+            resend = self._expand(reports, first.held)
+            first.reports = reports
             if resend:
                 return Settled(resend=resend)
         else:
             redone = decoded([b if b is not None else encode(FileReport()) for b in bodies])
             for r, report in enumerate(redone):
-                if first[r].compact or first[r].leaves_base:
+                if first.reports[r].compact or first.reports[r].leaves_base:
                     if bodies[r] is None or report.compact or report.leaves_base:
                         raise Refused({r: "did not send its whole report when rank 0 asked for it"})
-                    first[r] = report
+                    first.reports[r] = report
+                    first.take(r, report, bodies[r])
+                    first.held.discard(r)
         return self._build(step, epoch, first, replicated)
 
-    def _expand(self, reports: list[FileReport]) -> list[int]:
-        """Replace each digest in ``reports`` by what it stands for; the ranks whose
-        digests rank 0 cannot expand."""
+    def _expand(self, reports: list[FileReport], kept_boxes: set[int]) -> list[int]:
+        """Replace each digest in ``reports`` by what it stands for (boxes: only noted in
+        ``kept_boxes``, see ``_build``); the ranks whose digests rank 0 cannot expand."""
         held, own, resend = self.held, reports[0], []
         shared: dict[str, str] = {}
         base = ""
@@ -172,7 +195,8 @@ class Keeper:
                 if kept is None or kept[0] != x.layout:
                     resend.append(r)
                     continue
-                x = replace(x, shards=kept[1], compact=False)
+                x = replace(x, compact=False)
+                kept_boxes.add(r)
             if x.leaves_base:
                 if not base or x.leaves_base != base:
                     resend.append(r)
@@ -181,9 +205,8 @@ class Keeper:
             reports[r] = x
         return resend
 
-    def _build(
-        self, step: int, epoch: int | None, reports: list[FileReport], replicated: Sequence[str]
-    ) -> Settled:
+    def _build(self, step: int, epoch: int | None, got: Collected, replicated: Sequence[str]) -> Settled:
+        reports = got.reports
         order = tuple(x.layout for x in reports)
         bare = [replace(x, shards=[]) for x in reports]
         held = self.held
@@ -193,6 +216,10 @@ class Keeper:
             manifest = None if manifest is None else replace(manifest, **held.derived)
             derived = held.derived
         else:
+            if got.held:  # some boxes are the ones held: all are needed for the index
+                assert held is not None
+                for r in got.held:
+                    reports[r] = replace(reports[r], shards=_boxes(held.layouts[r][1]))
             manifest = commit(step, epoch, reports, replicated)
             if manifest is None:
                 return Settled()
@@ -205,8 +232,17 @@ class Keeper:
             }
         if manifest is None:
             return Settled()
-        layouts = {r: (x.layout, x.shards) for r, x in enumerate(reports)}
+        texts = (
+            {r: got.texts[r] if r in got.texts else held.layouts[r][1] for r in range(len(reports))}
+            if held
+            else got.texts
+        )
+        layouts = {r: (x.layout, texts[r]) for r, x in enumerate(reports)}
         return Settled(manifest, held=Held(layouts, order, derived, list(manifest.per_rank)))
+
+
+def _boxes(text: str) -> list[ShardBox]:
+    return decode(FileReport, {"shards": json.loads(text)}).shards
 
 
 def decoded(bodies: list[Any]) -> list[FileReport]:
