@@ -42,6 +42,7 @@ from .messages import Envelope, Outcome
 logger = logging.getLogger(__name__)
 
 _TAG = 7
+_HELLO = 8  # the first message of each rank to rank 0, at the group's creation
 #: The turns of a gloo group: ``group``'s, whatever carries the messages.
 GlooTurn = GroupTurn
 
@@ -79,7 +80,23 @@ def new_group(parent: dist.ProcessGroup | None, timeout: float) -> dist.ProcessG
             use_local_synchronization=parent is not None,
         )
     assert isinstance(group, dist.ProcessGroup)  # this rank is a member
+    _connect_to_rank_0(group, timeout)
     return group
+
+
+def _connect_to_rank_0(group: dist.ProcessGroup, timeout: float) -> None:
+    """Connect each rank to rank 0 now, while every rank is here (it is making the group):
+    a pair of a lazy group connects at its first message, and a first message to a rank
+    that died meanwhile (with the store it hosted, rank 0) waits out the whole deadline,
+    where a connection made before is seen closed at once. Blocking."""
+    token = torch.zeros(1, dtype=torch.uint8)
+    deadline = time.monotonic() + timeout
+    if group.rank() == 0:
+        works = [group.recv([torch.zeros(1, dtype=torch.uint8)], r, _HELLO) for r in range(1, group.size())]
+    else:
+        works = [group.send([token], 0, _HELLO)]
+    for work in works:
+        _wait_or_raise(work, deadline)
 
 
 #: gloo connects every pair of ranks when a group is made, unless this is set as it is

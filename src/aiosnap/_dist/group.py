@@ -39,6 +39,11 @@ from .messages import Envelope, Outcome, Round, WorkState
 
 #: A message longer than this is refused before anything is allocated for it.
 MAX_MESSAGE = 64 << 20
+#: Messages of this many bytes in all decode to enough objects to set off collections
+#: of the whole heap (a large group's first reports): the collector is held off then.
+_MANY_OBJECTS = 1 << 20
+#: Up to this many ranks, their work states are decoded on the loop (microseconds).
+_FEW = 64
 M = TypeVar("M")
 
 
@@ -85,6 +90,8 @@ class Transport(Protocol):
 def accept(envelope: Envelope, raw: dict[int, bytes]) -> tuple[dict[int, Any], dict[int, str]]:
     """Rank 0's check of what the other ranks sent for ``envelope``'s exchange: each
     one's body, or why it failed (malformed, or out of step). Blocking (JSON)."""
+    if sum(len(data) for data in raw.values()) < _MANY_OBJECTS:
+        return _accept(envelope, raw)
     with _offload.gc_paused(keep=True):  # the bodies are kept: rank 0 decides on them
         return _accept(envelope, raw)
 
@@ -273,8 +280,9 @@ def _states(bodies: list[Any]) -> dict[int, WorkState]:
 
 async def _round(bodies: list[Any], decide: Decide) -> Any:
     # One worker-thread call for every rank's state: a large group's are no work for
-    # the event loop (the results themselves are ``decide``'s to decode).
-    states = await _offload.run_cpu(_states, bodies)
+    # the event loop (the results themselves are ``decide``'s to decode); a small
+    # group's cost less than the hop to a thread.
+    states = _states(bodies) if len(bodies) <= _FEW else await _offload.run_cpu(_states, bodies)
     failed = {r: s.why for r, s in states.items() if s.state == "failed"}
     if failed:
         raise Refused(failed)

@@ -48,6 +48,8 @@ logger = logging.getLogger(__name__)
 #: Errors of a restore that say the caller asked for what the step does not hold as
 #: asked: every member raises, and no older step is tried (none would fit better).
 _MISMATCH = (StateMismatchError, CheckpointKeyError, PickleNotAllowedError)
+#: A report of fewer boxes and leaves than this is encoded and hashed on the loop.
+_SMALL_REPORT = 256
 
 
 @final
@@ -175,7 +177,10 @@ class Member:
             stats.append(outcome)
             mine = await self.layout.report(outcome, self.rank, self.replicated, self.size > 1)
             # Digests instead of what rank 0 holds already (``reports``); rank 0 keeps its own whole.
-            body, layout = await _offload.run_cpu(self._sender.prepare, mine, self.rank == 0)
+            if len(mine.shards) + len(mine.leaves) < _SMALL_REPORT:  # less work than a thread hop
+                body, layout = self._sender.prepare(mine, self.rank == 0)
+            else:
+                body, layout = await _offload.run_cpu(self._sender.prepare, mine, self.rank == 0)
             sent.append((mine, layout))
             return body
 
