@@ -218,7 +218,11 @@ class Member:
         it is to be. Decoding, expanding and indexing the reports is one worker-thread
         call: at 1,024 ranks it is seconds of work the event loop must not do."""
         step, epoch = record.step, record.epoch
-        settled = await _offload.run_cpu(self._keeper.settle, step, epoch, bodies, first, self.replicated)
+        if len(bodies) <= 8 and sum(_entries(body) for body in bodies) < _SMALL_REPORT:  # less than a hop
+            settled = self._keeper.settle(step, epoch, bodies, first, self.replicated, large=False)
+        else:
+            keeper = self._keeper
+            settled = await _offload.run_cpu(keeper.settle, step, epoch, bodies, first, self.replicated)
         if settled.resend:
             return encode(CommitVerdict(committed=False, resend=settled.resend))
         manifest = settled.manifest
@@ -420,6 +424,13 @@ def _warn_once(warned: set[tuple[int, int, str]], member: Member, tried: Attempt
     # older checkpoint again, and a damaged disk deserves the user's attention.
     what = "failed verification" if tried.outcome == "corrupt" else "cannot be read"
     notice(logger, f"checkpoint {tried.where} {what} ({tried.reason}); {then}")
+
+
+def _entries(body: Any) -> int:
+    """How many boxes and leaves a report (undecoded) holds: how much work it is."""
+    if not isinstance(body, dict):
+        return 0
+    return sum(len(body.get(k) or ()) for k in ("shards", "leaves"))
 
 
 def _decoded(cls: type[Any], bodies: list[Any]) -> list[Any]:

@@ -141,6 +141,7 @@ class Keeper:
         bodies: list[Any],
         first: Collected,
         replicated: Sequence[str],
+        large: bool = True,
     ) -> Settled:
         """The manifest of ``step`` from every rank's body; ``first`` keeps the reports of
         the first round when some ranks must send theirs again (the bodies of the second
@@ -148,7 +149,10 @@ class Keeper:
 
         The collector is held off meanwhile: what this builds for 1,024 ranks (a million
         objects) would set off full collections, each a stall of every thread for a
-        second; what is kept goes straight to the oldest generation."""
+        second; what is kept goes straight to the oldest generation (``large``: else the
+        few objects of a small group's are left to it)."""
+        if not large:
+            return self._settle(step, epoch, bodies, first, replicated)
         with _offload.gc_paused(keep=True):
             return self._settle(step, epoch, bodies, first, replicated)
 
