@@ -154,11 +154,11 @@ def main() -> None:
     parser.add_argument("--anchor", default="2,4", help="gloo processes of the anchor ('' for none)")
     parser.add_argument("--saves", type=int, default=5, help="saves per anchor run")
     parser.add_argument("--before", help="another checkout's src directory, for the anchor's ratio")
-    parser.add_argument("--quick", action="store_true", help="8 and 64 ranks, a 2-process anchor")
+    parser.add_argument("--quick", action="store_true", help="8 and 16 ranks, a 2-process anchor")
     parser.add_argument("--dir", help="scratch directory")
     parser.add_argument("--out", default=str(ROOT / "results"))
     args = parser.parse_args()
-    sizes = [8, 64] if args.quick else [int(s) for s in args.sizes.split(",") if s]
+    sizes = [8, 16] if args.quick else [int(s) for s in args.sizes.split(",") if s]
     anchors = [2] if args.quick else [int(s) for s in args.anchor.split(",") if s]
     scratch = Path(args.dir or tempfile.mkdtemp(prefix="bench-scale-"))
     scratch.mkdir(parents=True, exist_ok=True)
