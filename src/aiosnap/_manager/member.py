@@ -50,6 +50,9 @@ logger = logging.getLogger(__name__)
 _MISMATCH = (StateMismatchError, CheckpointKeyError, PickleNotAllowedError)
 #: A report of fewer boxes and leaves than this is encoded and hashed on the loop.
 _SMALL_REPORT = 256
+#: Rank 0 settles the reports of up to 64 ranks with fewer boxes and leaves than this in
+#: all on the loop (a few milliseconds: less than a hop to a busy worker thread).
+_SMALL_GROUP = 4096
 
 
 @final
@@ -218,7 +221,7 @@ class Member:
         it is to be. Decoding, expanding and indexing the reports is one worker-thread
         call: at 1,024 ranks it is seconds of work the event loop must not do."""
         step, epoch = record.step, record.epoch
-        if len(bodies) <= 8 and sum(_entries(body) for body in bodies) < _SMALL_REPORT:  # less than a hop
+        if len(bodies) <= 64 and sum(_entries(body) for body in bodies) < _SMALL_GROUP:  # less than a hop
             settled = self._keeper.settle(step, epoch, bodies, first, self.replicated, large=False)
         else:
             keeper = self._keeper
