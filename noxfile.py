@@ -74,6 +74,7 @@ def bench(session: nox.Session) -> None:
         session.run("python", "benchmarks/bench_ranks_ppe_lightning.py", *quick)
         session.run("python", "benchmarks/bench_ranks_hf_accelerate.py", *quick)
         session.run("python", "benchmarks/bench_incremental.py", *quick, *publish)
+        session.run("python", "benchmarks/bench_scale.py", *(["--quick"] if quick else []))
 
 
 @nox.session(venv_backend="none")

@@ -55,6 +55,18 @@ def test_sharded_benchmark_runs_small(tmp_path: Path) -> None:
     assert all(row["total"] > 0 for phase in ("save", "load") for row in data[phase].values())
 
 
+@pytest.mark.slow  # two 7B-shaped commits of 16 simulated ranks, and 2 gloo processes
+def test_scale_benchmark_runs_small(tmp_path: Path) -> None:
+    out = run_bench("bench_scale.py", tmp_path, "--quick")
+    data = json.loads((out / "scale.json").read_text())
+    rows = {(r["ranks"], r["commit"]): r for r in data["simulated"]}
+    assert set(rows) == {(8, "first"), (8, "steady"), (16, "first"), (16, "steady")}
+    assert all(r["rank0_cpu_s"] > 0 and r["messages_per_rank"] > 0 for r in rows.values())
+    assert rows[(16, "steady")]["bytes_to_rank0_per_rank"] < rows[(16, "first")]["bytes_to_rank0_per_rank"]
+    assert [a["ranks"] for a in data["anchor"]] == [2] and data["anchor"][0]["s"] > 0
+    assert "| 16 | 7B-FSDP | steady |" in (out / "scale.md").read_text()
+
+
 def test_loop_stall_probe_runs_small(tmp_path: Path) -> None:
     dumps = tmp_path / "dumps.txt"
     command = [sys.executable, str(ROOT / "benchmarks" / "loop_stalls.py"), "--tensors", "300", "--reps", "1"]

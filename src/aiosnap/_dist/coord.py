@@ -3,49 +3,48 @@
 This and ``_shards`` (for DTensors, which only a user of torch.distributed has) are
 the only modules that touch torch.distributed; a single process never imports them.
 
-Every exchange goes through rank 0: each rank sends it a message, rank 0 decides and
-sends the decision back to all. Point-to-point messages rather than collectives let
-rank 0 name the rank that failed, and every wait has a deadline, so a rank that died
-or stopped answering is reported, never waited for forever. Messages are JSON, never
-pickle: a peer cannot make another rank run code.
-
-Exchanges run one at a time, in the order their turns were taken (``Channel.turn``,
-a synchronous call). Ranks run the same program, so they take turns in the same
-order and their exchanges pair up; each message carries its sequence number and
-operation, and rank 0 checks that they agree.
-
-A failed exchange (a rank gone, a deadline missed, ranks out of step) *breaks* the
-channel: what was sent may be half received, so every later exchange raises at once.
-A rank that reports a failure of its own work (a full disk) does not break it: that
-is an orderly outcome, and the group can go on.
+How the ranks exchange and agree (through rank 0, with deadlines, checked sequence
+numbers) is ``group``'s, whatever carries the messages; here is what carries them
+between processes: gloo's point-to-point sends and receives, each blocking call in a
+coordination thread (``run_coord``) with a deadline of its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
-import json
 import logging
+import os
+import threading
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar, final
+from collections.abc import Iterator
+from typing import Any, final
 
-import anyio
 import torch
 import torch.distributed as dist
 
 from .._base import offload as _offload
-from .._base.errors import RankFailedError
 from .._base.typed import decode
-from .channel import Decide, Ordered
-from .decisions import Refused
-from .messages import Envelope, Outcome, Round, WorkState
+from .group import (
+    MAX_MESSAGE,
+    Clock,
+    DeadlineMissed,
+    GroupChannel,
+    GroupTurn,
+    RealClock,
+    accept,
+    decode_json,
+    encode_json,
+    reason,
+)
+from .messages import Envelope, Outcome
 
 logger = logging.getLogger(__name__)
 
-#: A message longer than this is refused before anything is allocated for it.
-MAX_MESSAGE = 64 << 20
 _TAG = 7
-M = TypeVar("M")
+_HELLO = 8  # the first message of each rank to rank 0, at the group's creation
+#: The turns of a gloo group: ``group``'s, whatever carries the messages.
+GlooTurn = GroupTurn
 
 
 def rank_and_size(parent: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -73,44 +72,77 @@ def new_group(parent: dist.ProcessGroup | None, timeout: float) -> dist.ProcessG
     with the rendezvous keys of the old group still in the store (the next creation
     hangs). So only groups over all ranks are destroyed at close (see ``Channel.close``)."""
     ranks = None if parent is None else dist.get_process_group_ranks(parent)
-    group = dist.new_group(
-        ranks=ranks,
-        backend="gloo",
-        timeout=datetime.timedelta(seconds=timeout),
-        use_local_synchronization=parent is not None,
-    )
+    with _lazy_connections():
+        group = dist.new_group(
+            ranks=ranks,
+            backend="gloo",
+            timeout=datetime.timedelta(seconds=timeout),
+            use_local_synchronization=parent is not None,
+        )
     assert isinstance(group, dist.ProcessGroup)  # this rank is a member
+    _connect_to_rank_0(group, timeout)
     return group
 
 
-def describe(exc: BaseException) -> str:
-    text = f"{type(exc).__name__}: {exc}"
-    return text if len(text) <= 500 else text[:497] + "..."
+def _connect_to_rank_0(group: dist.ProcessGroup, timeout: float) -> None:
+    """Connect each rank to rank 0 now, while every rank is here (it is making the group):
+    a pair of a lazy group connects at its first message, and a first message to a rank
+    that died meanwhile (with the store it hosted, rank 0) waits out the whole deadline,
+    where a connection made before is seen closed at once. Blocking."""
+    token = torch.zeros(1, dtype=torch.uint8)
+    deadline = time.monotonic() + timeout
+    if group.rank() == 0:
+        works = [group.recv([torch.zeros(1, dtype=torch.uint8)], r, _HELLO) for r in range(1, group.size())]
+    else:
+        works = [group.send([token], 0, _HELLO)]
+    for work in works:
+        _wait_or_raise(work, deadline)
+
+
+#: gloo connects every pair of ranks when a group is made, unless this is set as it is
+#: made (read once per group, in torch 2.13): then a pair connects at its first message.
+#: aiosnap's groups only ever talk to rank 0, so N-1 connections instead of N(N-1)/2.
+LAZY_INIT = "TORCH_GLOO_LAZY_INIT"
+_environ_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _lazy_connections() -> Iterator[None]:
+    """Make the gloo groups made meanwhile connect lazily; the user's own are left alone
+    (the variable is set only for the call, and as it was before afterwards)."""
+    with _environ_lock:
+        before = os.environ.get(LAZY_INIT)
+        os.environ[LAZY_INIT] = "1"
+        try:
+            yield
+        finally:
+            if before is None:
+                del os.environ[LAZY_INIT]
+            else:
+                os.environ[LAZY_INIT] = before
+
+
+class GlooChannel(GroupChannel):
+    """Exchanges of JSON messages among the ranks of ``group`` (gloo), through rank 0."""
+
+    def __init__(self, group: dist.ProcessGroup, *, timeout: float, destroy: bool) -> None:
+        super().__init__(GlooTransport(group, destroy=destroy), timeout=timeout)
+        self.group = group
 
 
 @final
-class GlooChannel:
-    """Exchanges of JSON messages among the ranks of ``group``, through rank 0."""
+class GlooTransport:
+    """Messages between processes: a length, then the JSON, each a gloo send."""
 
-    def __init__(self, group: dist.ProcessGroup, *, timeout: float, destroy: bool) -> None:
+    clock: Clock = RealClock()
+
+    def __init__(self, group: dist.ProcessGroup, *, destroy: bool) -> None:
         self.group = group
         self._destroy = destroy
         self.rank = group.rank()
         self.size = group.size()
-        self.timeout = timeout
-        #: How often ranks that wait for each other's work say they are still alive.
-        self.poll = max(0.01, min(timeout / 4, 2.0))
-        self._seq = 0
-        self._tail: anyio.Event | None = None
-        self._broken: RankFailedError | None = None
         #: Buffers of receives that missed their deadline: gloo may still write to them.
         self._stale: list[object] = []
-
-    def turn(self, op: str) -> GlooTurn:
-        """Take the next turn; enter it (``async with``) to wait for the earlier ones."""
-        prev, done = self._tail, anyio.Event()
-        self._tail = done
-        return GlooTurn(self, op, prev, done)
 
     def close(self) -> None:
         """Release the group (destroyed, if it can be: see ``new_group``), and let go of it
@@ -132,76 +164,42 @@ class GlooChannel:
         except Exception as exc:  # the group may be broken already; closing must not fail
             logger.debug("destroying the coordination group: %r", exc)
 
-    def break_off(self, error: RankFailedError) -> None:
-        """Refuse every later exchange with ``error`` (the first break is the one kept):
-        once an exchange was abandoned halfway, the ranks' messages no longer pair up."""
-        self._broken = self._broken or error
+    async def gather(self, envelope: Envelope, silence: float) -> tuple[list[Any], dict[int, str]]:
+        return await _offload.run_coord(self._gather, envelope, silence)
 
-    # -- one exchange --------------------------------------------------------------------
-    async def exchange(self, op: str, body: Any, decide: Decide) -> Any:
-        if self._broken is not None:
-            raise RankFailedError(str(self._broken), self._broken.failed) from self._broken
-        self._seq += 1
-        envelope = Envelope(self._seq, op, body)
-        cause: BaseException | None = None
-        if self.rank == 0:
-            bodies, failed = await _offload.run_coord(self._gather, envelope)
-            if failed:
-                verdict = Outcome(failed=_named(failed), broken=True)
-            else:
-                try:
-                    verdict = Outcome(ok=await decide(bodies))
-                except Refused as exc:
-                    verdict = Outcome(failed=_named(exc.failed))
-                except Exception as exc:
-                    verdict, cause = Outcome(failed={"0": describe(exc)}), exc
-            await _offload.run_coord(self._scatter, verdict, set(failed))
-        else:
-            try:
-                verdict = await _offload.run_coord(self._send_and_receive, envelope)
-            except RuntimeError as exc:
-                verdict = Outcome(failed={"0": _reason(exc, 2 * self.timeout)}, broken=True)
-        if verdict.failed is None:
-            return verdict.ok
-        failed = {int(r): why for r, why in verdict.failed.items()}
-        error = RankFailedError(
-            f"{op}: " + "; ".join(f"rank {r} {why}" for r, why in sorted(failed.items())), failed
-        )
-        if verdict.broken:
-            self._broken = error
-        raise error from cause
+    async def scatter(self, verdict: Outcome, skip: set[int], silence: float) -> None:
+        await _offload.run_coord(self._scatter, verdict, skip, silence)
 
-    def _gather(self, envelope: Envelope) -> tuple[list[Any], dict[int, str]]:
-        deadline = time.monotonic() + self.timeout
+    async def send_and_receive(self, envelope: Envelope, silence: float) -> Outcome:
+        return await _offload.run_coord(self._send_and_receive, envelope, silence)
+
+    def _gather(self, envelope: Envelope, timeout: float) -> tuple[list[Any], dict[int, str]]:
+        deadline = time.monotonic() + timeout
         peers = range(1, self.size)
-        bodies: list[Any] = [envelope.body] + [None] * (self.size - 1)
         failed: dict[int, str] = {}
         lengths = {r: torch.zeros(1, dtype=torch.int64) for r in peers}
-        waits = {r: self._post_recv(lengths[r], r, failed) for r in peers}
+        waits = {r: self._post_recv(lengths[r], r, failed, timeout) for r in peers}
         buffers: dict[int, torch.Tensor] = {}
         for r in peers:
-            if self._wait(waits[r], deadline, failed, r, lengths[r]):
+            if self._wait(waits[r], deadline, failed, r, lengths[r], timeout):
                 n = int(lengths[r])
                 if 0 < n <= MAX_MESSAGE:
                     buffers[r] = torch.empty(n, dtype=torch.uint8)
                 else:
                     failed[r] = f"sent a message of {n} bytes"
-        waits = {r: self._post_recv(buf, r, failed) for r, buf in buffers.items()}
-        for r, buf in buffers.items():
-            if self._wait(waits[r], deadline, failed, r, buf):
-                message = _message(Envelope, _decode(buf))
-                if message is None or (message.seq, message.op) != (envelope.seq, envelope.op):
-                    sent = "a malformed message" if message is None else f"{message.op!r} #{message.seq}"
-                    failed[r] = (
-                        f"is out of step: it sent {sent} while rank 0 is at {envelope.op!r} #{envelope.seq}"
-                    )
-                else:
-                    bodies[r] = message.body
-        return bodies, failed
+        waits = {r: self._post_recv(buf, r, failed, timeout) for r, buf in buffers.items()}
+        raw = {
+            r: buf.numpy().tobytes()
+            for r, buf in buffers.items()
+            if self._wait(waits[r], deadline, failed, r, buf, timeout)
+        }
+        bodies, more = accept(envelope, raw)
+        failed.update(more)
+        return [envelope.body] + [bodies.get(r) for r in peers], failed
 
-    def _scatter(self, verdict: Outcome, skip: set[int]) -> None:
-        deadline = time.monotonic() + self.timeout
-        data = _encode(verdict.to_json())
+    def _scatter(self, verdict: Outcome, skip: set[int], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        data = _tensor(encode_json(verdict.to_json()))
         sends = []
         ignored: dict[int, str] = {}
         for r in range(1, self.size):
@@ -210,17 +208,17 @@ class GlooChannel:
                     sends.append((r, self.group.send([_length(data)], r, _TAG)))
                     sends.append((r, self.group.send([data], r, _TAG)))
             except RuntimeError as exc:  # the peer's connection is already closed
-                ignored[r] = _reason(exc, self.timeout)
+                ignored[r] = reason(exc, timeout)
         for r, work in sends:
-            self._wait(work, deadline, ignored, r, None)
+            self._wait(work, deadline, ignored, r, None, timeout)
         for r, why in ignored.items():
             logger.warning("rank %d did not receive the outcome: it %s", r, why)
 
-    def _send_and_receive(self, envelope: Envelope) -> Outcome:
+    def _send_and_receive(self, envelope: Envelope, timeout: float) -> Outcome:
         # Rank 0 may enter the exchange up to one deadline after this rank does, and
         # then waits up to one deadline for the others: two deadlines in all.
-        deadline = time.monotonic() + 2 * self.timeout
-        data = _encode(envelope.to_json())
+        deadline = time.monotonic() + 2 * timeout
+        data = _tensor(encode_json(envelope.to_json()))
         for work in (self.group.send([_length(data)], 0, _TAG), self.group.send([data], 0, _TAG)):
             _wait_or_raise(work, deadline)
         length = torch.zeros(1, dtype=torch.int64)
@@ -233,130 +231,32 @@ class GlooChannel:
         self._stale.append(buf)
         _wait_or_raise(self.group.recv([buf], 0, _TAG), deadline)
         del self._stale[-2:]
-        verdict = _message(Outcome, _decode(buf))
-        if verdict is None:
-            raise RuntimeError("rank 0 sent a malformed outcome")
-        return verdict
+        try:
+            return decode(Outcome, decode_json(buf.numpy().tobytes()))
+        except ValueError:
+            raise RuntimeError("rank 0 sent a malformed outcome") from None
 
-    def _post_recv(self, buf: torch.Tensor, r: int, failed: dict[int, str]) -> Any:
+    def _post_recv(self, buf: torch.Tensor, r: int, failed: dict[int, str], timeout: float) -> Any:
         # Posting fails at once when the peer's connection is already closed.
         try:
             return self.group.recv([buf], r, _TAG)
         except RuntimeError as exc:
-            failed[r] = _reason(exc, self.timeout)
+            failed[r] = reason(exc, timeout)
             return None
 
-    def _wait(self, work: Any, deadline: float, failed: dict[int, str], r: int, buf: object) -> bool:
+    def _wait(
+        self, work: Any, deadline: float, failed: dict[int, str], r: int, buf: object, timeout: float
+    ) -> bool:
         if r in failed:
             return False
         try:
             _wait_or_raise(work, deadline)
         except RuntimeError as exc:
-            failed[r] = _reason(exc, self.timeout)
+            failed[r] = reason(exc, timeout)
             if buf is not None:
                 self._stale.append(buf)
             return False
         return True
-
-
-@final
-class GlooTurn(Ordered):
-    """One rank's place in the order of exchanges; ``async with`` waits for it."""
-
-    def __init__(self, channel: GlooChannel, op: str, prev: anyio.Event | None, done: anyio.Event) -> None:
-        super().__init__(prev, done)
-        self.channel, self.op = channel, op
-
-    async def exchange(self, body: Any, decide: Decide) -> Any:
-        """Send ``body``; rank 0 calls ``decide(bodies)`` with every rank's, and every
-        rank returns its result. A failure anywhere raises RankFailedError everywhere."""
-        try:
-            return await self.channel.exchange(self.op, body, decide)
-        except anyio.get_cancelled_exc_class():
-            # Abandoned halfway: the other ranks' messages no longer pair up with ours.
-            why = {self.channel.rank: "was cancelled"}
-            self.channel.break_off(RankFailedError(f"{self.op}: this rank abandoned an exchange", why))
-            raise
-
-    async def agree(self, work: Callable[[], Awaitable[Any]], decide: Decide) -> Any:
-        """Run ``work`` on every rank; once all have finished, rank 0 calls ``decide``
-        with their results, and every rank returns its result.
-
-        Until then the ranks exchange "still working" every ``poll`` seconds, so the
-        deadline bounds how long a rank may stay silent, not how long the work takes.
-        If the work of some rank raises, every rank raises RankFailedError naming it
-        (chained, on that rank, from its own exception)."""
-        outcome: list[Any] = []
-        finished = anyio.Event()
-
-        async def run() -> None:
-            try:
-                outcome.append(("done", await work()))
-            except Exception as exc:
-                outcome.append(("failed", exc))
-            finally:
-                finished.set()
-
-        error: Exception | None = None
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(run)
-            try:
-                while True:
-                    with anyio.move_on_after(self.channel.poll):
-                        await finished.wait()
-                    raw = await self.exchange(_status(outcome), lambda bodies: _round(bodies, decide))
-                    verdict = decode(Round, raw)
-                    if not verdict.wait:
-                        return verdict.value
-            except Exception as exc:  # raised outside the task group, which would wrap it
-                error = exc
-            finally:
-                tg.cancel_scope.cancel()
-        assert error is not None
-        mine = outcome[0][1] if outcome and outcome[0][0] == "failed" else None
-        if isinstance(error, RankFailedError) and mine is not None and self.channel.rank in error.failed:
-            raise error from mine
-        raise error
-
-
-def _status(outcome: list[Any]) -> Any:
-    if not outcome:
-        return WorkState("busy").to_json()
-    state, value = outcome[0]
-    done = state == "done"
-    return (WorkState("done", result=value) if done else WorkState("failed", why=describe(value))).to_json()
-
-
-async def _round(bodies: list[Any], decide: Decide) -> Any:
-    states: dict[int, WorkState] = {}
-    for r, body in enumerate(bodies):
-        try:
-            states[r] = decode(WorkState, body)
-        except ValueError as exc:
-            states[r] = WorkState("failed", why=f"sent a malformed work state: {exc}")
-    failed = {r: s.why for r, s in states.items() if s.state == "failed"}
-    if failed:
-        raise Refused(failed)
-    if any(s.state != "done" for s in states.values()):
-        return Round(wait=True).to_json()
-    return Round(wait=False, value=await decide([s.result for s in states.values()])).to_json()
-
-
-def _named(failed: dict[int, str]) -> dict[str, str]:
-    """Failed ranks keyed as JSON keys them: strings."""
-    return {str(r): why for r, why in failed.items()}
-
-
-def _message(cls: type[M], data: Any) -> M | None:
-    """``data`` decoded as a ``cls``, or None if it does not fit."""
-    try:
-        return decode(cls, data)
-    except ValueError:
-        return None
-
-
-class DeadlineMissed(RuntimeError):
-    """A peer did not answer before the exchange's deadline."""
 
 
 def _wait_or_raise(work: Any, deadline: float) -> None:
@@ -375,25 +275,8 @@ def _wait_or_raise(work: Any, deadline: float) -> None:
         raise DeadlineMissed
 
 
-def _reason(exc: BaseException, timeout: float) -> str:
-    if isinstance(exc, DeadlineMissed):
-        return f"did not answer within {timeout:g} s"
-    text = str(exc)
-    if "closed" in text.lower() or "reset" in text.lower() or "broken pipe" in text.lower():
-        return "is gone: its connection closed (the process died or exited)"
-    return f"could not be reached: {text.splitlines()[0][:300] if text else type(exc).__name__}"
-
-
-def _encode(obj: object) -> torch.Tensor:
-    data = json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+def _tensor(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
-
-
-def _decode(buf: torch.Tensor) -> Any:
-    try:
-        return json.loads(buf.numpy().tobytes().decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        return None
 
 
 def _length(data: torch.Tensor) -> torch.Tensor:

@@ -45,6 +45,14 @@ class FileReport:
     #: Tree path -> digest of every leaf that is not a shard: rank 0 learns which of
     #: them differ between ranks (per-rank state), and which are the same everywhere.
     leaves: dict[str, str] = field(default_factory=dict)
+    #: A digest of ``shards`` (``_manager.reports``). With ``compact``, ``shards`` is
+    #: left out: it is the one this rank sent under this digest, which rank 0 keeps.
+    layout: str = ""
+    compact: bool = False
+    #: If set, ``leaves`` holds only the paths that differed between ranks at the last
+    #: commit; every other leaf is rank 0's, and this is a digest of them (and of those
+    #: paths) as this rank holds them. Rank 0 asks for the whole map if its own differ.
+    leaves_base: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +72,11 @@ class CommitVerdict:
 
     committed: bool
     bytes: int = 0
+    #: The leaves that differ between ranks (the manifest's), for the next reports.
+    per_rank: list[str] = field(default_factory=list)
+    #: Ranks whose compact report rank 0 cannot expand (it does not hold what the digest
+    #: stands for): each sends its whole report again, in the same turn.
+    resend: list[int] = field(default_factory=list)
 
 
 # -- the channel's own envelopes (``_dist.coord``) --------------------------------------------

@@ -209,7 +209,8 @@ class StepDirectories:
 
     async def commit(self, record: CheckpointRecord, manifest: Manifest) -> None:
         path = self.storage.join(self.directory, record.file, MANIFEST_NAME)
-        await _offload.run_io(put, self.storage, path, manifest.to_bytes())
+        # Serialised in the worker thread too: a large group's manifest is seconds of work.
+        await _offload.run_io(_put_manifest, self.storage, path, manifest)
 
     async def load(
         self, record: CheckpointRecord, rank: int, world: int, target: Any, keys: Any, strict: bool
@@ -221,6 +222,12 @@ class StepDirectories:
             load_step, self.storage, step, keys, None, self.allow_pickle, target, strict
         )
         return step_dir, state
+
+
+def _put_manifest(storage: Storage, path: str, manifest: Manifest) -> None:
+    with _offload.gc_paused():  # its JSON is as many objects as the manifest's boxes
+        data = manifest.to_bytes()
+    put(storage, path, data)
 
 
 def _load_own(storage: Storage, path: str, *request: Any) -> Any:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, final
 
 from .._base import offload as _offload
@@ -33,7 +33,7 @@ from .._base.notice import notice
 from .._base.tasks import SaveFailure
 from .._base.typed import decode, encode
 from .._dist.channel import Channel, Turn
-from .._dist.decisions import Refused, agree_on_config, commit, judge_restore
+from .._dist.decisions import Refused, agree_on_config, judge_restore
 from .._dist.messages import CommitVerdict, FileReport, LoadReport, OpenReport
 from .._format.manifest import replicated_matcher
 from .._save.handle import Resolver, SaveHandle, SaveStats
@@ -41,12 +41,18 @@ from .blobs import collect
 from .catalog import Catalog
 from .layouts import Layout
 from .records import CheckpointRecord
+from .reports import Collected, Keeper, Sender
 
 logger = logging.getLogger(__name__)
 
 #: Errors of a restore that say the caller asked for what the step does not hold as
 #: asked: every member raises, and no older step is tried (none would fit better).
 _MISMATCH = (StateMismatchError, CheckpointKeyError, PickleNotAllowedError)
+#: A report of fewer boxes and leaves than this is encoded and hashed on the loop.
+_SMALL_REPORT = 256
+#: Rank 0 settles the reports of up to 64 ranks with fewer boxes and leaves than this in
+#: all on the loop (a few milliseconds: less than a hop to a busy worker thread).
+_SMALL_GROUP = 4096
 
 
 @final
@@ -89,6 +95,9 @@ class Member:
         #: collects itself after each of its saves: only its own saves write there, and
         #: only its process knows which of their blobs are in flight.
         self.blob_dir: str | None = None
+        #: What this member last reported, and (rank 0) every member's: steady-state
+        #: reports are digests of what rank 0 holds (``reports``).
+        self._sender, self._keeper = Sender(), Keeper()
 
     @property
     def manifests(self) -> bool:
@@ -158,6 +167,8 @@ class Member:
         (program order); ``agreed()``: the group agreed (or failed to)."""
         stats: list[SaveStats] = []
         own: list[SaveFailure] = []  # this member's own part, failed
+        sent: list[tuple[FileReport, str]] = []  # its report, and its layout's digest
+        first = Collected()  # rank 0: the reports of this vote's exchanges
 
         async def work() -> Any:
             if isinstance(inner, BaseException):
@@ -167,26 +178,36 @@ class Member:
                 own.append(outcome)
                 raise outcome.error
             stats.append(outcome)
-            return encode(await self.layout.report(outcome, self.rank, self.replicated, self.size > 1))
+            mine = await self.layout.report(outcome, self.rank, self.replicated, self.size > 1)
+            # Digests instead of what rank 0 holds already (``reports``); rank 0 keeps its own whole.
+            if len(mine.shards) + len(mine.leaves) < _SMALL_REPORT:  # less work than a thread hop
+                body, layout = self._sender.prepare(mine, self.rank == 0)
+            else:
+                body, layout = await _offload.run_cpu(self._sender.prepare, mine, self.rank == 0)
+            sent.append((mine, layout))
+            return body
 
         async def decide(bodies: list[Any]) -> Any:
-            manifest = commit(record.step, record.epoch, _decoded(FileReport, bodies), self.replicated)
-            if manifest is None:
-                return encode(CommitVerdict(committed=False))
-            if self.layout.manifests:
-                await self.layout.commit(record, manifest)
-            return encode(CommitVerdict(committed=True, bytes=sum(manifest.sizes)))
+            return await self._settle(record, bodies, first)
 
         self.busy.add(record.file)
         try:
             try:
                 async with turn:
                     verdict = decode(CommitVerdict, await turn.agree(work, decide))
+                    if verdict.resend:  # rank 0 lacks what some digests stand for
+                        whole = (
+                            encode(replace(sent[0][0], layout=sent[0][1]))
+                            if self.rank in verdict.resend
+                            else None
+                        )
+                        verdict = decode(CommitVerdict, await turn.exchange(whole, decide))
             finally:
                 agreed()
             if not verdict.committed:
                 outer.skip()
                 return
+            self._sender.committed(sent[0][1], verdict.per_rank)
             await self._after_commit(record, stats[0], verdict.bytes)
         except Exception as exc:
             outer.fail(self._failure(exc, inner, own, report))
@@ -194,6 +215,28 @@ class Member:
         finally:
             self.busy.discard(record.file)
         outer.finish(stats[0])
+
+    async def _settle(self, record: CheckpointRecord, bodies: list[Any], first: Collected) -> Any:
+        """Rank 0: the verdict on a save from every member's report, the step committed if
+        it is to be. Decoding, expanding and indexing the reports is one worker-thread
+        call: at 1,024 ranks it is seconds of work the event loop must not do."""
+        step, epoch = record.step, record.epoch
+        if len(bodies) <= 64 and sum(_entries(body) for body in bodies) < _SMALL_GROUP:  # less than a hop
+            settled = self._keeper.settle(step, epoch, bodies, first, self.replicated, large=False)
+        else:
+            keeper = self._keeper
+            settled = await _offload.run_cpu(keeper.settle, step, epoch, bodies, first, self.replicated)
+        if settled.resend:
+            return encode(CommitVerdict(committed=False, resend=settled.resend))
+        manifest = settled.manifest
+        if manifest is None:
+            return encode(CommitVerdict(committed=False))
+        if self.layout.manifests:
+            await self.layout.commit(record, manifest)
+        self._keeper.adopt(settled.held)
+        return encode(
+            CommitVerdict(committed=True, bytes=sum(manifest.sizes), per_rank=list(manifest.per_rank))
+        )
 
     async def _after_commit(self, record: CheckpointRecord, stats: SaveStats, size: int) -> None:
         """Index the committed step and sweep (rank 0); collect this rank's blobs."""
@@ -384,6 +427,13 @@ def _warn_once(warned: set[tuple[int, int, str]], member: Member, tried: Attempt
     # older checkpoint again, and a damaged disk deserves the user's attention.
     what = "failed verification" if tried.outcome == "corrupt" else "cannot be read"
     notice(logger, f"checkpoint {tried.where} {what} ({tried.reason}); {then}")
+
+
+def _entries(body: Any) -> int:
+    """How many boxes and leaves a report (undecoded) holds: how much work it is."""
+    if not isinstance(body, dict):
+        return 0
+    return sum(len(body.get(k) or ()) for k in ("shards", "leaves"))
 
 
 def _decoded(cls: type[Any], bodies: list[Any]) -> list[Any]:
