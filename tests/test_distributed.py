@@ -619,7 +619,7 @@ from aiosnap._dist.coord import GlooChannel, new_group
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 channel = GlooChannel(new_group(None, 30), timeout=30, destroy=True)
 held = channel.close  # what an offload thread keeps of the last call it ran, for a while
-group = weakref.ref(channel.group)
+group = weakref.ref(channel.transport.group)
 channel.close()
 del channel
 print("freed" if group() is None else "alive")

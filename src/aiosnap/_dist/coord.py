@@ -126,8 +126,8 @@ class GlooChannel(GroupChannel):
     """Exchanges of JSON messages among the ranks of ``group`` (gloo), through rank 0."""
 
     def __init__(self, group: dist.ProcessGroup, *, timeout: float, destroy: bool) -> None:
+        # The group only in the transport, which lets go of it at close (see its ``close``).
         super().__init__(GlooTransport(group, destroy=destroy), timeout=timeout)
-        self.group = group
 
 
 @final
@@ -148,15 +148,14 @@ class GlooTransport:
         """Release the group (destroyed, if it can be: see ``new_group``), and let go of it
         here, in the closing thread. Blocking.
 
-        The offload thread that ran this channel's last exchange may still hold the
-        channel (anyio's worker drops the function it ran only after reporting back). Had
-        the channel kept the group, that thread could be the one to free it, and freeing a
+        The offload thread that ran this transport's last call may still hold the
+        transport (anyio's worker drops the function it ran only after reporting back). Had
+        the transport kept the group, that thread could be the one to free it, and freeing a
         ProcessGroup releases the GIL: if the interpreter began to shut down meanwhile,
         the thread is stopped inside a C++ destructor and the process aborts ("terminate
         called without an active exception", 1 run in 5 of the ppe example at 2 ranks)."""
         group = self.group
         del self.group
-        self._broken = self._broken or RankFailedError("the channel is closed", {})
         if not self._destroy:
             return
         try:

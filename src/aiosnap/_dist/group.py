@@ -158,7 +158,8 @@ class GroupChannel:
         return GroupTurn(self, op, prev, done)
 
     def close(self) -> None:
-        """Release the transport. Blocking."""
+        """Release the transport; later exchanges raise. Blocking."""
+        self._broken = self._broken or RankFailedError("the channel is closed", {})
         self.transport.close()
 
     def break_off(self, error: RankFailedError) -> None:
