@@ -21,6 +21,7 @@ Results go to ``--out``/scale.{md,json}.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -157,7 +158,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="8 and 16 ranks, a 2-process anchor")
     parser.add_argument("--dir", help="scratch directory")
     parser.add_argument("--out", default=str(ROOT / "results"))
+    parser.add_argument(
+        "--gc-off",
+        action="store_true",
+        help="the collector off: every simulated rank's objects live in this one process (a million "
+        "at 1,024 ranks), and their full collections block the loop as a real rank 0's would not",
+    )
     args = parser.parse_args()
+    if args.gc_off:
+        gc.disable()
     sizes = [8, 16] if args.quick else [int(s) for s in args.sizes.split(",") if s]
     anchors = [2] if args.quick else [int(s) for s in args.anchor.split(",") if s]
     scratch = Path(args.dir or tempfile.mkdtemp(prefix="bench-scale-"))
