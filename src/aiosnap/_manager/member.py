@@ -202,6 +202,8 @@ class Member:
                             else None
                         )
                         verdict = decode(CommitVerdict, await turn.exchange(whole, decide))
+                        if verdict.resend:  # whole reports always expand: never a silent skip
+                            raise CheckpointError(f"rank 0 could not use ranks {verdict.resend}' reports")
             finally:
                 agreed()
             if not verdict.committed:
