@@ -132,8 +132,8 @@ def ddp_child(out: str, fault: str = "") -> None:
         rank_report("returned", last["global_step"])
 
 
-# slow for the CI budget: Lightning's kill-and-resume in the default run is the FSDP2 strategy's
-# (tests/test_integration_lightning_fsdp.py), through the same launcher.
+# slow for the CI budget: Lightning's multi-process test in the default run is the FSDP2
+# strategy's failure test (tests/test_integration_lightning_fsdp.py).
 @pytest.mark.slow
 def test_a_killed_ddp_fit_resumes_from_last_on_every_rank_bit_identical(tmp_path: Path) -> None:
     ranks = 2
