@@ -9,7 +9,9 @@ through the same functions.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, TypeVar
 
+from .._base.typed import decode
 from .._format.grids import derive
 from .._format.manifest import Manifest, SavedBox, SavedTensor, rank_file
 from .._format.shards import tiles
@@ -22,6 +24,22 @@ class Refused(Exception):
     def __init__(self, failed: dict[int, str]) -> None:
         super().__init__(failed)
         self.failed = failed
+
+
+M = TypeVar("M")
+
+
+def decoded(cls: type[M], bodies: Sequence[Any]) -> list[M]:
+    """Every rank's message as a ``cls``; Refused naming the ranks whose did not fit."""
+    out, bad = [], {}
+    for r, body in enumerate(bodies):
+        try:
+            out.append(decode(cls, body))
+        except ValueError as exc:
+            bad[r] = f"sent a malformed {cls.__name__}: {exc}"
+    if bad:
+        raise Refused(bad)
+    return out
 
 
 def agree_on_config(configs: Sequence[OpenReport]) -> None:

@@ -33,7 +33,7 @@ from .._base.notice import notice
 from .._base.tasks import SaveFailure
 from .._base.typed import decode, encode
 from .._dist.channel import Channel, Turn
-from .._dist.decisions import Refused, agree_on_config, judge_restore
+from .._dist.decisions import agree_on_config, decoded, judge_restore
 from .._dist.messages import CommitVerdict, FileReport, LoadReport, OpenReport
 from .._format.manifest import replicated_matcher
 from .._save.handle import Resolver, SaveHandle, SaveStats
@@ -122,7 +122,7 @@ class Member:
             return encode(config)
 
         async def decide(bodies: list[Any]) -> None:
-            agree_on_config(_decoded(OpenReport, bodies))
+            agree_on_config(decoded(OpenReport, bodies))
 
         async with self.channel(on_control).turn("open") as turn:
             await turn.agree(work, decide)
@@ -306,7 +306,7 @@ class Member:
             return encode(LoadReport("ok"))
 
         async def decide(bodies: list[Any]) -> Any:
-            verdict = judge_restore(_decoded(LoadReport, bodies))
+            verdict = judge_restore(decoded(LoadReport, bodies))
             if verdict.outcome == "corrupt" and self.catalog is not None:
                 await self.catalog.mark_corrupt(record.step, verdict.reason)
             elif verdict.outcome == "unreadable" and self.catalog is not None:
@@ -436,16 +436,3 @@ def _entries(body: Any) -> int:
     if not isinstance(body, dict):
         return 0
     return sum(len(body.get(k) or ()) for k in ("shards", "leaves"))
-
-
-def _decoded(cls: type[Any], bodies: list[Any]) -> list[Any]:
-    """Every member's message as a ``cls``; Refused naming the members whose did not fit."""
-    out, bad = [], {}
-    for r, body in enumerate(bodies):
-        try:
-            out.append(decode(cls, body))
-        except ValueError as exc:
-            bad[r] = f"sent a malformed {cls.__name__}: {exc}"
-    if bad:
-        raise Refused(bad)
-    return out

@@ -27,7 +27,7 @@ from typing import Any, final
 
 from .._base import offload as _offload
 from .._base.typed import decode, encode
-from .._dist.decisions import Refused, commit
+from .._dist.decisions import Refused, commit, decoded
 from .._dist.messages import FileReport, ShardBox
 from .._format.manifest import Manifest
 
@@ -165,7 +165,7 @@ class Keeper:
         replicated: Sequence[str],
     ) -> Settled:
         if not first.reports:
-            reports = decoded(bodies)
+            reports = decoded(FileReport, bodies)
             for r, report in enumerate(reports):
                 first.take(r, report, bodies[r])
             resend = self._expand(reports, first.held)
@@ -173,7 +173,7 @@ class Keeper:
             if resend:
                 return Settled(resend=resend)
         else:
-            redone = decoded([b if b is not None else encode(FileReport()) for b in bodies])
+            redone = decoded(FileReport, [b if b is not None else encode(FileReport()) for b in bodies])
             for r, report in enumerate(redone):
                 if first.reports[r].compact or first.reports[r].leaves_base:
                     if bodies[r] is None or report.compact or report.leaves_base:
@@ -247,16 +247,3 @@ class Keeper:
 
 def _boxes(text: str) -> list[ShardBox]:
     return decode(FileReport, {"shards": json.loads(text)}).shards
-
-
-def decoded(bodies: list[Any]) -> list[FileReport]:
-    """Every rank's body as a FileReport; Refused naming the ranks whose did not fit."""
-    out, bad = [], {}
-    for r, body in enumerate(bodies):
-        try:
-            out.append(decode(FileReport, body))
-        except ValueError as exc:
-            bad[r] = f"sent a malformed FileReport: {exc}"
-    if bad:
-        raise Refused(bad)
-    return out
