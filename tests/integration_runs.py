@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -412,6 +413,14 @@ def run_torchrun_example(script: str, out: Path, *args: str) -> str:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
+
+
+def printed_losses(stdout: str, unit: str = "step") -> dict[tuple[int, int], str]:
+    """Each rank's loss per ``unit`` (step, iteration) as a docs example prints it
+    (``rank R UNIT N: loss X``), found anywhere in the output, where two ranks' lines may
+    have come out glued together."""
+    found = re.findall(rf"rank (\d+) {unit} (\d+): loss (-?\d+\.\d{{6}})", stdout)
+    return {(int(rank), int(at)): value for rank, at, value in found}
 
 
 def sum_in_rank_order(state, bucket):  # type: ignore[no-untyped-def]  # DDP reads real annotations

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import errno
 import os
-import re
 import sys
 import warnings
 from pathlib import Path
@@ -30,6 +29,7 @@ from aiosnap.storage import Posix
 from tests.integration_runs import (
     RankJob,
     assert_ranks_resumed_exactly,
+    printed_losses,
     rank_loss,
     rank_report,
     report,
@@ -164,12 +164,6 @@ def test_a_shard_that_fails_to_commit_makes_every_rank_s_fit_raise(tmp_path: Pat
     assert temp_entries(out) == []
 
 
-def _losses(stdout: str) -> dict[tuple[int, int], str]:
-    """Each rank's printed loss per step, found anywhere in the output (lines may be glued)."""
-    found = re.findall(r"rank (\d+) step (\d+): loss (-?\d+\.\d{6})", stdout)
-    return {(int(rank), int(at)): value for rank, at, value in found}
-
-
 def _example(out: Path, epochs: int) -> str:
     return run_torchrun_example("lightning_fsdp2.py", out, "--epochs", str(epochs))
 
@@ -179,6 +173,6 @@ def test_the_torchrun_example_of_the_docs_resumes_with_the_same_losses(tmp_path:
     _example(tmp_path / "run", 2)
     resumed = _example(tmp_path / "run", 4)
     assert "rank 0: resumed at step 8" in resumed and "rank 1: resumed at step 8" in resumed, resumed
-    later, reference = _losses(resumed), _losses(_example(tmp_path / "reference", 4))
+    later, reference = printed_losses(resumed), printed_losses(_example(tmp_path / "reference", 4))
     assert sorted(later) == [(r, s) for r in (0, 1) for s in range(9, 17)], sorted(later)
     assert all(reference[key] == value for key, value in later.items())

@@ -6,7 +6,6 @@ fails on the saver makes every rank raise; a saver that dies makes the others ra
 from __future__ import annotations
 
 import os
-import re
 import signal
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ from tests.integration_runs import (
     RankJob,
     assert_aiosnap_checkpoint,
     assert_ranks_resumed_exactly,
+    printed_losses,
     rank_loss,
     rank_report,
     report,
@@ -165,13 +165,6 @@ def test_a_saver_failing_in_training_snapshots_on_error_without_waiting_for_othe
     assert temp_entries(out) == []
 
 
-def _losses(stdout: str) -> dict[tuple[int, int], str]:
-    """Each rank's printed loss per iteration: found anywhere in the output, where two ranks'
-    lines may have come out glued together."""
-    found = re.findall(r"rank (\d+) iteration (\d+): loss (-?\d+\.\d{6})", stdout)
-    return {(int(rank), int(at)): value for rank, at, value in found}
-
-
 def _example(out: Path, iterations: int) -> str:
     return run_torchrun_example("ppe_ddp.py", out, "--iterations", str(iterations))
 
@@ -181,7 +174,8 @@ def test_the_torchrun_example_of_the_docs_resumes_with_the_same_losses(tmp_path:
     _example(tmp_path / "run", 20)
     resumed = _example(tmp_path / "run", 40)
     assert "rank 0: resumed at iteration 20" in resumed and "rank 1: resumed at iteration 20" in resumed
-    later, reference = _losses(resumed), _losses(_example(tmp_path / "reference", 40))
+    reference = printed_losses(_example(tmp_path / "reference", 40), "iteration")
+    later = printed_losses(resumed, "iteration")
     assert sorted(later) == [(r, i) for r in (0, 1) for i in range(21, 41)], sorted(later)
     assert all(reference[key] == value for key, value in later.items())
     assert sorted(os.listdir(tmp_path / "run")) == ["snapshot_iter_30", "snapshot_iter_40"]
