@@ -176,3 +176,34 @@ def test_the_torchrun_example_of_the_docs_resumes_with_the_same_losses(tmp_path:
     later, reference = printed_losses(resumed), printed_losses(_example(tmp_path / "reference", 4))
     assert sorted(later) == [(r, s) for r in (0, 1) for s in range(9, 17)], sorted(later)
     assert all(reference[key] == value for key, value in later.items())
+
+
+def test_a_settled_save_removes_only_the_loop_state_files_aiosnap_wrote(tmp_path: Path) -> None:
+    """After a save to a directory committed, rank 0 removes the earlier saves' loop state
+    files there: aiosnap's own only. A user's file, a directory or a symlink under such a
+    name stays (the symlink's target too)."""
+    from concurrent.futures import Future
+
+    from aiosnap.integrations._lightning_sharded import Pending
+
+    path = tmp_path / "last.ckpt"
+    path.mkdir()
+    for name in ("lightning-meta-new", "lightning-meta-old"):
+        aiosnap.save_sync(str(path / name), {"global_step": 1})
+    (path / "lightning-meta-notes").write_text("a user's notes")
+    (path / "lightning-meta-dir").mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    aiosnap.save_sync(str(elsewhere), {"global_step": 0})
+    (path / "lightning-meta-link").symlink_to(elsewhere)
+    done: Future[None] = Future()
+    done.set_result(None)
+    Pending(done, path, "lightning-meta-new").settle(rank=1)  # only rank 0 removes
+    assert (path / "lightning-meta-old").is_file()
+    Pending(done, path, "lightning-meta-new").settle(rank=0)
+    assert sorted(os.listdir(path)) == [
+        "lightning-meta-dir",
+        "lightning-meta-link",
+        "lightning-meta-new",
+        "lightning-meta-notes",
+    ]
+    assert elsewhere.is_file()

@@ -36,7 +36,7 @@ import aiosnap
 from aiosnap._base.errors import CorruptCheckpointError, RankFailedError
 
 from ._bridge import run_sync
-from ._files import is_aiosnap_file, remove_file
+from ._files import remove_file
 from .dcp import AiosnapStorageReader, AiosnapStorageWriter
 
 #: The DCP key of the name of the loop state's file (rank 0's, UTF-8 bytes).
@@ -89,8 +89,8 @@ class Pending:
             self.future.result()
         if rank == 0:
             for old in _metas(self.path):
-                if old != self.name and is_aiosnap_file(str(self.path / old)):
-                    remove_file(str(self.path / old))
+                if old != self.name:
+                    remove_file(str(self.path / old))  # only an aiosnap file; a stray stays, named
 
 
 def save_sharded(
