@@ -37,7 +37,9 @@ class ReportedLayout(StepDirectories):
         super().__init__(LocalStorage(), directory, pattern, False, writable=True)
         self.reports = reports
 
-    async def report(self, stats: SaveStats, rank: int, replicated: list[str], compare: bool) -> FileReport:
+    async def report(
+        self, stats: SaveStats, rank: int, replicated: list[str], compare: bool, *, stores: bool
+    ) -> FileReport:
         return await offload.run_io(self._report, rank)
 
     def _report(self, rank: int) -> FileReport:

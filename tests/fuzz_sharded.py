@@ -186,7 +186,7 @@ async def make_step(directory: Path) -> StepSeed:
         path = str(directory / rank_file(rank))
         state = rank_state(rank)
         await aiosnap.save(path, state if rank == 0 else ExternalLeaves(state, matches))
-        reports.append(file_report(storage, path, REPLICATED, rank, True))
+        reports.append(file_report(storage, path, REPLICATED, rank == 0, True))
     manifest = commit(7, None, reports, REPLICATED)
     assert manifest is not None
     (directory / MANIFEST_NAME).write_bytes(manifest.to_bytes())

@@ -106,6 +106,11 @@ class S3:
         return [u["Key"] for u in found]
 
 
+#: Every request the moto servers of this process answered: (method, path). Tests read
+#: it to tell which objects a group read (a resume from the nodes reads none remotely).
+REQUESTS: list[tuple[str, str]] = []
+
+
 def start_moto(port: int = 0) -> S3:
     """moto in this process, on ``port`` (0: any free one). Its buckets live in the
     process, not the server: a server stopped and started again on the same port is an
@@ -120,6 +125,7 @@ def start_moto(port: int = 0) -> S3:
 
         def serialized(self: Any, environ: Any, start_response: Any) -> Any:
             with lock:
+                REQUESTS.append((str(environ.get("REQUEST_METHOD")), str(environ.get("PATH_INFO"))))
                 return call(self, environ, start_response)
 
         serialized.serialized = True  # type: ignore[attr-defined]

@@ -77,6 +77,11 @@ class CommitVerdict:
     #: Ranks whose compact report rank 0 cannot expand (it does not hold what the digest
     #: stands for): each sends its whole report again, in the same turn.
     resend: list[int] = field(default_factory=list)
+    #: The manifest rank 0 committed, for the leaders of the other nodes to write in
+    #: theirs (only in a group of several nodes, ``_manager.nodes``).
+    manifest: str = ""
+    #: The steps rank 0 keeps once this one is committed: the other nodes keep the same.
+    kept: list[int] = field(default_factory=list)
 
 
 # -- the channel's own envelopes (``_dist.coord``) --------------------------------------------

@@ -135,9 +135,16 @@ class Manifest:
     #: Tree paths of the leaves whose values differed between ranks: state of its
     #: own rank, which a restore at another world size must not hand to another.
     per_rank: list[str] = field(default_factory=list)
+    #: The files that hold the replicated entries as ``replicas`` does, on other nodes
+    #: of the group (their leaders', ``_manager.nodes``): each node restores from its
+    #: own. Left out of the JSON when empty: a shared directory's manifest is as before.
+    node_replicas: list[str] = field(default_factory=list)
 
     def to_bytes(self) -> bytes:
-        body = json.dumps(encode(self), sort_keys=True, separators=(",", ":"))
+        encoded = encode(self)
+        if not self.node_replicas:
+            del encoded["node_replicas"]
+        body = json.dumps(encoded, sort_keys=True, separators=(",", ":"))
         return json.dumps(
             {"format": MANIFEST_FORMAT, "body": json.loads(body), "crc32c": f"{crc32c(body.encode()):08x}"},
             separators=(",", ":"),
@@ -173,8 +180,8 @@ class Manifest:
             return "the lists do not match the world size"
         if not all(_plain_name(f) for f in [*self.files, self.replicas]):
             return "a file name leaves the step directory or is not one"
-        if self.replicas not in self.files:  # no checksum would vouch for it
-            return "the file of the replicated entries is not one of the step's"
+        if not {self.replicas, *self.node_replicas} <= set(self.files):  # no checksum would vouch for it
+            return "a file of the replicated entries is not one of the step's"
         for path, saved in self.shards.items():
             dtype = TORCH_DTYPES.get(saved.dtype)
             # A shape torch cannot hold would fail inside torch.empty, with its own error.

@@ -195,6 +195,9 @@ class Step:
     manifest: Manifest
     rank: int
     world: int
+    #: The file to read the replicated entries from, if not ``manifest.replicas``: one
+    #: of ``manifest.node_replicas``, on the reader's node.
+    replicas: str | None = None
 
 
 def read_blocking(storage: Storage, path: str, request: LoadRequest) -> Any:
@@ -275,7 +278,7 @@ def read_step(storage: Storage, step: Step, request: LoadRequest) -> Any:
         return load_file(
             storage,
             join(step.directory, m.files[base_file(m, step.rank, step.world)]),
-            dataclasses.replace(request, replicas=join(step.directory, m.replicas)),
+            dataclasses.replace(request, replicas=join(step.directory, step.replicas or m.replicas)),
             checksums=checksums,
             shards=Shards(m.shards, open_rank, join(step.directory, MANIFEST_NAME)),
             refuse=refuse,

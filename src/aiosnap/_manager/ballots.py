@@ -63,7 +63,8 @@ class Ballots:
         # the vote that fills it runs in the background.
         turn = member.channel(on_control).turn(f"save step {record.step}")
         out_dir, file = member.place(record, self._rank)
-        target = state if self._rank == 0 or not self._replicated else ExternalLeaves(state, member.matches)
+        stores = member.stores_replicas or not self._replicated
+        target = state if stores else ExternalLeaves(state, member.matches)
         path = self._storage.join(out_dir, file)
         try:
             if check:

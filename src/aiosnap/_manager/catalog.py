@@ -94,6 +94,9 @@ class Catalog:
         self._failed: set[int] = set()
         #: Steps retention must keep for now (their upload is pending): step -> holders.
         self._held: dict[int, int] = {}
+        #: The steps rank 0 keeps, on another node's leader (``add``'s ``follow``): that
+        #: node's retention is rank 0's, not a decision of its own.
+        self._follow: set[int] | None = None
         #: The version of the index as this catalog last read or wrote it: the index is
         #: replaced only if it is still that one, so no other writer's update is lost.
         self._version: Version | None = None
@@ -189,10 +192,26 @@ class Catalog:
         m = self._pattern.fullmatch(name)
         return int(m.group("epoch")) if m and "epoch" in m.groupdict() else None
 
-    async def add(self, record: CheckpointRecord, stats: SaveStats, nbytes: int | None = None) -> None:
+    def kept_after(self, record: CheckpointRecord) -> list[int]:
+        """The valid steps retention keeps once ``record`` is committed too (uploads in
+        progress aside): what the other nodes of a group keep (``add``'s ``follow``)."""
+        valid = [r for r in self.records.values() if r.corrupt is None and r.step != record.step]
+        valid.append(record.replace(wall_time=time.time()))
+        doomed = set(victims(self._keep, valid, time.time()))
+        return sorted(r.step for r in valid if r.step not in doomed)
+
+    async def add(
+        self,
+        record: CheckpointRecord,
+        stats: SaveStats,
+        nbytes: int | None = None,
+        *,
+        follow: list[int] | None = None,
+    ) -> None:
         """Record a commit (its time, size and timings: ``nbytes`` if the checkpoint is
         more than the file of ``stats``), rewrite the index, then remove what retention
-        lets go."""
+        lets go: ``follow``, on another node of a group, is what rank 0 keeps (its
+        ``kept_after``), and what this node holds older than its newest goes."""
         timings = {
             "stall_s": stats.stall_s,
             "stage_s": stats.stage_s,
@@ -206,6 +225,8 @@ class Catalog:
             if not self._writable:
                 raise CheckpointError(f"{self._directory}: a read-only catalog cannot record a commit")
             self.records[record.step] = record
+            if follow is not None:
+                self._follow = set(follow)
             self.committed_before = True
             self._history = [*(await self.past()), record][-HISTORY_LIMIT:]
             await self._prune()
@@ -276,7 +297,11 @@ class Catalog:
 
     def _doomed(self) -> dict[int, str]:
         valid = [r for r in self.records.values() if r.corrupt is None]
-        doomed = victims(self._keep, valid, time.time())
+        if self._follow is not None and self._follow:
+            kept, top = self._follow, max(self._follow)
+            doomed = [r.step for r in valid if r.step not in kept and r.step < top]
+        else:
+            doomed = victims(self._keep, valid, time.time())
         newest = max((r.step for r in valid), default=None)
         # Checkpoints that failed verification go once a newer valid one exists.
         doomed += [

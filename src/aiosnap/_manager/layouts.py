@@ -57,6 +57,9 @@ class Layout(Protocol):
     async def sweep(self, below: int, busy: set[str]) -> None:
         """Remove what saves older than ``below`` that never committed left behind."""
 
+    def spare(self, names: set[str]) -> None:
+        """Never sweep the steps ``names``: committed on another node of the group."""
+
     def place(self, record: CheckpointRecord, rank: int) -> tuple[str, str]:
         """Where a rank writes its part of a step: (directory, file name)."""
 
@@ -68,16 +71,30 @@ class Layout(Protocol):
     def path(self, record: CheckpointRecord) -> str:
         """Where a step lives."""
 
-    async def report(self, stats: SaveStats, rank: int, replicated: list[str], compare: bool) -> FileReport:
-        """A rank's report of its durable part (``compare``: with other ranks')."""
+    async def report(
+        self, stats: SaveStats, rank: int, replicated: list[str], compare: bool, *, stores: bool
+    ) -> FileReport:
+        """A rank's report of its durable part (``compare``: with other ranks';
+        ``stores``: its file holds the replicated entries)."""
 
     async def commit(self, record: CheckpointRecord, manifest: Manifest) -> None:
         """Make a step visible once every rank's part is durable (rank 0)."""
 
+    async def commit_copy(self, record: CheckpointRecord, data: bytes) -> None:
+        """Make a step visible on another node: rank 0's manifest, as it wrote it."""
+
     async def load(
-        self, record: CheckpointRecord, rank: int, world: int, target: Any, keys: Any, strict: bool
+        self,
+        record: CheckpointRecord,
+        rank: int,
+        world: int,
+        target: Any,
+        keys: Any,
+        strict: bool,
+        near: int = 0,
     ) -> tuple[str, Any]:
-        """A rank's part of a step: (the path it read, the state)."""
+        """A rank's part of a step: (the path it read, the state); the replicated entries
+        from rank ``near``'s file if it holds them (its node's leader), else rank 0's."""
 
 
 class Files:
@@ -137,14 +154,29 @@ class Files:
     def path(self, record: CheckpointRecord) -> str:
         return self.storage.join(self.directory, record.file)
 
-    async def report(self, stats: SaveStats, rank: int, replicated: list[str], compare: bool) -> FileReport:
+    async def report(
+        self, stats: SaveStats, rank: int, replicated: list[str], compare: bool, *, stores: bool
+    ) -> FileReport:
         return FileReport(stats.skipped, bytes=stats.bytes)
 
     async def commit(self, record: CheckpointRecord, manifest: Manifest) -> None:
         """The file's own commit made it visible."""
 
+    async def commit_copy(self, record: CheckpointRecord, data: bytes) -> None:
+        """A file per step has no manifest."""
+
+    def spare(self, names: set[str]) -> None:
+        """Files of a group are never swept."""
+
     async def load(
-        self, record: CheckpointRecord, rank: int, world: int, target: Any, keys: Any, strict: bool
+        self,
+        record: CheckpointRecord,
+        rank: int,
+        world: int,
+        target: Any,
+        keys: Any,
+        strict: bool,
+        near: int = 0,
     ) -> tuple[str, Any]:
         path = self.storage.join(self.directory, record.file)
         request = (keys, None, self.allow_pickle, target, strict)
@@ -185,6 +217,9 @@ class StepDirectories:
     async def sweep(self, below: int, busy: set[str]) -> None:
         await self.dirs.sweep(below, busy)
 
+    def spare(self, names: set[str]) -> None:
+        self.dirs.spare = set(names)
+
     def place(self, record: CheckpointRecord, rank: int) -> tuple[str, str]:
         return self.storage.join(self.directory, record.file), rank_file(rank)
 
@@ -202,22 +237,38 @@ class StepDirectories:
     def path(self, record: CheckpointRecord) -> str:
         return self.storage.join(self.directory, record.file)
 
-    async def report(self, stats: SaveStats, rank: int, replicated: list[str], compare: bool) -> FileReport:
+    async def report(
+        self, stats: SaveStats, rank: int, replicated: list[str], compare: bool, *, stores: bool
+    ) -> FileReport:
         if stats.skipped:
             return FileReport(True)
-        return await _offload.run_io(file_report, self.storage, stats.path, replicated, rank, compare)
+        return await _offload.run_io(file_report, self.storage, stats.path, replicated, stores, compare)
 
     async def commit(self, record: CheckpointRecord, manifest: Manifest) -> None:
         path = self.storage.join(self.directory, record.file, MANIFEST_NAME)
         # Serialised in the worker thread too: a large group's manifest is seconds of work.
         await _offload.run_io(_put_manifest, self.storage, path, manifest)
 
+    async def commit_copy(self, record: CheckpointRecord, data: bytes) -> None:
+        await _offload.run_io(
+            put, self.storage, self.storage.join(self.directory, record.file, MANIFEST_NAME), data
+        )
+
     async def load(
-        self, record: CheckpointRecord, rank: int, world: int, target: Any, keys: Any, strict: bool
+        self,
+        record: CheckpointRecord,
+        rank: int,
+        world: int,
+        target: Any,
+        keys: Any,
+        strict: bool,
+        near: int = 0,
     ) -> tuple[str, Any]:
         step_dir = self.storage.join(self.directory, record.file)
         manifest = await _offload.run_io(read_manifest, self.storage, step_dir)
-        step = Step(step_dir, manifest, rank, world)
+        # On another node than rank 0's, its leader's file holds the replicated entries.
+        replicas = rank_file(near) if rank_file(near) in manifest.node_replicas else None
+        step = Step(step_dir, manifest, rank, world, replicas)
         state = await _offload.run_io(
             load_step, self.storage, step, keys, None, self.allow_pickle, target, strict
         )

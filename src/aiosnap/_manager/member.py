@@ -35,11 +35,12 @@ from .._base.typed import decode, encode
 from .._dist.channel import Channel, Turn
 from .._dist.decisions import agree_on_config, decoded, judge_restore
 from .._dist.messages import CommitVerdict, FileReport, LoadReport, OpenReport
-from .._format.manifest import replicated_matcher
+from .._format.manifest import Manifest, rank_file, replicated_matcher
 from .._save.handle import Resolver, SaveHandle, SaveStats
 from .blobs import collect
 from .catalog import Catalog
 from .layouts import Layout
+from .nodes import Nodes
 from .records import CheckpointRecord
 from .reports import Collected, Keeper, Sender
 
@@ -98,6 +99,18 @@ class Member:
         #: What this member last reported, and (rank 0) every member's: steady-state
         #: reports are digests of what rank 0 holds (``reports``).
         self._sender, self._keeper = Sender(), Keeper()
+        #: Which ranks share a directory (``nodes``): each node's leader holds a catalog
+        #: of its own, and writes rank 0's manifest of each commit in its directory.
+        self.nodes = Nodes.one(self.size)
+        #: The ranks whose files hold the replicated entries: rank 0, and in a group of
+        #: several nodes each node's leader, so that a node restores alone. A remote
+        #: tier's copies are the local files: its member takes the local one's.
+        self.holders: tuple[int, ...] = (0,)
+
+    @property
+    def stores_replicas(self) -> bool:
+        """Whether this rank's file holds the replicated entries (``holders``)."""
+        return self.rank in self.holders
 
     @property
     def manifests(self) -> bool:
@@ -139,6 +152,25 @@ class Member:
         async with self.channel(on_control).turn(op) as turn:
             return await turn.exchange(None, decide)
 
+    async def ask_nodes(
+        self,
+        op: str,
+        local: Callable[[Catalog], Any],
+        answer: Callable[[list[Any]], Any],
+        *,
+        on_control: bool = False,
+    ) -> Any:
+        """Rank 0's ``answer`` from every node's ``local(catalog)`` (rank 0's first), on
+        every member: each node's leader tells what its directory holds."""
+        mine = local(self.catalog) if self.catalog is not None else None
+
+        async def decide(bodies: list[Any]) -> Any:
+            result = answer([b for r, b in enumerate(bodies) if self.nodes.leads(r)])
+            return await result if inspect.isawaitable(result) else result
+
+        async with self.channel(on_control).turn(op) as turn:
+            return await turn.exchange(mine, decide)
+
     def channel(self, control: bool) -> Channel:
         """The votes channel (turns in program order), or the control channel."""
         return self._control if control else self.votes
@@ -178,7 +210,10 @@ class Member:
                 own.append(outcome)
                 raise outcome.error
             stats.append(outcome)
-            mine = await self.layout.report(outcome, self.rank, self.replicated, self.size > 1)
+            compare = self.size > 1
+            mine = await self.layout.report(
+                outcome, self.rank, self.replicated, compare, stores=self.stores_replicas
+            )
             # Digests instead of what rank 0 holds already (``reports``); rank 0 keeps its own whole.
             if len(mine.shards) + len(mine.leaves) < _SMALL_REPORT:  # less work than a thread hop
                 body, layout = self._sender.prepare(mine, self.rank == 0)
@@ -210,7 +245,7 @@ class Member:
                 outer.skip()
                 return
             self._sender.committed(sent[0][1], verdict.per_rank)
-            await self._after_commit(record, stats[0], verdict.bytes)
+            await self._after_commit(record, stats[0], verdict)
         except Exception as exc:
             outer.fail(self._failure(exc, inner, own, report))
             return
@@ -233,17 +268,31 @@ class Member:
         manifest = settled.manifest
         if manifest is None:
             return encode(CommitVerdict(committed=False))
-        if self.layout.manifests:
+        copy, kept = "", []
+        if self.replicated and len(self.holders) > 1:
+            manifest = replace(manifest, node_replicas=[rank_file(r) for r in self.holders[1:]])
+        if self.layout.manifests and self.nodes.many:  # the other nodes' leaders write it too
+            data = await _offload.run_cpu(_manifest_bytes, manifest)
+            await self.layout.commit_copy(record, data)
+            copy = data.decode()
+            kept = self.catalog.kept_after(record) if self.catalog is not None else []
+        elif self.layout.manifests:
             await self.layout.commit(record, manifest)
         self._keeper.adopt(settled.held)
-        return encode(
-            CommitVerdict(committed=True, bytes=sum(manifest.sizes), per_rank=list(manifest.per_rank))
-        )
+        per_rank = list(manifest.per_rank)
+        verdict = CommitVerdict(True, sum(manifest.sizes), per_rank, manifest=copy, kept=kept)
+        return encode(verdict)
 
-    async def _after_commit(self, record: CheckpointRecord, stats: SaveStats, size: int) -> None:
-        """Index the committed step and sweep (rank 0); collect this rank's blobs."""
+    async def _after_commit(self, record: CheckpointRecord, stats: SaveStats, verdict: CommitVerdict) -> None:
+        """Write rank 0's manifest on another node (its leader), index the committed step
+        and sweep (each node's leader); collect this rank's blobs. A leader that cannot
+        write the manifest fails its save: its node does not hold the step."""
         if self.catalog is not None:
-            await self.catalog.add(record, stats, size)
+            follow = None
+            if verdict.manifest and self.rank != 0:
+                await self.layout.commit_copy(record, verdict.manifest.encode())
+                follow = verdict.kept
+            await self.catalog.add(record, stats, verdict.bytes, follow=follow)
             await self.layout.sweep(record.step, self.busy)
         if self.blob_dir is not None:
             await _offload.run_io(collect, self.layout.storage, self.layout.directory, self.blob_dir)
@@ -273,16 +322,17 @@ class Member:
 
     # -- restoring -----------------------------------------------------------------------
     async def listing(self, step: int | None) -> Listing:
-        """Rank 0's records to restore, newest first (only ``step``'s, if given), and the
-        mark of the directory they were listed from."""
+        """Rank 0's records to restore, newest first (only ``step``'s, if given), of the
+        steps every node holds, and the mark of the directory they were listed from."""
 
-        def answer() -> dict[str, Any]:
+        def answer(held: list[Any]) -> dict[str, Any]:
             assert self.catalog is not None
+            everywhere = set.intersection(*(set(h) for h in held))
             steps = [step] if step is not None else sorted(self.catalog.steps(), reverse=True)
-            records = [self.catalog.records[s].to_json() for s in steps if s in self.catalog.records]
+            records = [self.catalog.records[s].to_json() for s in steps if s in everywhere]
             return {"records": records, "mark": self.catalog.mark()}
 
-        listed = await self.ask("restore", answer)
+        listed = await self.ask_nodes("restore", lambda c: list(c.records), answer)
         return Listing([(self, CheckpointRecord.from_json(raw)) for raw in listed["records"]], listed["mark"])
 
     async def attempt(
@@ -295,7 +345,10 @@ class Member:
 
         async def work() -> Any:
             try:
-                loaded.append(await self.layout.load(record, self.rank, self.size, target, keys, strict))
+                near = self.nodes.of[self.rank]
+                loaded.append(
+                    await self.layout.load(record, self.rank, self.size, target, keys, strict, near)
+                )
             except _MISMATCH as exc:
                 mine.append(exc)
                 return encode(LoadReport("mismatch", str(exc)))
@@ -429,6 +482,11 @@ def _warn_once(warned: set[tuple[int, int, str]], member: Member, tried: Attempt
     # older checkpoint again, and a damaged disk deserves the user's attention.
     what = "failed verification" if tried.outcome == "corrupt" else "cannot be read"
     notice(logger, f"checkpoint {tried.where} {what} ({tried.reason}); {then}")
+
+
+def _manifest_bytes(manifest: Manifest) -> bytes:
+    with _offload.gc_paused():  # its JSON is as many objects as the manifest's boxes
+        return manifest.to_bytes()
 
 
 def _entries(body: Any) -> int:

@@ -27,7 +27,9 @@ from .._base.errors import (
     LeaseLostError,
 )
 from .._base.tasks import Failures
+from .._base.typed import encode
 from .._dist.channel import Channel, LocalChannel
+from .._dist.decisions import agree_on_config, decoded
 from .._dist.messages import OpenReport
 from .._save.handle import Resolver, SaveHandle, SaveStats
 from .._storage.backends import resolve
@@ -39,6 +41,7 @@ from .catalog import Catalog
 from .holding import LeaseHolder
 from .layouts import choose_layout
 from .member import Attempt, Listing, Member, restore_first
+from .nodes import Nodes, committed_here, find_nodes, manifests_of, refill, sweep_probes
 from .records import CheckpointRecord
 from .retention import RetentionPolicy
 
@@ -89,8 +92,14 @@ class Site:
         read_only: bool,
         lease_ttl: float,
         allow_pickle: bool,
+        probe_nodes: bool = True,
     ) -> None:
         self.storage, self.directory = resolve(directory, storage)
+        #: Whether the ranks find out which of them share the directory (``nodes``): a
+        #: remote tier's is shared by construction, a reader writes no probe.
+        self.probe_nodes = probe_nodes and not read_only
+        #: The group's nodes (ranks sharing a directory), once connected.
+        self.nodes = Nodes.one(group.size)
         self.naming, self.keep, self.group = naming, keep, group
         self.read_only, self.lease_ttl, self.allow_pickle = read_only, lease_ttl, allow_pickle
         #: What the last open found failed (an object store down, a lease held).
@@ -115,6 +124,7 @@ class Site:
             read_only=self.read_only,
             lease_ttl=self.lease_ttl,
             allow_pickle=self.allow_pickle,
+            probe_nodes=False,  # one directory every rank reaches
         )
 
     def on_settled(self, call: Callable[[], object]) -> None:
@@ -140,6 +150,11 @@ class Site:
         """Set once another manager took the directory's lease."""
         return self._holder.lost
 
+    def hold_replicas_as(self, local: Site) -> None:
+        """The ranks whose files hold the replicated entries are ``local``'s (this is its
+        remote tier, whose copies are those files)."""
+        self.member.holders = local.member.holders
+
     @property
     def blob_dir(self) -> str | None:
         """This rank's folder of blobs, which it collects itself (``Member.blob_dir``)."""
@@ -158,7 +173,8 @@ class Site:
 
     @property
     def catalog(self) -> Catalog | None:
-        """The catalog of the directory: rank 0's (None on the other members)."""
+        """The catalog of the directory: a node leader's (None on the other members);
+        rank 0's decides for the group."""
         return self._catalog
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -183,7 +199,12 @@ class Site:
             allow_pickle=self.allow_pickle,
             writable=not self.read_only,
         )
-        if self.group.rank == 0:
+        self._member = Member(*self._channels, layout=layout, catalog=None, replicated=self.group.replicated)
+        if self.probe_nodes and self.group.world_size is not None:
+            self.nodes = await find_nodes(self._channels[0], self.storage, self.directory)
+        self._member.nodes = self.nodes
+        self._member.holders = tuple(self.nodes.leaders)
+        if self.nodes.leads(self.group.rank):
             self._catalog = Catalog(
                 self.storage,
                 self.directory,
@@ -193,22 +214,24 @@ class Site:
                 writable=not self.read_only,
                 name=self.naming.name,
             )
-        self._member = Member(
-            *self._channels, layout=layout, catalog=self._catalog, replicated=self.group.replicated
-        )
+            self._member.catalog = self._catalog
 
     @property
     def steps_are_dirs(self) -> bool:
         return self.member.manifests
 
     async def open(self, tg: anyio.abc.TaskGroup, *, on_control: bool = False) -> None:
-        """On rank 0, take the lease, sweep and load the catalog; every member checks that
-        all are configured alike. A failure raises on every member and releases what was
-        taken: ``open`` can be tried again. ``on_control``: agree over the control channel,
-        so that a background open takes no turn among the saves'."""
+        """On each node's leader (rank 0 alone, for a shared directory), take the lease,
+        sweep and load the catalog; every member checks that all are configured alike.
+        A failure raises on every member and releases what was taken: ``open`` can be
+        tried again. ``on_control``: agree over the control channel, so that a
+        background open takes no turn among the saves'."""
         config = OpenReport(self.naming.name, list(self.group.replicated), self.group.size)
         try:
-            await self.member.open(config, self._prepare, on_control=on_control)
+            if self.nodes.many:
+                await self._open_nodes(config, on_control)
+            else:
+                await self.member.open(config, self._prepare, on_control=on_control)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._holder.release()
@@ -217,19 +240,82 @@ class Site:
         self.opened.set()
 
     async def _prepare(self) -> None:
-        """Lock the directory, sweep what crashed saves left, load the index (rank 0); a
-        reader only loads the index."""
-        assert self._catalog is not None
+        await self._lock()
+        await self._tidy()
+
+    async def _lock(self) -> None:
+        """Lock the directory (not a reader)."""
         found = await _offload.run_io(self.storage.stat, self.directory)  # a link to a directory is one
         if found is not None and not found.is_dir:
             raise ForeignFileError(self.directory, f"{describe(found)}, not a directory")
         if not self.read_only:
             await self._holder.take()
+
+    async def _tidy(self) -> None:
+        """Sweep what crashed saves left, load the index; a reader only loads the index."""
+        assert self._catalog is not None
+        if not self.read_only:
             swept = await _offload.run_io(self.storage.sweep_incomplete, self.directory)
             if swept:
                 logger.info("removed %d temp file(s) of crashed saves in %s", len(swept), self.directory)
             await _offload.run_io(functools.partial(sweep_blobs, idle=True), self.storage, self.directory)
+            if self.probe_nodes:
+                await _offload.run_io(sweep_probes, self.storage, self.directory)
         await self._catalog.load()
+
+    async def _open_nodes(self, config: OpenReport, on_control: bool) -> None:
+        """Open a group of several nodes (``nodes``): each leader locks its directory and
+        tells which steps it holds committed; rank 0 answers with the steps committed on
+        any node, which no node sweeps, and the manifests of its own that other nodes
+        lack; then each leader refills those it has the files of, sweeps and loads."""
+        lead = self.nodes.leads(self.group.rank)
+
+        async def lock() -> Any:
+            if not lead:
+                return {"config": encode(config), "committed": None}
+            await self._lock()
+            names = await _offload.run_io(self.storage_names)
+            here = await _offload.run_io(committed_here, self.storage, self.directory, names)
+            return {"config": encode(config), "committed": here}
+
+        async def plan(bodies: list[Any]) -> Any:
+            agree_on_config(decoded(OpenReport, [b["config"] for b in bodies]))
+            held = {r: set(b["committed"]) for r, b in enumerate(bodies) if b["committed"] is not None}
+            lacking = sorted(n for n in held[0] if any(n not in names for names in held.values()))
+            manifests = await _offload.run_io(manifests_of, self.storage, self.directory, lacking)
+            return {"keep": sorted(set().union(*held.values())), "manifests": manifests}
+
+        async def tidy() -> Any:
+            if lead:
+                if self.group.rank != 0:
+                    ranks = self.nodes.members(self.group.rank)
+                    done = await _offload.run_io(
+                        refill, self.storage, self.directory, told["manifests"], ranks
+                    )
+                    if done:
+                        logger.info(
+                            "%s: the manifests of %s written again from rank 0's", self.directory, done
+                        )
+                self.member.layout.spare(set(told["keep"]))
+                await self._tidy()
+            return None
+
+        async def nothing(_: list[Any]) -> Any:
+            return None
+
+        channel = self.member.channel(on_control)
+        async with channel.turn("open") as turn:
+            told = await turn.agree(lock, plan)
+        async with channel.turn("open nodes") as turn:
+            await turn.agree(tidy, nothing)
+
+    def storage_names(self) -> list[str]:
+        """The step directories in the directory (committed or not). Blocking."""
+        return [
+            e.name
+            for e in self.storage.list(self.directory)
+            if e.is_dir and self.naming.pattern.fullmatch(e.name)
+        ]
 
     async def close(self) -> None:
         """Stop writing the index, leave the group's channels, release the lease: all of
@@ -300,15 +386,11 @@ class Site:
         assert self._catalog is not None
         return self._catalog
 
-    def catalog_steps(self) -> list[int]:
-        """Rank 0's committed, valid steps (what ``steps`` asks it for)."""
-        return self._rank0().steps()
-
     async def steps(self, *, on_control: bool = False) -> list[int]:
         """The committed steps that have not failed verification, oldest first
         (``on_control``: asked over the control channel, among no save's turns)."""
         await self.refresh()
-        return list(await self.member.ask("steps", self.catalog_steps, on_control=on_control))
+        return list(await self.member.ask_nodes("steps", Catalog.steps, _common, on_control=on_control))
 
     async def history(self) -> list[CheckpointRecord]:
         await self.refresh()
@@ -343,7 +425,7 @@ class Site:
         """Whether the directory ever held a committed checkpoint: it holds one, or its
         index says it did (retention since removed them all, or someone did)."""
         await self.refresh()
-        return bool(await self.member.ask("committed before", lambda: self._rank0().committed_before))
+        return bool(await self.member.ask_nodes("committed before", lambda c: c.committed_before, any))
 
     async def restore(
         self, step: int | None, target: Any, keys: Sequence[str] | None, strict: bool
@@ -366,3 +448,8 @@ class Site:
         if not dry_run:  # saves may be in flight: their blobs' temp files are pinned
             await _offload.run_io(functools.partial(sweep_blobs, idle=False), self.storage, self.directory)
         return gone
+
+
+def _common(held: list[Any]) -> list[int]:
+    """The steps every node holds (``Member.ask_nodes``), oldest first."""
+    return sorted(set.intersection(*(set(h) for h in held)))

@@ -39,10 +39,13 @@ def _header(storage: Storage, path: str) -> tuple[Header, int]:
         f.close()
 
 
-def file_report(storage: Storage, path: str, patterns: Sequence[str], rank: int, leaves: bool) -> FileReport:
+def file_report(
+    storage: Storage, path: str, patterns: Sequence[str], stores: bool, leaves: bool
+) -> FileReport:
     """Read back the header of a rank's committed file and report it: its checksum; a
-    digest of the replicated entries it describes (stored by rank 0, external
-    elsewhere), which must agree across ranks; the DTensor boxes it stored; and, when
+    digest of the replicated entries it describes (stored if ``stores``: rank 0's and
+    other nodes' leaders', external elsewhere), which must agree across ranks; the
+    DTensor boxes it stored; and, when
     other ranks compare them (``leaves``), a digest of every other leaf. Blocking."""
     header, size = _header(storage, path)
     if header.refs:  # described as stored entries: the report is of what the file holds, where
@@ -63,7 +66,7 @@ def file_report(storage: Storage, path: str, patterns: Sequence[str], rank: int,
                 shards.append(ShardBox(where, name, info.dtype, list(whole), list(offsets), list(info.shape)))
         elif leaves and not matches(where):  # replicated ones are compared by their own digest
             digests[where] = _digest(header, node)
-    if rank == 0:
+    if stores:
         replicated = [header.tensors[n] for n, p in firsts.items() if n in header.tensors and matches(p)]
     else:
         replicated = [i for i in header.external.values() if i.shard is None]
@@ -99,6 +102,8 @@ class StepDirs:
     def __init__(self, storage: Storage, directory: str, pattern: re.Pattern[str], *, writable: bool) -> None:
         self.storage, self.directory, self.pattern = storage, directory, pattern
         self.writable = writable
+        #: Steps committed on another node of the group: their files here are never swept.
+        self.spare: set[str] = set()
         #: What the last scan or removal left alone: "name (why)".
         self.strays: list[str] = []
 
@@ -131,7 +136,7 @@ class StepDirs:
                 if self.writable:
                     path = self.storage.join(self.directory, name)
                     await _offload.run_io(self.storage.sweep_incomplete, path)
-            elif self.writable:
+            elif self.writable and name not in self.spare:
                 await self._drop_uncommitted(name)
         return committed
 
@@ -143,7 +148,11 @@ class StepDirs:
         """Remove what failed or abandoned saves left in uncommitted step directories
         older than ``below`` that no save in progress is writing."""
         for step, name in (await _offload.run_io(self._steps)).items():
-            if step < below and name not in busy and not await _offload.run_io(self._committed, name):
+            if (
+                step < below
+                and name not in busy | self.spare
+                and not await _offload.run_io(self._committed, name)
+            ):
                 await self._drop_uncommitted(name)
 
     async def _drop_uncommitted(self, name: str) -> None:

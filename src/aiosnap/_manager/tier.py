@@ -169,8 +169,10 @@ class Tier:
             await self.site.close()
 
     def share_blob_dir(self, local: Site) -> None:
-        """This rank's blob folder is the local directory's: collected by this rank."""
+        """This rank's blob folder is the local directory's: collected by this rank; and
+        the files that hold the replicated entries are the local ones'."""
         self.site.blob_dir = local.blob_dir
+        self.site.hold_replicas_as(local)
 
     def take_failures(self) -> list[SaveFailure]:
         """The failed uploads not reported yet (see ``UploadWriter.take_failures``)."""

@@ -1,0 +1,180 @@
+"""A group whose ranks do not share one directory: node-local directories (issue 43).
+
+Four real gloo ranks as two "nodes": ranks 0-1 pass directory A, ranks 2-3 directory B
+(per-rank directories stand in for each machine's own disk), with a moto S3 remote
+tier. Each node must hold the kept steps whole (its ranks' files and the manifest), be
+swept and rotated by its own leader, and a resume must read nothing remotely.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import aiosnap
+from aiosnap._dist.decisions import Refused
+from aiosnap._format.manifest import MANIFEST_NAME
+from aiosnap._manager.nodes import Nodes, decide_nodes
+
+from . import servers
+from .test_distributed import ok, run_ranks
+
+WORLD = 4
+
+
+def node_dir(root: str, rank: int) -> str:
+    return os.path.join(root, "node-a" if rank < 2 else "node-b")
+
+
+def state_of(rank: int, step: int) -> dict[str, Any]:
+    return {
+        "model": {"w": torch.arange(64, dtype=torch.float32) + step},
+        "mine": torch.full((8,), float(rank * 100 + step)),
+    }
+
+
+async def _train(rank: int, world: int, root: str, remote: str, env: dict[str, str]) -> Any:
+    os.environ.update(env)
+    async with aiosnap.CheckpointManager(
+        node_dir(root, rank),
+        remote=remote,
+        ranks=aiosnap.Ranks(replicated=["model"], timeout=60),
+        keep=aiosnap.retention.KeepLast(2),
+    ) as mgr:
+        for step in (1, 2, 3, 4):
+            await mgr.save(step, state_of(rank, step))
+        await mgr.flush()
+        return {
+            "steps": await mgr.steps(),
+            "latest": await mgr.latest_step(),
+            "remote": await mgr.remote_steps(),
+        }
+
+
+async def _resume(rank: int, world: int, root: str, remote: str, env: dict[str, str]) -> Any:
+    os.environ.update(env)
+    async with aiosnap.CheckpointManager(
+        node_dir(root, rank), remote=remote, ranks=aiosnap.Ranks(replicated=["model"], timeout=60)
+    ) as mgr:
+        steps = await mgr.steps()
+        restored = await mgr.restore()
+    mine = float(restored.state["mine"][0])
+    return {"steps": steps, "step": restored.step, "path": restored.path, "mine": mine}
+
+
+def _listing(directory: str) -> dict[str, list[str]]:
+    return {
+        name: sorted(os.listdir(os.path.join(directory, name)))
+        for name in sorted(os.listdir(directory))
+        if os.path.isdir(os.path.join(directory, name))
+    }
+
+
+def _read_remotely(since: int) -> list[str]:
+    """The checkpoint objects (rank files, manifests) the remote served since ``since``."""
+    return [p for m, p in servers.REQUESTS[since:] if m == "GET" and ("/rank_" in p or MANIFEST_NAME in p)]
+
+
+def test_each_node_holds_its_kept_steps_whole_and_a_resume_reads_nothing_remotely(
+    s3: Any, tmp_path: Path
+) -> None:
+    root, remote = str(tmp_path), f"s3://{s3.bucket()}/run"
+    results = run_ranks(WORLD, _train, root, remote, s3.env)
+    ok(results, WORLD)
+    for r in results.values():  # every rank lists what every node holds
+        assert r == {"steps": [3, 4], "latest": 4, "remote": [3, 4]}, results
+    for node, ranks in (("node-a", (0, 1)), ("node-b", (2, 3))):
+        held = _listing(os.path.join(root, node))
+        want = sorted([MANIFEST_NAME, *(f"rank_{r:05d}" for r in ranks)])
+        # The kept steps, whole, rotated by the node's own leader; no probe, no temp file.
+        assert {k: v for k, v in held.items() if k.startswith("snapshot")} == {
+            "snapshot_iter_3": want,
+            "snapshot_iter_4": want,
+        }, (node, held)
+        assert not [n for n in os.listdir(os.path.join(root, node)) if n.startswith(".aiosnap-tmp")], node
+
+    since = len(servers.REQUESTS)
+    results = run_ranks(WORLD, _resume, root, remote, s3.env)
+    ok(results, WORLD)
+    for rank, r in results.items():
+        assert r["steps"] == [3, 4] and r["step"] == 4, results
+        assert r["path"] == os.path.join(node_dir(root, rank), "snapshot_iter_4")
+        assert r["mine"] == rank * 100 + 4
+    assert _read_remotely(since) == []
+
+
+async def _local_run(rank: int, world: int, root: str, steps: list[int]) -> Any:
+    async with aiosnap.CheckpointManager(
+        node_dir(root, rank),
+        ranks=aiosnap.Ranks(replicated=["model"], timeout=60),
+        keep=aiosnap.retention.KeepLast(3),
+    ) as mgr:
+        listed = await mgr.steps()
+        restored = await mgr.restore() if listed else None
+        for step in steps:
+            await mgr.save(step, state_of(rank, step))
+        await mgr.flush()
+        after = await mgr.steps()
+    return {
+        "before": listed,
+        "after": after,
+        "restored": None if restored is None else [restored.step, float(restored.state["mine"][0])],
+    }
+
+
+def test_a_node_missing_a_manifest_gets_it_back_and_one_missing_a_step_is_not_listed(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    ok(run_ranks(WORLD, _local_run, root, [1, 2, 3]), WORLD)
+    b = os.path.join(root, "node-b")
+    # A crash between rank 0's commit and node B's: B holds step 3's files, not its manifest.
+    os.remove(os.path.join(b, "snapshot_iter_3", MANIFEST_NAME))
+    shutil.rmtree(os.path.join(b, "snapshot_iter_2"))  # node B lost step 2
+    results = run_ranks(WORLD, _local_run, root, [4])
+    ok(results, WORLD)
+    for rank, r in results.items():
+        # Step 3 is whole again on B (its files kept, not swept as an unfinished save's);
+        # step 2 is not listed: its files of ranks 2 and 3 are on no node.
+        assert r["before"] == [1, 3] and r["restored"] == [3, rank * 100 + 3], results
+        # Rank 0 keeps [2, 3, 4] (KeepLast(3)); node B follows it: its step 1 goes.
+        assert r["after"] == [3, 4], results
+    assert sorted(os.listdir(os.path.join(b, "snapshot_iter_3"))) == [
+        MANIFEST_NAME,
+        "rank_00002",
+        "rank_00003",
+    ]
+    assert sorted(n for n in os.listdir(b) if n.startswith("snapshot")) == [
+        "snapshot_iter_3",
+        "snapshot_iter_4",
+    ]
+    a = os.path.join(root, "node-a")
+    assert sorted(n for n in os.listdir(a) if n.startswith("snapshot")) == [
+        f"snapshot_iter_{s}" for s in (2, 3, 4)
+    ]
+
+
+def test_ranks_sharing_a_directory_by_another_path_are_one_node(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    os.makedirs(os.path.join(root, "node-a"))
+    os.symlink(os.path.join(root, "node-a"), os.path.join(root, "node-b"))  # one disk, two names
+    ok(run_ranks(WORLD, _local_run, root, [1, 2]), WORLD)
+    held = _listing(os.path.join(root, "node-a"))
+    assert held == {
+        f"snapshot_iter_{s}": [MANIFEST_NAME, *(f"rank_{r:05d}" for r in range(WORLD))] for s in (1, 2)
+    }
+    shutil.rmtree(os.path.join(root, "node-a"))
+
+
+def test_rank_0_groups_ranks_by_the_probes_they_see() -> None:
+    assert decide_nodes([[0, 1], [0, 1], [2, 3], [2, 3]]) == [0, 0, 2, 2]
+    assert decide_nodes([[0, 2], [1], [0, 2]]) == [0, 1, 0]
+    assert Nodes((0, 1, 0)).members(0) == [0, 2] and Nodes((0, 1, 0)).leaders == [0, 1]
+    assert not Nodes.one(3).many and Nodes((0, 0, 2, 2)).many
+    with pytest.raises(Refused, match="cannot see the probe"):
+        decide_nodes([[0], [0]])
+    with pytest.raises(Refused, match="rank 1 sees those of ranks"):  # not mutual: refused, never guessed
+        decide_nodes([[0, 1], [1], [2]])
