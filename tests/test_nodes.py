@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ from aiosnap._format.manifest import MANIFEST_NAME
 from aiosnap._manager.nodes import Nodes, decide_nodes
 
 from . import servers
+from .integration_runs import JOB_CAP, ROOT
 from .test_distributed import ok, run_ranks
 
 WORLD = 4
@@ -56,10 +59,16 @@ async def _train(rank: int, world: int, root: str, remote: str, env: dict[str, s
         }
 
 
-async def _resume(rank: int, world: int, root: str, remote: str, env: dict[str, str]) -> Any:
+async def _resume(
+    rank: int, world: int, root: str, remote: str, env: dict[str, str], wait: float = 30
+) -> Any:
     os.environ.update(env)
     async with aiosnap.CheckpointManager(
-        node_dir(root, rank), remote=remote, ranks=aiosnap.Ranks(replicated=["model"], timeout=60)
+        node_dir(root, rank),
+        # Down, the remote tier would get the newest local step at once (a catch-up),
+        # and the close wait upload_timeout for it: this run uploads only if asked.
+        remote=aiosnap.Remote(remote, timeout=wait, upload="every" if wait >= 30 else "manual"),
+        ranks=aiosnap.Ranks(replicated=["model"], timeout=60),
     ) as mgr:
         steps = await mgr.steps()
         restored = await mgr.restore()
@@ -106,6 +115,13 @@ def test_each_node_holds_its_kept_steps_whole_and_a_resume_reads_nothing_remotel
         assert r["path"] == os.path.join(node_dir(root, rank), "snapshot_iter_4")
         assert r["mine"] == rank * 100 + 4
     assert _read_remotely(since) == []
+
+    # The remote tier gone (nothing listens at its endpoint): the group goes on from the
+    # nodes once rank 0 found it unavailable (Remote(timeout=...): here 1 s, not 30).
+    down = {**s3.env, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{servers.free_port()}"}
+    results = run_ranks(WORLD, _resume, root, remote, down, 1.0)
+    ok(results, WORLD)
+    assert all(r["step"] == 4 and r["mine"] == rank * 100 + 4 for rank, r in results.items()), results
 
 
 async def _local_run(rank: int, world: int, root: str, steps: list[int]) -> Any:
@@ -178,3 +194,25 @@ def test_rank_0_groups_ranks_by_the_probes_they_see() -> None:
         decide_nodes([[0], [0]])
     with pytest.raises(Refused, match="rank 1 sees those of ranks"):  # not mutual: refused, never guessed
         decide_nodes([[0, 1], [1], [2]])
+
+
+@pytest.mark.slow
+def test_the_docs_example_resumes_from_each_nodes_disk_as_if_never_stopped(tmp_path: Path) -> None:
+    """examples/nodes.py as docs/nodes.md runs it: 4 ranks on 2 "nodes", steps 1-4, then
+    8; the resumed run's losses are those of a run that never stopped (8 steps at once)."""
+
+    def run(root: Path, steps: int) -> str:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4"]
+        script = [str(ROOT / "examples" / "nodes.py"), "--root", str(root), "--steps", str(steps)]
+        done = subprocess.run([*command, *script], capture_output=True, text=True, timeout=JOB_CAP)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
+
+    run(tmp_path / "stopped", 4)
+    resumed, whole = run(tmp_path / "stopped", 8), run(tmp_path / "whole", 8)
+    for rank in range(WORLD):
+        node = tmp_path / "stopped" / f"node-{rank // 2}" / "snapshot_iter_4"
+        assert f"rank {rank} resumed at step 4 from {node}" in resumed
+    losses = [line for line in resumed.splitlines() if line.startswith("step ")]
+    assert losses and losses == [line for line in whole.splitlines() if line.startswith("step ")][4:]
+    assert "steps every node holds: [7, 8]" in resumed

@@ -34,9 +34,11 @@ class Remote:
         storage: its storage (by default, what ``url`` names).
         upload: ``"every"`` committed save is uploaded, or ``"manual"`` (``upload()``).
         uploader: the UploadWriter of the tier (retries, waiting uploads).
-        timeout: seconds a process on its own waits for the remote tier's first answer
-            where it must read it (``latest_step``, ``restore``, ``resume``) before
-            RemoteStorageError says it is unavailable and what to do (None: no bound).
+        timeout: seconds a manager waits for the remote tier's first answer where it
+            must read it (``latest_step``, ``restore``, ``resume``) before it goes on
+            from the local tier, or, with nothing there, RemoteStorageError says the
+            remote is unavailable and what to do (None: no bound). A group goes by what
+            rank 0 found.
     """
 
     url: str

@@ -15,7 +15,8 @@ The local directory is the safety net, so nothing local ever waits on the remote
 - **Reading** the remote tier (its steps, a restore) waits for it to open. A process
   on its own stops waiting once an attempt has failed, or ``read_timeout`` seconds
   passed without an answer, and is told the remote is unavailable and what to do
-  (``available()``); a group always waits, since its members must agree.
+  (``available()``); so does a group, as rank 0 found it (its members must agree:
+  ``agree_with``).
 - **Draining** (``flush``, ``aclose``) waits for the uploads for as long as they make
   progress; after ``upload_timeout`` seconds without any, it stops waiting, and at a
   close ends them (one failure reported for all): the next open uploads the newest
@@ -77,6 +78,8 @@ class Tier:
         site.on_settled(uploader.nudge)
         self._opened = site.opened  # set once the remote directory is open
         self._alone = site.group.world_size is None  # a process on its own
+        #: A group's members take rank 0's view of whether the remote is open (``agree_with``).
+        self._agree: Callable[[bool], Awaitable[bool]] | None = None
 
     @property
     def directory(self) -> str:
@@ -173,6 +176,7 @@ class Tier:
         the files that hold the replicated entries are the local ones'."""
         self.site.blob_dir = local.blob_dir
         self.site.hold_replicas_as(local)
+        self.agree_with(local)
 
     def take_failures(self) -> list[SaveFailure]:
         """The failed uploads not reported yet (see ``UploadWriter.take_failures``)."""
@@ -235,15 +239,22 @@ class Tier:
         await self._send(record, local, on_control=True)
 
     # -- reading -------------------------------------------------------------------------
+    def agree_with(self, local: Site) -> None:
+        """In a group, whether the remote is open is rank 0's answer, asked over the local
+        directory's channel (reads of the remote are in program order on every member)."""
+        if not self._alone:
+            self._agree = lambda mine: local.member.ask("remote open", lambda: mine)
+
     async def available(self) -> bool:
-        """Whether the remote tier can be read now: it is open. A process on its own waits
-        for the first attempt to open it, at most ``read_timeout`` seconds, and is answered
-        False if it failed or has not ended; a group waits until it is open (its members
-        must agree, and each answers for itself)."""
-        if self._alone:
+        """Whether the remote tier can be read now: it is open. Each member waits for the
+        first attempt to open it, at most ``read_timeout`` seconds, and is answered False
+        if it failed or has not ended; in a group, as rank 0 found it (its members must
+        agree), or, without ``agree_with``, once it is open."""
+        if self._alone or self._agree is not None:
             with anyio.move_on_after(self.read_timeout):
                 await self.tried.wait()
-            return self._opened.is_set()
+            mine = self._opened.is_set()
+            return mine if self._agree is None else bool(await self._agree(mine))
         await self._opened.wait()
         return True
 
