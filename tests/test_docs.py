@@ -170,6 +170,7 @@ def test_marked_python_block_runs(block: Block, tmp_path: Path, monkeypatch: pyt
 #: Pages that show an example file whole: the page's copy is the file.
 EMBEDDED = {
     "fsdp2-example.md": "examples/fsdp2.py",
+    "nodes.md": "examples/nodes.py",
     "storage-backend.md": "examples/dict_storage.py",
     "integration-accelerate.md": "examples/accelerate_ddp.py",
     "integration-transformers.md": "examples/transformers_ddp.py",

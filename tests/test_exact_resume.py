@@ -111,7 +111,7 @@ def _final_params(directory: Path) -> dict[str, torch.Tensor]:
     return aiosnap.load_sync(str(directory / f"snapshot_iter_{EPOCHS}"), keys=["model"])["model"]
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])  # slow: CI's budget
 def test_killed_and_resumed_run_is_bit_identical(workers: int, tmp_path: Path) -> None:
     assert not _run(tmp_path / "reference", workers, None)
     reference = _final_params(tmp_path / "reference")

@@ -69,7 +69,11 @@ def _committed(out: Path) -> list[str]:
     )
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+# Slow at 2 ranks too (CI's budget): the default run keeps the Trainer's kill-and-resume in
+# one process (test_integration_transformers.py), a DDP group's kill-and-resume through
+# Accelerate and ppe, and this file's other tests of the Trainer's group.
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
 def test_killed_ddp_job_resumes_from_the_last_checkpoint_bit_identical(tmp_path: Path, world: int) -> None:
     out = tmp_path / "run"
     steps = STEPS * 2 // world

@@ -362,6 +362,7 @@ def _torchrun(ranks: int, *args: str) -> str:
     return done.stdout
 
 
+@pytest.mark.slow  # CI's budget: the default run reshards 4 -> 2 ranks in-process above
 def test_the_torchrun_example_of_the_docs_resumes_at_another_world_size(tmp_path: Path) -> None:
     resumed = tmp_path / "resumed"
     _torchrun(4, "--dir", str(resumed), "--steps", "2")
