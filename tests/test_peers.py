@@ -242,6 +242,35 @@ def test_a_sender_killed_mid_file_leaves_nothing_and_the_receiver_raises(tmp_pat
     assert r["left"] == []
 
 
+async def _receiver_cancelled(rank: int, world: int, root: str, size: int) -> dict[str, Any]:
+    """Rank 1's receive is cancelled once its first piece is written; it then closes its link."""
+    link = await open_peer_link(None, SILENCE)
+    storage = LocalStorage()
+    try:
+        if rank == 0:
+            await send_file(link, 1, 6, storage, f"{root}/a/f", piece=MiB)
+            return {"error": "the file was sent"}
+        with anyio.CancelScope() as scope:
+            await recv_file(
+                link, 0, 6, storage, f"{root}/b/f", expected_size=size, on_piece=lambda n: scope.cancel()
+            )
+        return {"cancelled": scope.cancelled_caught, "left": _files(Path(root, "b"))}
+    except PeerTransferError as exc:
+        return {"raised": str(exc)}
+    finally:
+        link.close()
+
+
+def test_a_cancelled_receive_leaves_nothing_and_the_sender_raises(tmp_path: Path) -> None:
+    size = 8 * MiB
+    _write_random(tmp_path / "a" / "f", size, seed=5)
+    (tmp_path / "b").mkdir()
+    results = run_ranks(2, _receiver_cancelled, str(tmp_path), size)
+    ok(results, 2)
+    assert results[1] == {"cancelled": True, "left": []}
+    assert "with rank 1 failed: rank 1 " in results[0]["raised"]
+
+
 async def _sender_stalls(
     rank: int, world: int, root: str, size: int, silence: float, gave_up: Any
 ) -> dict[str, Any]:

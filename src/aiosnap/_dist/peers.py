@@ -18,6 +18,9 @@ The receiver knows the size it expects (the step's manifest) and refuses another
 it allocates anything; the sender learns whether the copy was committed. Every blocking
 gloo call runs in a ``run_peer`` thread and waits at most the link's timeout: a peer that
 died (its connection closes) or fell silent makes the other end raise PeerTransferError.
+A rank runs at most ``PEER_THREADS`` transfers at once: past that, two ranks whose threads
+all wait on sends to each other leave no thread to post the receives those wait for (each
+transfer holds one thread at a time, so up to that many never starve).
 This is the third module that touches torch.distributed (with ``coord`` and ``_shards``).
 """
 
@@ -125,9 +128,9 @@ class PeerLink:
         self._taken.discard(key)
 
     def forsake(self, wire: _Wire) -> None:
-        """A transfer that failed: its tag stays taken, and what it posted stays alive."""
-        if wire.pending:
-            self._stale.append(wire)
+        """A transfer that failed: its tag stays taken, and what it posted stays alive (a
+        thread abandoned by a cancelled caller may still post)."""
+        self._stale.append(wire)
 
 
 def _slots(tag: int) -> tuple[int, int]:
@@ -149,10 +152,12 @@ class _Wire:
 
     def step(self, posts: list[tuple[bool, torch.Tensor, int]], keep: int) -> None:
         """Post ``(send?, tensor, slot)`` each, then wait until ``keep`` are pending."""
-        group = self.link.group
         for send, tensor, slot in posts:
-            post = group.send if send else group.recv
+            # The group is not held across the waits: a thread that a cancelled caller
+            # abandoned must never be the one to free it (see ``PeerLink.close``).
+            post = self.link.group.send if send else self.link.group.recv
             self.pending.append((post([tensor], self.peer, slot), tensor))
+            del post
         while len(self.pending) > keep:
             _wait(self.pending[0][0], self.link.timeout)
             self.pending.popleft()
@@ -165,10 +170,9 @@ class _Wire:
             why = f"rank {self.peer} {reason(exc, self.link.timeout)}"
             raise PeerTransferError(self.peer, self.path, why) from exc
 
-    async def exchange(self, out: torch.Tensor, back: torch.Tensor, *, sending: bool) -> None:
-        """Send ``out`` and receive ``back``, each on the slot of this end's direction."""
-        mine, theirs = (self.data, self.reply) if sending else (self.reply, self.data)
-        await self.run([(True, out, mine), (False, back, theirs)])
+    async def ask(self, out: torch.Tensor, back: torch.Tensor) -> None:
+        """The sender's side of an exchange: send ``out``, receive the answer in ``back``."""
+        await self.run([(True, out, self.data), (False, back, self.reply)])
 
 
 def _wait(work: Any, timeout: float) -> None:
@@ -218,7 +222,8 @@ async def send_file(
         raise ValueError(f"a piece of {piece} bytes: 1 to {MAX_PIECE}")
     key = link.take("send", dst, tag)
     wire = _Wire(link, dst, tag, path)
-    reader: Reader = await _offload.run_io(storage.open_read, path)
+    with anyio.CancelScope(shield=True):  # opened, it is closed below
+        reader: Reader = await _offload.run_io(storage.open_read, path)
     try:
         await _offer(wire, reader.size, piece)
         crc = await _stream_out(wire, reader, piece, on_piece)
@@ -235,7 +240,7 @@ async def send_file(
 
 async def _offer(wire: _Wire, size: int, piece: int) -> None:
     answer = torch.zeros(2, dtype=torch.int64)
-    await wire.exchange(torch.tensor([size, piece], dtype=torch.int64), answer, sending=True)
+    await wire.ask(torch.tensor([size, piece], dtype=torch.int64), answer)
     status, expected = (int(x) for x in answer)
     if status != _GO:
         why = f"expects {expected} bytes" if status == _REFUSED else f"answered {status}"
@@ -269,7 +274,7 @@ def _read(reader: Reader, offset: int, view: memoryview, crc: int) -> int:
 
 async def _finish_send(wire: _Wire, crc: int) -> None:
     verdict = torch.zeros(2, dtype=torch.int64)
-    await wire.exchange(torch.tensor([crc, 0], dtype=torch.int64), verdict, sending=True)
+    await wire.ask(torch.tensor([crc, 0], dtype=torch.int64), verdict)
     if int(verdict[0]) != _COMMITTED:
         why = "its copy failed the stream's crc32c, or could not be written"
         raise PeerTransferError(wire.peer, wire.path, f"rank {wire.peer} did not commit the file: {why}")
@@ -298,7 +303,8 @@ async def recv_file(
     except BaseException:
         link.forsake(wire)
         raise
-    upload: Upload = await _offload.run_io(storage.create, path, size)
+    with anyio.CancelScope(shield=True):  # created, it is committed or aborted below
+        upload: Upload = await _offload.run_io(storage.create, path, size)
     try:
         crc = await _stream_in(wire, upload, size, piece, on_piece)
         await _check_and_commit(wire, upload, crc)
