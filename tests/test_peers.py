@@ -19,6 +19,7 @@ from aiosnap._dist.peers import open_peer_link, recv_file, send_file
 from aiosnap.errors import PeerTransferError
 from aiosnap.storage import LocalStorage
 
+from .faults import failing_writes
 from .test_distributed import ok, run_ranks
 
 MiB = 1 << 20
@@ -242,6 +243,66 @@ def test_a_sender_killed_mid_file_leaves_nothing_and_the_receiver_raises(tmp_pat
     assert r["left"] == []
 
 
+async def _receiver_dies(rank: int, world: int, root: str, size: int) -> dict[str, Any]:
+    """Rank 1 receives, and is SIGKILLed once it has written its first piece."""
+    link = await open_peer_link(None, SILENCE)
+    storage = LocalStorage()
+    if rank == 1:
+        kill = lambda n: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
+        await recv_file(link, 0, 8, storage, f"{root}/b/f", expected_size=size, on_piece=kill)
+        return {"error": "the receiver lived"}
+    t0 = time.monotonic()
+    try:
+        await send_file(link, 1, 8, storage, f"{root}/a/f", piece=MiB)
+    except PeerTransferError as exc:
+        return {"raised": str(exc), "peer": exc.peer, "seconds": time.monotonic() - t0}
+    finally:
+        link.close()
+    return {"error": "the file was taken"}
+
+
+def test_a_receiver_killed_mid_file_makes_the_sender_raise(tmp_path: Path) -> None:
+    size = 8 * MiB
+    _write_random(tmp_path / "a" / "f", size, seed=6)
+    (tmp_path / "b").mkdir()
+    results = run_ranks(2, _receiver_dies, str(tmp_path), size)
+    assert sorted(results) == [0], results
+    r = results[0]
+    assert r.get("peer") == 1 and "rank 1 is gone" in r["raised"] and r["seconds"] < SILENCE, r
+    # What a killed receiver leaves is a temp file of its own, for its next open to sweep.
+    assert not (tmp_path / "b" / "f").exists()
+
+
+async def _disk_full(rank: int, world: int, root: str, size: int) -> dict[str, Any]:
+    """Rank 1's disk refuses its first piece: it raises the storage's error, leaves nothing,
+    and closes its link; rank 0 then raises too."""
+    link = await open_peer_link(None, SILENCE)
+    try:
+        if rank == 0:
+            await send_file(link, 1, 7, LocalStorage(), f"{root}/a/f", piece=MiB)
+            return {"error": "the file was taken"}
+        storage = failing_writes(lambda path: path == f"{root}/b/f")  # its temp file, as the target
+        await recv_file(link, 0, 7, storage, f"{root}/b/f", expected_size=size)
+        return {"error": "the file was written"}
+    except (OSError, PeerTransferError) as exc:
+        return {"raised": type(exc).__name__, "message": str(exc), "left": _files(Path(root, "b"))}
+    finally:
+        link.close()
+
+
+def test_a_receivers_storage_error_is_raised_as_it_is_and_leaves_nothing(tmp_path: Path) -> None:
+    size = 4 * MiB
+    _write_random(tmp_path / "a" / "f", size, seed=7)
+    (tmp_path / "b").mkdir()
+    results = run_ranks(2, _disk_full, str(tmp_path), size)
+    ok(results, 2)
+    assert results[1]["raised"] == "OSError" and "No space left" in results[1]["message"]
+    assert results[1]["left"] == []
+    assert (
+        results[0]["raised"] == "PeerTransferError" and "with rank 1 failed: rank 1 " in results[0]["message"]
+    )
+
+
 async def _receiver_cancelled(rank: int, world: int, root: str, size: int) -> dict[str, Any]:
     """Rank 1's receive is cancelled once its first piece is written; it then closes its link."""
     link = await open_peer_link(None, SILENCE)
@@ -276,17 +337,17 @@ async def _sender_stalls(
 ) -> dict[str, Any]:
     """Rank 1 stops sending after its first piece, alive, until rank 0 has given up."""
     link = await open_peer_link(None, silence)
-    storage = LocalStorage()
+    storage, pieces = LocalStorage(), []
     try:
         if rank == 1:
             await send_file(
                 link, 0, 9, storage, f"{root}/a/f", piece=MiB, on_piece=lambda n: gave_up.wait(60)
             )
         else:
-            await recv_file(link, 1, 9, storage, f"{root}/b/f", expected_size=size)
+            await recv_file(link, 1, 9, storage, f"{root}/b/f", expected_size=size, on_piece=pieces.append)
         return {"error": "the file arrived"}
     except PeerTransferError as exc:
-        return {"raised": str(exc), "left": _files(Path(root, "b"))}
+        return {"raised": str(exc), "left": _files(Path(root, "b")), "pieces": len(pieces)}
     finally:
         gave_up.set()
         link.close()
@@ -300,6 +361,7 @@ def test_a_silent_sender_makes_the_receiver_raise_after_the_timeout(tmp_path: Pa
     results = run_ranks(2, _sender_stalls, str(tmp_path), size, 2.0, gave_up)
     ok(results, 2)
     assert "rank 1 did not answer within 2 s" in results[0]["raised"] and results[0]["left"] == []
+    assert results[0]["pieces"] >= 1  # it fell silent mid-file (piece 0 sent, then it stopped)
     # The sender, let go, finds its piece not taken: it raises too, within its timeout.
     # (timed out, or seen gone when rank 0 closed its link first).
     assert "with rank 0 failed: rank 0 " in results[1]["raised"]

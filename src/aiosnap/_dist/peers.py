@@ -26,7 +26,6 @@ This is the third module that touches torch.distributed (with ``coord`` and ``_s
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import logging
 import mmap
@@ -123,9 +122,13 @@ class PeerLink:
         self._taken.add(key)
         return key
 
-    def release(self, key: tuple[str, int, int]) -> None:
-        """A transfer that ended whole: its tag may be used again."""
-        self._taken.discard(key)
+    def release(self, key: tuple[str, int, int], wire: _Wire) -> None:
+        """A transfer that ended: its tag may be used again, unless a message of it is
+        still posted (its last reply, unheard)."""
+        if wire.pending:
+            self.forsake(wire)
+        else:
+            self._taken.discard(key)
 
     def forsake(self, wire: _Wire) -> None:
         """A transfer that failed: its tag stays taken, and what it posted stays alive (a
@@ -234,7 +237,7 @@ async def send_file(
     finally:
         with anyio.CancelScope(shield=True):
             await _offload.run_io(reader.close)
-    link.release(key)
+    link.release(key, wire)
     return reader.size
 
 
@@ -313,7 +316,7 @@ async def recv_file(
         with anyio.CancelScope(shield=True):
             await _offload.run_io(upload.abort)
         raise
-    link.release(key)
+    link.release(key, wire)
     return size
 
 
@@ -363,21 +366,25 @@ async def _check_and_commit(wire: _Wire, upload: Upload, crc: int) -> None:
     """Commit if the trailer's crc32c is the stream's, and tell the sender either way."""
     trailer = torch.zeros(2, dtype=torch.int64)
     await wire.run([(False, trailer, wire.data)])
-    fault = None
     if int(trailer[0]) != crc:
-        fault = f"the bytes received have crc32c {crc:#010x}, rank {wire.peer} sent {int(trailer[0]):#010x}"
-    else:
-        try:
-            await _offload.run_io(upload.commit)
-        except BaseException:
-            with contextlib.suppress(PeerTransferError):  # the commit's error is the one to raise
-                await _tell(wire, _FAILED)
-            raise
-    await _tell(wire, _FAILED if fault else _COMMITTED)
-    if fault is not None:
+        await _tell(wire, _FAILED)
+        sent = int(trailer[0])
+        fault = f"the bytes received have crc32c {crc:#010x}, rank {wire.peer} sent {sent:#010x}"
         raise PeerTransferError(wire.peer, wire.path, fault)
+    try:
+        await _offload.run_io(upload.commit)
+    except BaseException:
+        await _tell(wire, _FAILED)
+        raise
+    await _tell(wire, _COMMITTED)
 
 
 async def _tell(wire: _Wire, status: int) -> None:
+    """Tell the sender how its file ended. A courtesy: what this end raises, or that its
+    copy is whole, checked and committed, stands whether the sender hears it or not (a
+    sender that does not raises PeerTransferError itself)."""
     with anyio.CancelScope(shield=True):
-        await wire.run([(True, torch.tensor([status, 0], dtype=torch.int64), wire.reply)])
+        try:
+            await wire.run([(True, torch.tensor([status, 0], dtype=torch.int64), wire.reply)])
+        except PeerTransferError as exc:
+            logger.debug("%s", exc)
