@@ -303,6 +303,29 @@ def test_a_receivers_storage_error_is_raised_as_it_is_and_leaves_nothing(tmp_pat
     )
 
 
+async def _partner_dies(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Rank 1, rank 0's partner (connected as the link opens), dies before any file."""
+    link = await open_peer_link(None, SILENCE, partners=[1 - rank])
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        await send_file(link, 1, 1, LocalStorage(), f"{root}/a/f", piece=MiB)
+    except PeerTransferError as exc:
+        return {"raised": str(exc), "seconds": time.monotonic() - t0}
+    finally:
+        link.close()
+    return {"error": "the file was taken"}
+
+
+def test_a_partner_that_died_before_any_file_is_seen_gone_at_once(tmp_path: Path) -> None:
+    """(Unconnected, a first message to it waits out gloo's connect deadline: 5 timeouts.)"""
+    _write_random(tmp_path / "a" / "f", 4096, seed=8)
+    results = run_ranks(2, _partner_dies, str(tmp_path))
+    assert sorted(results) == [0], results
+    assert "rank 1 is gone" in results[0]["raised"] and results[0]["seconds"] < SILENCE, results
+
+
 async def _receiver_cancelled(rank: int, world: int, root: str, size: int) -> dict[str, Any]:
     """Rank 1's receive is cancelled once its first piece is written; it then closes its link."""
     link = await open_peer_link(None, SILENCE)

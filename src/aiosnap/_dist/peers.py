@@ -30,7 +30,7 @@ import datetime
 import logging
 import mmap
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, final
 
 import anyio
@@ -49,16 +49,30 @@ logger = logging.getLogger(__name__)
 #: The largest piece of a file in one message (and each of the two buffers per transfer).
 MAX_PIECE = 64 << 20
 #: The largest tag a transfer may have (each takes two gloo slots, see ``_slots``).
-MAX_TAG = (1 << 30) - 1
+MAX_TAG = (1 << 30) - 2
+_HELLO = 2 * (MAX_TAG + 1)  # the slot of the partners' greetings (gloo's slots are int32)
 _GO, _REFUSED, _COMMITTED, _FAILED = 0, 1, 2, 3
 
 
-async def open_peer_link(parent: dist.ProcessGroup | None, silence: float) -> PeerLink:
+async def open_peer_link(
+    parent: dist.ProcessGroup | None, silence: float, *, partners: Iterable[int] = ()
+) -> PeerLink:
     """A link over the ranks of ``parent`` (the default group if None) whose waits on a
     peer last at most ``silence`` seconds. Collective: every rank of ``parent`` calls it,
-    in the same order among its other group creations."""
+    in the same order among its other group creations.
+
+    ``partners``: the ranks this one will exchange files with, connected now (each must
+    name this rank too). A pair connects at its first message otherwise, and a first
+    message to a rank that died meanwhile waits out gloo's own connect deadline (5 times
+    ``silence`` here), where a connection made before is seen closed at once."""
     group = await _offload.run_peer(_new_group, parent, silence)
-    return PeerLink(group, timeout=silence, destroy=parent is None)
+    link = PeerLink(group, timeout=silence, destroy=parent is None)
+    try:
+        await _offload.run_peer(link.greet, sorted(set(partners)))
+    except BaseException:
+        link.close()
+        raise
+    return link
 
 
 def _new_group(parent: dist.ProcessGroup | None, timeout: float) -> dist.ProcessGroup:
@@ -111,6 +125,22 @@ class PeerLink:
                 logger.debug("destroying the peer link: %r", exc)
         del group
         self._stale.clear()
+
+    def greet(self, partners: list[int]) -> None:
+        """Connect to each of ``partners``: a message each way. Blocking."""
+        works = []
+        for peer in partners:
+            if not 0 <= peer < self.size or peer == self.rank:
+                raise ValueError(f"rank {peer} cannot be a partner of rank {self.rank} of {self.size}")
+            works.append((peer, self.group.send([torch.zeros(1, dtype=torch.uint8)], peer, _HELLO)))
+            works.append((peer, self.group.recv([torch.zeros(1, dtype=torch.uint8)], peer, _HELLO)))
+        for peer, work in works:
+            try:
+                _wait(work, self.timeout)
+            except (RuntimeError, DeadlineMissed) as exc:
+                raise PeerTransferError(
+                    peer, "the peer link", f"rank {peer} {reason(exc, self.timeout)}"
+                ) from exc
 
     def take(self, direction: str, peer: int, tag: int) -> tuple[str, int, int]:
         """Claim a transfer's tag with ``peer``; ValueError if it is in flight or failed."""
