@@ -6,8 +6,9 @@ Rank 0 sends a file of random bytes to rank 1 over a PeerLink (gloo on 127.0.0.1
 repetition's time is from both ranks leaving a barrier to the later one returning (the
 receiver's copy committed: written, fsynced, renamed). The baseline copies the same file
 in one process through the same durable commit (``copy_object`` between two
-LocalStorages). Both read a source in the page cache and write to the same disk. Prints
-one table: median seconds, MB/s, and the transfer's time over the copy's.
+LocalStorages). Both read a source in the page cache and write to the same disk. The last
+row is gloo alone: the same bytes sent memory to memory, piece by piece, over the link.
+Prints one table: median seconds, MB/s, and each time over the copy's.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -33,8 +35,10 @@ from aiosnap.storage import LocalStorage
 MiB = 1 << 20
 
 
-async def _transfers(rank: int, src: str, out_dir: str, reps: int, piece: int, size: int) -> list[float]:
-    link = await open_peer_link(None, 120.0)
+async def _transfers(
+    rank: int, src: str, out_dir: str, reps: int, piece: int, size: int
+) -> tuple[list[float], list[float]]:
+    link = await open_peer_link(None, 120.0, partners=[1 - rank])
     storage, times = LocalStorage(), []
     try:
         for i in range(reps):
@@ -45,9 +49,20 @@ async def _transfers(rank: int, src: str, out_dir: str, reps: int, piece: int, s
             else:
                 await recv_file(link, 0, i, storage, f"{out_dir}/peer_{i}", expected_size=size)
             times.append(time.perf_counter() - t0)
+        return times, [_wire(link, rank, piece, size) for _ in range(reps)]
     finally:
         link.close()
-    return times
+
+
+def _wire(link: Any, rank: int, piece: int, size: int) -> float:
+    """The same bytes from memory to memory: gloo's sends alone, one piece at a time."""
+    buf = torch.zeros(piece, dtype=torch.uint8)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for offset in range(0, size, piece):
+        part = buf[: min(piece, size - offset)]
+        (link.group.send([part], 1, 7) if rank == 0 else link.group.recv([part], 0, 7)).wait()
+    return time.perf_counter() - t0
 
 
 def _rank(rank: int, port: int, args: tuple[Any, ...], out: Any) -> None:
@@ -57,8 +72,8 @@ def _rank(rank: int, port: int, args: tuple[Any, ...], out: Any) -> None:
     dist.destroy_process_group()
 
 
-def peer_times(src: str, out_dir: str, reps: int, piece: int, size: int) -> list[float]:
-    """Each repetition's time, the slower rank's."""
+def peer_times(src: str, out_dir: str, reps: int, piece: int, size: int) -> tuple[list[float], list[float]]:
+    """Each repetition's time, the slower rank's: files, and the wire alone."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -72,7 +87,8 @@ def peer_times(src: str, out_dir: str, reps: int, piece: int, size: int) -> list
     got = dict(out.get(timeout=600) for _ in procs)
     for p in procs:
         p.join()
-    return [max(a, b) for a, b in zip(got[0], got[1], strict=True)]
+    files, wire = ([max(a, b) for a, b in zip(got[0][k], got[1][k], strict=True)] for k in range(2))
+    return files, wire
 
 
 def copy_times(src: str, out_dir: str, reps: int) -> list[float]:
@@ -96,12 +112,18 @@ def main() -> None:
         src = f"{tmp}/src"
         Path(src).write_bytes(os.urandom(size))
         copies = statistics.median(copy_times(src, tmp, a.reps))
-        peer = statistics.median(peer_times(src, tmp, a.reps, a.piece_mib * MiB, size))
+        files, wire = peer_times(src, tmp, a.reps, a.piece_mib * MiB, size)
+        peer = statistics.median(files)
         for i in range(a.reps):
             assert Path(f"{tmp}/peer_{i}").read_bytes() == Path(src).read_bytes()
     print(f"{a.mib} MiB, pieces of {a.piece_mib} MiB, median of {a.reps}")
     print(f"{'method':<34}{'s':>8}{'MB/s':>9}{'ratio':>7}")
-    for name, t in (("copy in one process (copy_object)", copies), ("PeerLink, 2 processes (gloo)", peer)):
+    rows = [
+        ("copy in one process (copy_object)", copies),
+        ("PeerLink, 2 processes (gloo)", peer),
+        ("gloo alone, memory to memory", statistics.median(wire)),
+    ]
+    for name, t in rows:
         print(f"{name:<34}{t:>8.3f}{size / t / 1e6:>9.0f}{t / copies:>7.2f}")
 
 
