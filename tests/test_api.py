@@ -50,6 +50,7 @@ def test_every_error_is_a_checkpoint_error_and_its_nearest_builtin() -> None:
         aiosnap.errors.LoaderClosedError: RuntimeError,
         aiosnap.errors.NotACheckpointError: ValueError,
         aiosnap.errors.CheckpointKeyError: KeyError,
+        aiosnap.errors.PeerTransferError: RuntimeError,
         aiosnap.errors.PickleNotAllowedError: ValueError,
         aiosnap.errors.RankFailedError: RuntimeError,
         aiosnap.errors.RemoteStorageError: OSError,

@@ -21,6 +21,7 @@ from ._base.errors import IndexWriteError as IndexWriteError
 from ._base.errors import LeaseLostError as LeaseLostError
 from ._base.errors import LoaderClosedError as LoaderClosedError
 from ._base.errors import NotACheckpointError as NotACheckpointError
+from ._base.errors import PeerTransferError as PeerTransferError
 from ._base.errors import PickleNotAllowedError as PickleNotAllowedError
 from ._base.errors import RankFailedError as RankFailedError
 from ._base.errors import RemoteStorageError as RemoteStorageError
@@ -46,6 +47,7 @@ __all__ = [
     "LeaseLostError",
     "LoaderClosedError",
     "NotACheckpointError",
+    "PeerTransferError",
     "PickleNotAllowedError",
     "RankFailedError",
     "RemoteStorageError",

@@ -11,6 +11,7 @@
     ├── IndexWriteError           (also OSError)   the checkpoint committed; its index did not
     ├── LeaseLostError            (also RuntimeError)
     ├── LoaderClosedError         (also RuntimeError)
+    ├── PeerTransferError         (also RuntimeError)   a file's bytes did not reach another rank whole
     ├── CheckpointKeyError        (also KeyError)
     ├── PickleNotAllowedError     (also ValueError)
     ├── RankFailedError           (also RuntimeError)
@@ -186,6 +187,22 @@ class LeaseLostError(CheckpointError, RuntimeError):
 
 class LoaderClosedError(CheckpointError, RuntimeError):
     """The AsyncLoader is not open, or its producer stopped."""
+
+
+class PeerTransferError(CheckpointError, RuntimeError):
+    """A checkpoint file's bytes did not move whole between two ranks: the peer died,
+    fell silent, refused the file or sent other bytes than it announced. Nothing partial
+    is left at the receiving end.
+
+    Args:
+        peer: The other rank of the transfer.
+        path: The file, at this rank's end.
+        reason: What went wrong, in words.
+    """
+
+    def __init__(self, peer: int, path: str, reason: str) -> None:
+        super().__init__(f"{path}: the transfer with rank {peer} failed: {reason}")
+        self.peer, self.path, self.reason = peer, path, reason
 
 
 class PickleNotAllowedError(CheckpointError, ValueError):

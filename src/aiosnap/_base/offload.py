@@ -47,6 +47,9 @@ COMMIT_THREADS = 4
 #: Messages between ranks: each waits on the network, never on the disk or a core, and
 #: must not queue behind bulk I/O (a rank that waits too long is reported as failed).
 COORD_THREADS = 4
+#: Waits of files moving between ranks (``_dist/peers``): each may last a deadline, several
+#: at once; on the coordination threads they would hold up votes (a late rank is failed).
+PEER_THREADS = 4
 #: Calls to a remote tier (``remote_io``): they wait on the network, and must never hold
 #: the threads of the local disk (a remote tier that is down would stall local saves).
 REMOTE_THREADS = 8
@@ -63,6 +66,7 @@ def _limiter(kind: str) -> anyio.CapacityLimiter:
             "io": anyio.CapacityLimiter(IO_THREADS),
             "cpu": anyio.CapacityLimiter(CPU_THREADS),
             "coord": anyio.CapacityLimiter(COORD_THREADS),
+            "peer": anyio.CapacityLimiter(PEER_THREADS),
             "commit": anyio.CapacityLimiter(COMMIT_THREADS),
             "remote": anyio.CapacityLimiter(REMOTE_THREADS),
         }
@@ -301,6 +305,13 @@ async def run_coord(fn: Callable[..., T], *args: object) -> T:
     its own deadline; a cancelled caller abandons the thread to it."""
     return await anyio.to_thread.run_sync(
         _unpinned, fn, *args, limiter=_limiter("coord"), abandon_on_cancel=True
+    )
+
+
+async def run_peer(fn: Callable[..., T], *args: object) -> T:
+    """``run_coord`` for the waits of files moving between ranks (``PEER_THREADS``)."""
+    return await anyio.to_thread.run_sync(
+        _unpinned, fn, *args, limiter=_limiter("peer"), abandon_on_cancel=True
     )
 
 
