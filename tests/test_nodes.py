@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ import aiosnap
 from aiosnap._dist.decisions import Refused
 from aiosnap._format.manifest import MANIFEST_NAME
 from aiosnap._manager.nodes import Nodes, decide_nodes
+from aiosnap._manager.replicas import moves, partners
 
 from . import servers
 from .integration_runs import JOB_CAP, ROOT
@@ -185,6 +187,70 @@ def test_ranks_sharing_a_directory_by_another_path_are_one_node(tmp_path: Path) 
     shutil.rmtree(os.path.join(root, "node-a"))
 
 
+# -- replicas on a partner node ---------------------------------------------------------------
+async def _replicated(rank: int, world: int, root: str, steps: list[int], victim: int = -1) -> Any:
+    if rank == victim:  # dies in the middle of taking its partner's replica
+        from aiosnap._manager import replicas
+
+        taking = replicas.recv_file
+
+        async def dying(*args: Any, **kwargs: Any) -> int:
+            return await taking(*args, **kwargs, on_piece=lambda _: os.kill(os.getpid(), signal.SIGKILL))
+
+        replicas.recv_file = dying  # type: ignore[assignment]
+    ranks = aiosnap.Ranks(replicated=["model"], timeout=20, replicas=1)
+    async with aiosnap.CheckpointManager(
+        node_dir(root, rank), ranks=ranks, keep=aiosnap.retention.KeepLast(2)
+    ) as mgr:
+        restored = await mgr.restore() if await mgr.steps() else None
+        try:
+            for step in steps:
+                await (await mgr.save(step, state_of(rank, step))).wait()
+        except aiosnap.errors.RankFailedError as exc:
+            return {"failed": sorted(exc.failed)}
+        return None if restored is None else [restored.step, restored.path, float(restored.state["mine"][0])]
+
+
+def test_each_rank_s_file_has_a_replica_on_its_partner_node_which_a_restore_uses(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    ok(run_ranks(WORLD, _replicated, root, [1, 2]), WORLD)
+    a, b = os.path.join(root, "node-a"), os.path.join(root, "node-b")
+    everyone = sorted([MANIFEST_NAME, *(f"rank_{r:05d}" for r in range(WORLD))])
+    for step in (1, 2):  # each node holds its ranks' files and its partners' replicas, the same bytes
+        name = f"snapshot_iter_{step}"
+        assert (
+            sorted(os.listdir(os.path.join(a, name))) == everyone == sorted(os.listdir(os.path.join(b, name)))
+        )
+        for r in range(WORLD):
+            assert Path(a, name, f"rank_{r:05d}").read_bytes() == Path(b, name, f"rank_{r:05d}").read_bytes()
+    lost = Path(b, "snapshot_iter_2", "rank_00002")
+    kept = lost.read_bytes()
+    lost.unlink()  # node B lost rank 2's file of the newest step
+    results = run_ranks(WORLD, _replicated, root, [3])
+    ok(results, WORLD)
+    for rank, r in results.items():  # step 2 restored from the nodes: rank 2's file from node A
+        assert r == [2, os.path.join(node_dir(root, rank), "snapshot_iter_2"), rank * 100 + 2], results
+    assert lost.read_bytes() == kept
+
+
+def test_a_partner_killed_while_taking_a_replica_fails_the_group_s_next_save_and_leaves_no_file(
+    tmp_path: Path,
+) -> None:
+    root = str(tmp_path)
+    results = run_ranks(WORLD, _replicated, root, [1, 2, 3], 2)
+    assert sorted(results) == [0, 1, 3], results  # rank 2 died; nobody hangs
+    for rank in (0, 1, 3):
+        assert results[rank] == {"failed": [2]}, results
+    step_dir = os.path.join(root, "node-b", "snapshot_iter_1")
+    assert "rank_00000" not in os.listdir(step_dir)  # its replica never became visible
+    # The group starts again: step 1 (committed everywhere) restores, and node B's open
+    # sweeps the temp file the killed receive left.
+    results = run_ranks(WORLD, _replicated, root, [])
+    ok(results, WORLD)
+    assert all(r[0] == 1 for r in results.values()), results
+    assert not [n for n in os.listdir(step_dir) if n.startswith(".aiosnap-tmp")]
+
+
 def test_rank_0_groups_ranks_by_the_probes_they_see() -> None:
     assert decide_nodes([[0, 1], [0, 1], [2, 3], [2, 3]]) == [0, 0, 2, 2]
     assert decide_nodes([[0, 2], [1], [0, 2]]) == [0, 1, 0]
@@ -194,6 +260,14 @@ def test_rank_0_groups_ranks_by_the_probes_they_see() -> None:
         decide_nodes([[0], [0]])
     with pytest.raises(Refused, match="rank 1 sees those of ranks"):  # not mutual: refused, never guessed
         decide_nodes([[0, 1], [1], [2]])
+
+
+def test_partners_are_the_same_place_in_the_next_node_and_rank_0_plans_each_missing_file() -> None:
+    assert partners(Nodes((0, 0, 2, 2))) == [2, 3, 0, 1]
+    assert partners(Nodes((0, 0, 0, 3, 3, 5))) == [3, 4, 4, 5, 5, 0]  # a smaller node: its last rank
+    assert partners(Nodes.one(4)) == [-1, -1, -1, -1]
+    # Rank 2 lacks its file, which rank 0 holds a replica of; rank 3's is nowhere.
+    assert moves([False, False, True, True], [[2], [], [0], []]) == [[0, 2]]
 
 
 @pytest.mark.slow

@@ -42,6 +42,7 @@ from .catalog import Catalog
 from .layouts import Layout
 from .nodes import Nodes
 from .records import CheckpointRecord
+from .replicas import Replicator
 from .reports import Collected, Keeper, Sender
 
 logger = logging.getLogger(__name__)
@@ -106,6 +107,8 @@ class Member:
         #: several nodes each node's leader, so that a node restores alone. A remote
         #: tier's copies are the local files: its member takes the local one's.
         self.holders: tuple[int, ...] = (0,)
+        #: Copies on partner nodes (``replicas``), if asked for and the group has nodes.
+        self.replicator: Replicator | None = None
 
     @property
     def stores_replicas(self) -> bool:
@@ -294,6 +297,8 @@ class Member:
                 follow = verdict.kept
             await self.catalog.add(record, stats, verdict.bytes, follow=follow)
             await self.layout.sweep(record.step, self.busy)
+        if self.replicator is not None and verdict.manifest:
+            await self.replicator.replicate(record, verdict.manifest)
         if self.blob_dir is not None:
             await _offload.run_io(collect, self.layout.storage, self.layout.directory, self.blob_dir)
 
@@ -342,6 +347,8 @@ class Member:
         marks a corrupt or unreadable step in its catalog); every member gets the verdict."""
         loaded: list[tuple[str, Any]] = []
         mine: list[Exception] = []
+        if self.replicator is not None:  # a file its node lost, from a partner's replica
+            await self.replicator.repair(self.votes, record)
 
         async def work() -> Any:
             try:

@@ -92,21 +92,31 @@ def _seen(storage: Storage, directory: str, tokens: list[str]) -> list[int]:
     return [r for r, token in enumerate(tokens) if PROBE_PREFIX + token in names]
 
 
-async def find_nodes(votes: Channel, storage: Storage, directory: str) -> Nodes:
+async def find_nodes(votes: Channel, storage: Storage, directory: str, replicas: int = 0) -> Nodes:
     """Every rank at once: write a probe in its directory, see whose probes are there,
-    learn rank 0's grouping; the probe is removed again, also on failure."""
+    learn rank 0's grouping; the probe is removed again, also on failure. Every rank
+    must ask for as many ``replicas`` (the next step, a link between partners, is made
+    by all or none)."""
     if votes.size == 1:
         return Nodes.one(1)
     token = secrets.token_hex(12)
 
     async def probe() -> Any:
         await _offload.run_io(_write_probe, storage, directory, token)
-        return token
+        return [token, replicas]
 
     async def tokens(bodies: list[Any]) -> Any:
-        if not all(isinstance(t, str) and t for t in bodies) or len(set(bodies)) != len(bodies):
+        names = [b[0] if isinstance(b, list) and len(b) == 2 else None for b in bodies]
+        if not all(isinstance(t, str) and t for t in names) or len(set(names)) != len(names):
             raise CheckpointError("ranks sent malformed probe names")
-        return bodies
+        differ = {
+            r: f"asks for replicas={b[1]}, rank 0 for {bodies[0][1]}"
+            for r, b in enumerate(bodies)
+            if b[1] != bodies[0][1]
+        }
+        if differ:
+            raise Refused(differ)
+        return names
 
     async def group(bodies: list[Any]) -> Any:
         return decide_nodes([list(b) for b in bodies])

@@ -70,6 +70,8 @@ class Ranks:
             group (a ``{rank}`` in the manager's ``name`` keeps their files apart).
         replicated: globs of tree paths every rank holds the same (rank 0 stores them).
         timeout: seconds of silence after which a rank of the group counts as failed.
+        replicas: 1 keeps a copy of each rank's committed file on a partner node, when
+            the ranks save to node-local directories (docs/nodes.md); 0 (the default) none.
     """
 
     group: Any = None
@@ -77,6 +79,11 @@ class Ranks:
     rank: int = 0
     replicated: Sequence[str] = ()
     timeout: float = 300.0
+    replicas: int = 0
+
+    def __post_init__(self) -> None:
+        if self.replicas not in (0, 1):
+            raise ValueError(f"replicas={self.replicas!r}: 0 or 1 (a copy on one partner node)")
 
 
 def remote_of(value: str | Remote | None) -> Remote | None:
@@ -88,8 +95,8 @@ def group_of(name: str, ranks: Ranks | None) -> Group:
     """How this process checkpoints (``ranks``: on its own unless a group is found)."""
     ranks = ranks if ranks is not None else Ranks()
     if not _in_a_group(ranks.group):
-        if ranks.replicated:
-            raise ValueError("replicated= needs a process group")
+        if ranks.replicated or ranks.replicas:
+            raise ValueError(f"{'replicated=' if ranks.replicated else 'replicas='} needs a process group")
         return Group(None, ranks.rank, 1, None, (), ranks.timeout)
     if "{rank}" in name:
         raise ValueError(f"name {name!r}: in a group each step is a directory; drop {{rank}}")
@@ -97,7 +104,7 @@ def group_of(name: str, ranks: Ranks | None) -> Group:
 
     parent = None if ranks.group is None else ranks.group
     rank, size = coord.rank_and_size(parent)
-    return Group(parent, rank, size, size, tuple(ranks.replicated), ranks.timeout)
+    return Group(parent, rank, size, size, tuple(ranks.replicated), ranks.timeout, ranks.replicas)
 
 
 def _in_a_group(group: object) -> bool:

@@ -26,6 +26,7 @@ from .._base.errors import (
     ForeignFileError,
     LeaseLostError,
 )
+from .._base.notice import notice
 from .._base.tasks import Failures
 from .._base.typed import encode
 from .._dist.channel import Channel, LocalChannel
@@ -43,6 +44,7 @@ from .layouts import choose_layout
 from .member import Attempt, Listing, Member, restore_first
 from .nodes import Nodes, committed_here, find_nodes, manifests_of, refill, sweep_probes
 from .records import CheckpointRecord
+from .replicas import Replicator
 from .retention import RetentionPolicy
 
 logger = logging.getLogger(__name__)
@@ -69,6 +71,8 @@ class Group:
     world_size: int | None
     replicated: tuple[str, ...]
     timeout: float
+    #: Copies of each rank's file on a partner node (``replicas``): 0 or 1.
+    replicas: int = 0
 
 
 @final
@@ -201,7 +205,22 @@ class Site:
         )
         self._member = Member(*self._channels, layout=layout, catalog=None, replicated=self.group.replicated)
         if self.probe_nodes and self.group.world_size is not None:
-            self.nodes = await find_nodes(self._channels[0], self.storage, self.directory)
+            replicas = self.group.replicas
+            self.nodes = await find_nodes(self._channels[0], self.storage, self.directory, replicas)
+            if replicas and self.nodes.many:
+                self._member.replicator = await Replicator.open(
+                    self.group.parent,
+                    self.group.timeout,
+                    self.storage,
+                    self.directory,
+                    self.nodes,
+                    self.group.rank,
+                )
+            elif replicas and self.group.rank == 0:
+                notice(
+                    logger,
+                    f"{self.directory}: replicas=1, but every rank shares this directory: no copy is kept",
+                )
         self._member.nodes = self.nodes
         self._member.holders = tuple(self.nodes.leaders)
         if self.nodes.leads(self.group.rank):
@@ -328,6 +347,10 @@ class Site:
                 channels, self._channels = self._channels, None
                 for channel in channels:
                     await _offload.run_coord(channel.close)
+            member = self._member
+            if member is not None and member.replicator is not None:
+                replicator, member.replicator = member.replicator, None
+                await _offload.run_peer(replicator.close)
             await self._holder.release()
 
     # -- saving --------------------------------------------------------------------------
