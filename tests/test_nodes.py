@@ -23,7 +23,7 @@ import aiosnap
 from aiosnap._dist.decisions import Refused
 from aiosnap._format.manifest import MANIFEST_NAME
 from aiosnap._manager.nodes import Nodes, decide_nodes
-from aiosnap._manager.replicas import moves, partners
+from aiosnap._manager.replicas import covered, moves, partners
 
 from . import servers
 from .integration_runs import JOB_CAP, ROOT
@@ -232,6 +232,14 @@ def test_each_rank_s_file_has_a_replica_on_its_partner_node_which_a_restore_uses
         assert r == [2, os.path.join(node_dir(root, rank), "snapshot_iter_2"), rank * 100 + 2], results
     assert lost.read_bytes() == kept
 
+    shutil.rmtree(b)  # node B replaced: its disk comes back empty
+    results = run_ranks(WORLD, _replicated, root, [])
+    ok(results, WORLD)
+    for rank, r in results.items():  # step 3, the newest, restored from the nodes all the same
+        assert r == [3, os.path.join(node_dir(root, rank), "snapshot_iter_3"), rank * 100 + 3], results
+    # Node B holds step 3 whole again: its ranks' files, its partners' replicas, the manifest.
+    assert sorted(os.listdir(os.path.join(b, "snapshot_iter_3"))) == everyone
+
 
 def test_a_partner_killed_while_taking_a_replica_fails_the_group_s_next_save_and_leaves_no_file(
     tmp_path: Path,
@@ -267,7 +275,15 @@ def test_partners_are_the_same_place_in_the_next_node_and_rank_0_plans_each_miss
     assert partners(Nodes((0, 0, 0, 3, 3, 5))) == [3, 4, 4, 5, 5, 0]  # a smaller node: its last rank
     assert partners(Nodes.one(4)) == [-1, -1, -1, -1]
     # Rank 2 lacks its file, which rank 0 holds a replica of; rank 3's is nowhere.
-    assert moves([False, False, True, True], [[2], [], [0], []]) == [[0, 2]]
+    assert moves([[], [], [2], [3]], [[0, 2], [1], [0], []]) == [[0, 2, 2]]
+    # Node B (ranks 2, 3) came back empty: own files and replicas, from node A.
+    assert moves([[], [], [2, 0], [3, 1]], [[0, 2], [1, 3], [], []]) == [
+        [0, 2, 2],
+        [0, 2, 0],
+        [1, 3, 3],
+        [1, 3, 1],
+    ]
+    assert covered([{"4": [0, 1, 2, 3], "3": [0, 1]}, {"3": [2]}], 4) == {4}
 
 
 @pytest.mark.slow

@@ -42,7 +42,7 @@ from .catalog import Catalog
 from .layouts import Layout
 from .nodes import Nodes
 from .records import CheckpointRecord
-from .replicas import Replicator
+from .replicas import Replicator, covered
 from .reports import Collected, Keeper, Sender
 
 logger = logging.getLogger(__name__)
@@ -166,6 +166,7 @@ class Member:
         """Rank 0's ``answer`` from every node's ``local(catalog)`` (rank 0's first), on
         every member: each node's leader tells what its directory holds."""
         mine = local(self.catalog) if self.catalog is not None else None
+        mine = await mine if inspect.isawaitable(mine) else mine
 
         async def decide(bodies: list[Any]) -> Any:
             result = answer([b for r, b in enumerate(bodies) if self.nodes.leads(r)])
@@ -173,6 +174,28 @@ class Member:
 
         async with self.channel(on_control).turn(op) as turn:
             return await turn.exchange(mine, decide)
+
+    async def steps(self, *, on_control: bool = False) -> list[int]:
+        """The steps the group can restore from its nodes: rank 0's valid ones that every
+        node holds or, with replicas, whose every file some node holds."""
+
+        def answer(held: list[Any]) -> list[int]:
+            assert self.catalog is not None
+            return sorted(set(self.catalog.steps()) & self._restorable(held))
+
+        return list(await self.ask_nodes("steps", self._held, answer, on_control=on_control))
+
+    async def _held(self, catalog: Catalog) -> Any:
+        """What this node holds: its committed steps, or with replicas, each one's files."""
+        if self.replicator is None:
+            return sorted(catalog.records)
+        return await self.replicator.holds({s: r.file for s, r in catalog.records.items()})
+
+    def _restorable(self, held: list[Any]) -> set[int]:
+        """Rank 0: the steps the nodes' ``_held`` let the group restore."""
+        if self.replicator is None:
+            return set.intersection(*(set(h) for h in held))
+        return covered(held, self.size)
 
     def channel(self, control: bool) -> Channel:
         """The votes channel (turns in program order), or the control channel."""
@@ -332,12 +355,12 @@ class Member:
 
         def answer(held: list[Any]) -> dict[str, Any]:
             assert self.catalog is not None
-            everywhere = set.intersection(*(set(h) for h in held))
+            everywhere = self._restorable(held)
             steps = [step] if step is not None else sorted(self.catalog.steps(), reverse=True)
             records = [self.catalog.records[s].to_json() for s in steps if s in everywhere]
             return {"records": records, "mark": self.catalog.mark()}
 
-        listed = await self.ask_nodes("restore", lambda c: list(c.records), answer)
+        listed = await self.ask_nodes("restore", self._held, answer)
         return Listing([(self, CheckpointRecord.from_json(raw)) for raw in listed["records"]], listed["mark"])
 
     async def attempt(
@@ -348,7 +371,7 @@ class Member:
         loaded: list[tuple[str, Any]] = []
         mine: list[Exception] = []
         if self.replicator is not None:  # a file its node lost, from a partner's replica
-            await self.replicator.repair(self.votes, record)
+            await self.replicator.repair(self.votes, record, self.catalog)
 
         async def work() -> Any:
             try:

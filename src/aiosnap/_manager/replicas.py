@@ -18,6 +18,7 @@ restores from its partner, not from the remote tier or an older step.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Sequence
 from typing import Any, final
 
@@ -28,12 +29,15 @@ from .._base.errors import CheckpointError
 from .._base.notice import notice
 from .._dist.channel import Channel
 from .._dist.peers import MAX_TAG, PeerLink, open_peer_link, recv_file, send_file
-from .._format.manifest import Manifest, rank_file, read_manifest
-from .._storage.protocol import Storage, exists
-from .nodes import Nodes
+from .._format.manifest import MANIFEST_NAME, Manifest, rank_file
+from .._storage.protocol import Storage, get
+from .catalog import Catalog
+from .nodes import Nodes, refill
 from .records import CheckpointRecord
 
 logger = logging.getLogger(__name__)
+
+_RANK_FILE = re.compile(r"rank_\d{5}")
 
 
 def partners(nodes: Nodes) -> list[int]:
@@ -57,7 +61,7 @@ class Replicator:
     (see the module docstring). ``link`` is the group's PeerLink."""
 
     def __init__(self, link: PeerLink, storage: Storage, directory: str, nodes: Nodes) -> None:
-        self.link, self.storage, self.directory = link, storage, directory
+        self.link, self.storage, self.directory, self.nodes = link, storage, directory, nodes
         self.rank = link.rank
         self.partners = partners(nodes)
         self.partner = self.partners[self.rank]
@@ -88,11 +92,12 @@ class Replicator:
     def _path(self, record: CheckpointRecord, rank: int) -> str:
         return self.storage.join(self.directory, record.file, rank_file(rank))
 
-    def _tag(self, kind: int, count: int, src: int) -> int:
-        """A tag no other transfer on the link has: replications and repairs apart, each
-        numbered in the order every rank makes them, per source rank."""
-        size = self.link.size
-        return ((2 * count + kind) * size + src) % (MAX_TAG + 1)
+    def _tag(self, kind: int, count: int, index: int) -> int:
+        """A tag no other transfer on the link has: replications (``index``: the source
+        rank) and repairs (the move's place in the plan) apart, each numbered in the order
+        every rank makes them."""
+        span = 2 * self.link.size  # a repair plans at most two files per rank
+        return ((2 * count + kind) * span + index) % (MAX_TAG + 1)
 
     # -- after a commit ------------------------------------------------------------------
     async def replicate(self, record: CheckpointRecord, manifest: str) -> None:
@@ -120,64 +125,94 @@ class Replicator:
         tag = self._tag(0, count, src)
         await recv_file(self.link, src, tag, self.storage, self._path(record, src), expected_size=size)
 
+    async def holds(self, steps: dict[int, str]) -> dict[str, list[int]]:
+        """Which ranks' files this node holds of each step (step -> its name), own or
+        replicas: what a restore can have from it."""
+        return {str(s): await _offload.run_io(self._ranks_in, name) for s, name in steps.items()}
+
+    def _ranks_in(self, name: str) -> list[int]:
+        found = self.storage.list(self.storage.join(self.directory, name))
+        return [int(e.name[5:]) for e in found if e.is_file and _RANK_FILE.fullmatch(e.name)]
+
     # -- before a restore ----------------------------------------------------------------
-    async def repair(self, votes: Channel, record: CheckpointRecord) -> None:
-        """Every member at once, before reading ``record``'s step: a rank whose file is
-        missing on its node gets it from a rank whose node holds a replica of it. What
-        cannot be had that way is left to the restore (another source, or an older step)."""
+    async def repair(self, votes: Channel, record: CheckpointRecord, catalog: Catalog | None) -> None:
+        """Every member at once, before reading ``record``'s step: each rank gets the files
+        its node should hold (its own, its sources' replicas) and lacks from a rank whose
+        node holds them, and a node that lacks the manifest gets rank 0's once its ranks'
+        files are there (a node that came back empty is whole again for this step). What
+        cannot be had that way is left to the restore (another tier, or an older step)."""
         count = self._repairs
         self._repairs += 1
+        step_dir = self.storage.join(self.directory, record.file)
 
         async def look() -> Any:
-            missing = not await _offload.run_io(exists, self.storage, self._path(record, self.rank))
-            held = [
-                s for s in self.sources if await _offload.run_io(exists, self.storage, self._path(record, s))
-            ]
-            return {"missing": missing, "held": held}
+            names = {e.name for e in await _offload.run_io(self.storage.list, step_dir)}
+            want = [self.rank, *self.sources]
+            held = [f for f in want if rank_file(f) in names]
+            lacks = [f for f in want if f not in held]
+            return {"held": held, "lacks": lacks, "manifest": MANIFEST_NAME in names}
 
         async def plan(bodies: list[Any]) -> Any:
-            return moves([bool(b["missing"]) for b in bodies], [list(b["held"]) for b in bodies])
+            planned = moves([list(b["lacks"]) for b in bodies], [list(b["held"]) for b in bodies])
+            if not planned and all(b["manifest"] for b in bodies):
+                return None
+            text = await _offload.run_io(get, self.storage, self.storage.join(step_dir, MANIFEST_NAME))
+            return {"moves": planned, "manifest": text.decode()}
 
         async def done(_: list[Any]) -> Any:
             return None
 
         async with votes.turn("repair") as turn:
             planned = await turn.agree(look, plan)
-            if planned:  # every rank waits for the moves: a rank reads another's file too
-                mine = [(int(h), int(r)) for h, r in planned if self.rank in (h, r)]
-                if mine:
-                    await self._move(record, count, mine)
+            if planned is not None:  # every rank waits for the moves: a rank reads another's file too
+                await self._move(record, count, planned["moves"], planned["manifest"])
+                await turn.exchange(None, done)  # all moved: the leaders may commit the step
+                if catalog is not None and await self._refill(record, planned["manifest"]):
+                    await catalog.load()
                 await turn.exchange(None, done)
 
-    async def _move(self, record: CheckpointRecord, count: int, mine: list[tuple[int, int]]) -> None:
-        step_dir = self.storage.join(self.directory, record.file)
+    async def _move(self, record: CheckpointRecord, count: int, planned: list[Any], manifest: str) -> None:
+        sizes = Manifest.parse(record.file, manifest.encode()).sizes
         try:
-            sizes = (await _offload.run_io(read_manifest, self.storage, step_dir)).sizes
             async with anyio.create_task_group() as tg:
-                for holder, rank in mine:
-                    tag = self._tag(1, count, rank)
-                    path = self._path(record, rank)
+                for i, (holder, rank, f) in enumerate(planned):
+                    tag = self._tag(1, count, i)
+                    path = self._path(record, f)
                     if holder == self.rank:
                         tg.start_soon(send_file, self.link, rank, tag, self.storage, path)
-                    else:
-                        tg.start_soon(_fetch, self.link, holder, tag, self.storage, path, sizes[rank])
+                    elif rank == self.rank:
+                        tg.start_soon(_fetch, self.link, holder, tag, self.storage, path, sizes[f])
         except* (CheckpointError, OSError) as group:
             for exc in group.exceptions:
-                notice(logger, f"step {record.step}: a file could not be had from a partner node ({exc})")
+                notice(logger, f"step {record.step}: a file could not be had from another node ({exc})")
+
+    async def _refill(self, record: CheckpointRecord, manifest: str) -> bool:
+        """A leader whose node lacks the step's manifest writes rank 0's, if its ranks'
+        files are all there now. Whether it wrote it."""
+        ranks = self.nodes.members(self.rank)
+        done = await _offload.run_io(refill, self.storage, self.directory, {record.file: manifest}, ranks)
+        return bool(done)
 
 
 async def _fetch(link: PeerLink, holder: int, tag: int, storage: Storage, path: str, size: int) -> None:
     await recv_file(link, holder, tag, storage, path, expected_size=size)
-    logger.info("%s: taken from rank %d's node, which held a replica", path, holder)
+    logger.info("%s: taken from rank %d's node", path, holder)
 
 
-def moves(missing: Sequence[bool], held: Sequence[Sequence[int]]) -> list[list[int]]:
-    """Rank 0: [holder, rank] for each rank whose file is missing on its node and whose
-    replica a rank holds (the first such)."""
+def moves(lacks: Sequence[Sequence[int]], held: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Rank 0: [holder, rank, file's rank] for each file a rank's node should hold and
+    lacks, from the first other rank whose node holds it."""
     out = []
-    for rank, lacks in enumerate(missing):
-        if lacks:
-            holder = next((h for h, got in enumerate(held) if rank in got), None)
+    for rank, files in enumerate(lacks):
+        for f in files:
+            holder = next((h for h, got in enumerate(held) if f in got and h != rank), None)
             if holder is not None:
-                out.append([holder, rank])
+                out.append([holder, rank, f])
     return out
+
+
+def covered(held: Sequence[dict[str, list[int]]], size: int) -> set[int]:
+    """The steps whose every rank's file some node holds (``Replicator.holds`` of each)."""
+    steps = {s for h in held for s in h}
+    whole = set(range(size))
+    return {int(s) for s in steps if whole <= {r for h in held for r in h.get(s, [])}}

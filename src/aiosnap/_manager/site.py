@@ -413,7 +413,7 @@ class Site:
         """The committed steps that have not failed verification, oldest first
         (``on_control``: asked over the control channel, among no save's turns)."""
         await self.refresh()
-        return list(await self.member.ask_nodes("steps", Catalog.steps, _common, on_control=on_control))
+        return await self.member.steps(on_control=on_control)
 
     async def history(self) -> list[CheckpointRecord]:
         await self.refresh()
@@ -471,8 +471,3 @@ class Site:
         if not dry_run:  # saves may be in flight: their blobs' temp files are pinned
             await _offload.run_io(functools.partial(sweep_blobs, idle=False), self.storage, self.directory)
         return gone
-
-
-def _common(held: list[Any]) -> list[int]:
-    """The steps every node holds (``Member.ask_nodes``), oldest first."""
-    return sorted(set.intersection(*(set(h) for h in held)))
