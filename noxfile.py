@@ -75,6 +75,10 @@ def bench(session: nox.Session) -> None:
         session.run("python", "benchmarks/bench_ranks_hf_accelerate.py", *quick)
         session.run("python", "benchmarks/bench_incremental.py", *quick, *publish)
         session.run("python", "benchmarks/bench_scale.py", *(["--quick"] if quick else []))
+        session.run(
+            "python", "benchmarks/bench_nodes.py", *(["--size", "64MiB", "--reps", "1"] if quick else [])
+        )
+        session.run("python", "benchmarks/bench_peers.py")
 
 
 @nox.session(venv_backend="none")

@@ -306,3 +306,11 @@ def test_the_docs_example_resumes_from_each_nodes_disk_as_if_never_stopped(tmp_p
     losses = [line for line in resumed.splitlines() if line.startswith("step ")]
     assert losses and losses == [line for line in whole.splitlines() if line.startswith("step ")][4:]
     assert "steps every node holds: [7, 8]" in resumed
+
+
+@pytest.mark.slow
+def test_the_nodes_benchmark_runs_small(tmp_path: Path) -> None:
+    command = [sys.executable, str(ROOT / "benchmarks" / "bench_nodes.py"), "--size", "16MiB", "--reps", "1"]
+    done = subprocess.run([*command, "--out", str(tmp_path)], capture_output=True, text=True, timeout=JOB_CAP)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "restore: the nodes, one file from its partner" in (tmp_path / "nodes.md").read_text()
