@@ -6,9 +6,11 @@ a restore from the nodes gains over one from the remote tier. 4 ranks on gloo, o
 Ranks 0-1 and 2-3 stand in for two nodes: their directories are ``node-0`` and ``node-1``
 under ``--ram`` (tmpfs: the in-memory tier), with a remote tier on ``--disk`` (a directory
 on this machine's disk standing in for an object store, its page cache dropped before each
-read). Each rank holds ``size / 4`` bytes of its own state. Saves: the stall (the call) and
-call->committed (the slowest rank), for one shared directory, two node directories, and
-two with ``Ranks(replicas=1)`` (committed includes the copy to the partner). Restores
+read). Each rank holds ``size / 4`` bytes of its own state. Saves: 4, ``--interval`` seconds
+of training apart (a GPU-bound step leaves the CPU free: an idle wait stands in for it),
+each committed before the next call: the median stall of a call, and the time until all
+are done (copies to partners included), the slowest rank's, for one shared directory, two
+node directories, and two with ``Ranks(replicas=1)``. Restores
 (open + ``restore()``, the slowest rank): from the nodes; from the nodes with one node's
 file of the newest step deleted (taken from its partner's replica); from the remote tier
 alone (node directories empty, no replicas). Results: ``benchmarks/results/nodes.{md,json}``.
@@ -30,6 +32,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import anyio
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -42,6 +45,7 @@ from _harness import drop_cache, file_store
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parent
 RANKS = 4
+SAVES = 4
 
 
 def state_of(rank: int, per_rank: int, step: int) -> dict[str, Any]:
@@ -61,19 +65,29 @@ def manager(directory: str, remote: str | None, replicas: int) -> aiosnap.Checkp
 
 
 async def save(
-    directory: str, state: dict[str, Any], step: int, replicas: int, remote: str | None
+    directory: str, state: dict[str, Any], step: int, replicas: int, remote: str | None, interval: float
 ) -> tuple[float, float]:
+    """SAVES saves, ``interval`` seconds of a training step apart (a GPU-bound step, which
+    leaves the CPU to the background work: here an idle wait), each committed before the
+    next is called; with replicas, the copy of one runs during the next step: the median
+    stall of a call, and the time from the first call until everything (copies included)
+    is done."""
     async with manager(directory, remote, replicas) as mgr:
         await (await mgr.save(step - 1, state)).wait()  # warm: arenas, threads, links
         await mgr.flush()
         dist.barrier()
+        stalls = []
         t0 = time.perf_counter()
-        handle = await mgr.save(step, state)
-        stall = time.perf_counter() - t0
-        await handle.wait()
-        total = time.perf_counter() - t0
+        for i in range(SAVES):
+            t = time.perf_counter()
+            handle = await mgr.save(step + i, state)
+            stalls.append(time.perf_counter() - t)
+            await handle.wait()
+            if i + 1 < SAVES:
+                await anyio.sleep(interval)  # the training step between two saves
         await mgr.flush()
-    return stall, total
+        total = time.perf_counter() - t0
+    return statistics.median(stalls), total
 
 
 async def restore(directory: str, remote: str | None, replicas: int) -> float:
@@ -102,21 +116,23 @@ def _rank_main(rank: int, store: str, args: argparse.Namespace) -> None:
 
     for rep in range(args.reps):
         state, step = state_of(rank, args.per_rank, rep), 10 * (rep + 1)
+        newest = step + SAVES - 1
         for label, directory, replicas in (
             ("save: one shared directory", str(ram / "shared"), 0),
             ("save: 2 node directories", node, 0),
             ("save: 2 node directories, replicas=1", node + "-r", 1),
         ):
-            stall, total = asyncio.run(save(directory, state, step, replicas, None))
+            stall, total = asyncio.run(save(directory, state, step, replicas, None, args.interval))
             note(f"{label}: stall", stall)
-            note(f"{label}: call to committed", total)
+            note(f"{label}: {SAVES} saves, first call to all done", total)
         # Restores of the replicated run's newest step: from the nodes, then with node 1's
         # file of rank 2 lost (its replica on node 0), then from the remote tier alone.
         note("restore: the nodes (tmpfs)", asyncio.run(restore(node + "-r", None, 1)))
         if rank == 0:
-            os.remove(os.path.join(str(ram / "node-1-r"), f"snapshot_iter_{step}", "rank_00002"))
+            os.remove(os.path.join(str(ram / "node-1-r"), f"snapshot_iter_{newest}", "rank_00002"))
         note("restore: the nodes, one file from its partner", asyncio.run(restore(node + "-r", None, 1)))
-        asyncio.run(save(node + "-t", state, step, 0, remote))  # a tiered run, uploaded
+        asyncio.run(save(node + "-t", state, step, 0, remote, args.interval))  # a tiered run, uploaded
+        dist.barrier()  # every rank's manager closed before a node's directory goes
         if rank % 2 == 0:
             shutil.rmtree(node + "-t")  # new machines: empty node directories
         if rank == 0:
@@ -166,6 +182,7 @@ def main() -> None:
     )
     parser.add_argument("--size", default="256MiB", help="all ranks' states together (e.g. 64MiB, 1GiB)")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--interval", type=float, default=1.0, help="seconds of training between saves")
     parser.add_argument("--ram", default="/dev/shm", help="where the node directories go (tmpfs)")
     parser.add_argument("--disk", default=None, help="where the remote tier goes (a disk)")
     parser.add_argument("--out", default=str(ROOT / "results"))

@@ -14,8 +14,10 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
+import anyio
 import pytest
 import torch
 
@@ -23,7 +25,8 @@ import aiosnap
 from aiosnap._dist.decisions import Refused
 from aiosnap._format.manifest import MANIFEST_NAME
 from aiosnap._manager.nodes import Nodes, decide_nodes
-from aiosnap._manager.replicas import covered, moves, partners
+from aiosnap._manager.replicas import Replicator, covered, moves, partners
+from aiosnap._storage.local import LocalStorage
 
 from . import servers
 from .integration_runs import JOB_CAP, ROOT
@@ -310,7 +313,44 @@ def test_the_docs_example_resumes_from_each_nodes_disk_as_if_never_stopped(tmp_p
 
 @pytest.mark.slow
 def test_the_nodes_benchmark_runs_small(tmp_path: Path) -> None:
-    command = [sys.executable, str(ROOT / "benchmarks" / "bench_nodes.py"), "--size", "16MiB", "--reps", "1"]
+    command = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "bench_nodes.py"),
+        "--size",
+        "16MiB",
+        "--reps",
+        "1",
+        "--interval",
+        "0",
+    ]
     done = subprocess.run([*command, "--out", str(tmp_path)], capture_output=True, text=True, timeout=JOB_CAP)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "restore: the nodes, one file from its partner" in (tmp_path / "nodes.md").read_text()
+
+
+async def test_copies_run_in_the_order_of_their_tickets_whichever_task_comes_first() -> None:
+    """Tickets are taken in the votes' turns (the same order on every rank); a vote's task
+    may reach its copy before an earlier one's does, and must wait for it: else two ranks
+    would each wait for a transfer the other has not started."""
+    link = SimpleNamespace(rank=0, size=4)
+    replicator = Replicator(link, LocalStorage(), "unused", Nodes((0, 0, 2, 2)))  # type: ignore[arg-type]
+    done: list[int] = []
+
+    async def copy(record: Any, manifest: str, count: int) -> None:
+        done.append(count)
+
+    replicator._replicate = copy  # type: ignore[method-assign]
+    first, second = replicator.ticket(), replicator.ticket()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(replicator.replicate, None, "", second)
+        await anyio.wait_all_tasks_blocked()
+        assert done == []  # the later ticket waits
+        tg.start_soon(replicator.replicate, None, "", first)
+    assert done == [first, second]
+
+
+def test_replicas_is_0_or_1_and_needs_a_group(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="replicas=2: 0 or 1"):
+        aiosnap.Ranks(replicas=2)
+    with pytest.raises(ValueError, match="replicas= needs a process group"):
+        aiosnap.CheckpointManager(str(tmp_path), ranks=aiosnap.Ranks(group=False, replicas=1))

@@ -14,6 +14,7 @@ import anyio
 import pytest
 import torch
 
+import aiosnap
 from aiosnap._dist import peers
 from aiosnap._dist.peers import open_peer_link, recv_file, send_file
 from aiosnap.errors import PeerTransferError
@@ -165,6 +166,42 @@ def test_a_size_not_expected_is_refused_before_anything_is_allocated(tmp_path: P
     )
     assert receiver["again"] == sender["again"] == size
     assert (tmp_path / "b" / "f").read_bytes() == (tmp_path / "a" / "f").read_bytes()
+
+
+async def _no_file_or_no_room(rank: int, world: int, root: str) -> dict[str, str]:
+    """Rank 0 offers a file that is gone (retention removed it before its copy was made),
+    then one rank 1 cannot create (its directory is a file): each end learns it from the
+    other at once; the link's timeout (10 minutes here) is never waited out."""
+    link = await open_peer_link(None, 600.0)
+    storage, out = LocalStorage(), {}
+    try:
+        for tag, name, sent, into in ((1, "gone", "a/gone", "b/gone"), (2, "blocked", "a/f", "blocked/f")):
+            try:
+                if rank == 0:
+                    await send_file(link, 1, tag, storage, f"{root}/{sent}")
+                else:
+                    await recv_file(link, 0, tag, storage, f"{root}/{into}", expected_size=MiB)
+            except (PeerTransferError, OSError, aiosnap.errors.CheckpointNotFoundError) as exc:
+                out[name] = f"{type(exc).__name__}: {exc}"
+        return out
+    finally:
+        link.close()
+
+
+def test_a_file_gone_at_the_sender_or_not_creatable_at_the_receiver_ends_both_ends_at_once(
+    tmp_path: Path,
+) -> None:
+    _write_random(tmp_path / "a" / "f", MiB, seed=3)
+    (tmp_path / "b").mkdir()
+    (tmp_path / "blocked").write_bytes(b"a file where rank 1 wants a directory")
+    results = run_ranks(2, _no_file_or_no_room, str(tmp_path), limit=120)
+    ok(results, 2)
+    sender, receiver = results[0], results[1]
+    assert sender["gone"].startswith("CheckpointNotFoundError") and "has no such file" in receiver["gone"]
+    assert "refused the file" in sender["blocked"] and receiver["blocked"].startswith(
+        ("OSError", "NotADirectory")
+    )
+    assert not (tmp_path / "b" / "gone").exists()
 
 
 async def _forged(rank: int, world: int, root: str, size: int) -> dict[str, Any]:

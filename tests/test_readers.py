@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import aiosnap
-from aiosnap._manager.member import RELISTS
+from aiosnap._manager.restores import RELISTS
 from aiosnap.storage import INDEX_NAME
 
 from .conftest import wait_until
@@ -278,7 +278,7 @@ async def read_beside_a_writer(
     """``reads`` restores and resumes, alternately, while a writer process saves with
     KeepLast(1) as fast as it can; then at least until the writer has moved on 20 steps.
     Every one must be valid and no older than the one before. Returns what was measured."""
-    caplog.set_level(logging.INFO, logger="aiosnap._manager.member")
+    caplog.set_level(logging.INFO, logger="aiosnap._manager.restores")
     writer = await asyncio.create_subprocess_exec(
         sys.executable, "-c", _WRITER, str(directory), stdout=asyncio.subprocess.PIPE
     )

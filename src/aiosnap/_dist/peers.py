@@ -14,6 +14,9 @@ The protocol of one transfer, on two gloo slots of its tag (``_slots``), each in
     sender -> receiver (data):   [size, piece]   the pieces   [crc32c of the stream]
     receiver -> sender (reply):  [GO | REFUSED, expected size]   [COMMITTED | FAILED, 0]
 
+A sender whose file is gone offers [-1, 0] and stops; a receiver that cannot create the
+upload answers REFUSED: either end learns it at once, not after the timeout.
+
 The receiver knows the size it expects (the step's manifest) and refuses another before
 it allocates anything; the sender learns whether the copy was committed. Every blocking
 gloo call runs in a ``run_peer`` thread and waits at most the link's timeout: a peer that
@@ -52,6 +55,8 @@ MAX_PIECE = 64 << 20
 MAX_TAG = (1 << 30) - 2
 _HELLO = 2 * (MAX_TAG + 1)  # the slot of the partners' greetings (gloo's slots are int32)
 _GO, _REFUSED, _COMMITTED, _FAILED = 0, 1, 2, 3
+#: The size of an offer of no file (the sender's is gone): the receiver stops at once.
+_NO_FILE = -1
 
 
 async def open_peer_link(
@@ -255,8 +260,16 @@ async def send_file(
         raise ValueError(f"a piece of {piece} bytes: 1 to {MAX_PIECE}")
     key = link.take("send", dst, tag)
     wire = _Wire(link, dst, tag, path)
-    with anyio.CancelScope(shield=True):  # opened, it is closed below
-        reader: Reader = await _offload.run_io(storage.open_read, path)
+    try:
+        with anyio.CancelScope(shield=True):  # opened, it is closed below
+            reader: Reader = await _offload.run_io(storage.open_read, path)
+    except BaseException:
+        # The receiver waits for an offer: told there is none, it stops now, not after
+        # the link's timeout (a file retention removed before its copy was made).
+        with anyio.CancelScope(shield=True):
+            await _decline(wire)
+        link.forsake(wire)
+        raise
     try:
         await _offer(wire, reader.size, piece)
         crc = await _stream_out(wire, reader, piece, on_piece)
@@ -269,6 +282,14 @@ async def send_file(
             await _offload.run_io(reader.close)
     link.release(key, wire)
     return reader.size
+
+
+async def _decline(wire: _Wire) -> None:
+    """Tell the receiver that no file comes (an offer of no size); a courtesy, as ``_tell``."""
+    try:
+        await wire.run([(True, torch.tensor([_NO_FILE, 0], dtype=torch.int64), wire.data)])
+    except PeerTransferError as exc:
+        logger.debug("%s", exc)
 
 
 async def _offer(wire: _Wire, size: int, piece: int) -> None:
@@ -333,11 +354,17 @@ async def recv_file(
     wire = _Wire(link, src, tag, path)
     try:
         size, piece = await _accept(wire, expected_size)
+        try:
+            with anyio.CancelScope(shield=True):  # created, it is committed or aborted below
+                upload: Upload = await _offload.run_io(storage.create, path, size)
+        except BaseException:
+            with anyio.CancelScope(shield=True):  # the sender stops now, not after the timeout
+                await _answer(wire, _REFUSED, expected_size)
+            raise
+        await _answer(wire, _GO, expected_size)
     except BaseException:
         link.forsake(wire)
         raise
-    with anyio.CancelScope(shield=True):  # created, it is committed or aborted below
-        upload: Upload = await _offload.run_io(storage.create, path, size)
     try:
         crc = await _stream_in(wire, upload, size, piece, on_piece)
         await _check_and_commit(wire, upload, crc)
@@ -351,20 +378,27 @@ async def recv_file(
 
 
 async def _accept(wire: _Wire, expected: int) -> tuple[int, int]:
-    """The announced size and piece, once answered: GO, or REFUSED (then raised)."""
+    """The announced size and piece, if they are the ones expected (the answer, GO, once
+    the upload is made: ``_answer``); else REFUSED, and raised. An offer of no file is
+    raised at once (the sender waits for no answer)."""
     header = torch.zeros(2, dtype=torch.int64)
     await wire.run([(False, header, wire.data)])
     size, piece = (int(x) for x in header)
+    if size == _NO_FILE:
+        raise PeerTransferError(wire.peer, wire.path, f"rank {wire.peer} has no such file to send")
     fault = None
     if size != expected:
         fault = f"rank {wire.peer} announced {size} bytes where {expected} were expected"
     elif not 0 < piece <= MAX_PIECE:
         fault = f"rank {wire.peer} announced pieces of {piece} bytes (1 to {MAX_PIECE})"
-    answer = torch.tensor([_GO if fault is None else _REFUSED, expected], dtype=torch.int64)
-    await wire.run([(True, answer, wire.reply)])
     if fault is not None:
+        await _answer(wire, _REFUSED, expected)
         raise PeerTransferError(wire.peer, wire.path, f"refused: {fault}")
     return size, piece
+
+
+async def _answer(wire: _Wire, status: int, expected: int) -> None:
+    await wire.run([(True, torch.tensor([status, expected], dtype=torch.int64), wire.reply)])
 
 
 async def _stream_in(

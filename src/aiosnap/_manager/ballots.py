@@ -38,6 +38,9 @@ class Ballots:
         self._agreed: set[SaveHandle] = set()
         #: Called each time a vote ends (whoever waits for the votes to settle).
         self.on_settled: Callable[[], object] | None = None
+        #: Set as each vote's task ends: after its handle, what follows a commit (a copy
+        #: on a partner node) may still run, which ``wait_pending`` waits for too.
+        self._tails: set[anyio.Event] = set()
 
     async def submit(
         self,
@@ -95,6 +98,8 @@ class Ballots:
         report: Report,
     ) -> None:
         path = outer.handle.path
+        tail = anyio.Event()
+        self._tails.add(tail)
         try:
             await member.vote(
                 turn,
@@ -105,6 +110,8 @@ class Ballots:
                 lambda: self._agreed.add(outer.handle),
             )
         finally:
+            self._tails.discard(tail)
+            tail.set()
             self._agreed.discard(outer.handle)
             self._pending.pop(outer.handle, None)
             if not outer.handle.done():
@@ -128,9 +135,12 @@ class Ballots:
                 await handle.outcome()
 
     async def wait_pending(self) -> None:
-        """Wait until every save handed over so far has been voted on."""
+        """Wait until every save handed over so far has been voted on, and what follows
+        its commit has run."""
         for handle in list(self._pending):
             await handle.outcome()
+        for tail in list(self._tails):
+            await tail.wait()
 
     def pending(self) -> int:
         return len(self._pending)

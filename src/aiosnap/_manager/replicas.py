@@ -67,11 +67,10 @@ class Replicator:
         self.partner = self.partners[self.rank]
         #: The ranks whose files this rank keeps a replica of.
         self.sources = [s for s, p in enumerate(self.partners) if p == self.rank]
-        #: One replication at a time, in commit order: the ranks' transfers pair up.
-        self._order = anyio.Lock()
-        #: Transfers made on the link so far, in the same order on every rank: a fresh tag
-        #: for each (a failed transfer's tag is never used again, ``peers``).
-        self._replications = 0
+        #: One replication at a time, in commit order (``ticket``): the ranks' transfers pair
+        #: up, and each gets a fresh tag (a failed transfer's is never used again, ``peers``).
+        self._issued = self._serving = 0
+        self._turned = anyio.Event()
         self._repairs = 0
 
     @classmethod
@@ -100,22 +99,35 @@ class Replicator:
         return ((2 * count + kind) * span + index) % (MAX_TAG + 1)
 
     # -- after a commit ------------------------------------------------------------------
-    async def replicate(self, record: CheckpointRecord, manifest: str) -> None:
+    def ticket(self) -> int:
+        """The place of a commit among the replications, taken in its vote's turn: the same
+        on every rank, whichever vote's task reaches ``replicate`` first."""
+        self._issued += 1
+        return self._issued - 1
+
+    async def replicate(self, record: CheckpointRecord, manifest: str, count: int) -> None:
         """Send this rank's file of ``record`` to its partner and take its sources' (the
-        sizes from ``manifest``, the step's); a failure is a warning. Every rank calls it
-        for every committed step, in commit order."""
-        async with self._order:
-            count = self._replications
-            self._replications += 1
-            sizes = Manifest.parse(record.file, manifest.encode()).sizes
-            try:
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(self._send, record, count)
-                    for src in self.sources:
-                        tg.start_soon(self._receive, record, count, src, sizes[src])
-            except* Exception as group:
-                for exc in group.exceptions:
-                    notice(logger, f"step {record.step}: a replica on a partner node was not made ({exc})")
+        sizes from ``manifest``, the step's), once the replications of the tickets before
+        ``count`` are done; a failure is a warning. Every rank calls it for every commit."""
+        while self._serving != count:
+            await self._turned.wait()
+        try:
+            await self._replicate(record, manifest, count)
+        finally:
+            self._serving += 1
+            turned, self._turned = self._turned, anyio.Event()
+            turned.set()
+
+    async def _replicate(self, record: CheckpointRecord, manifest: str, count: int) -> None:
+        sizes = Manifest.parse(record.file, manifest.encode()).sizes
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._send, record, count)
+                for src in self.sources:
+                    tg.start_soon(self._receive, record, count, src, sizes[src])
+        except* Exception as group:
+            for exc in group.exceptions:
+                notice(logger, f"step {record.step}: a replica on a partner node was not made ({exc})")
 
     async def _send(self, record: CheckpointRecord, count: int) -> None:
         tag = self._tag(0, count, self.rank)

@@ -41,10 +41,11 @@ from .blobs import sweep as sweep_blobs
 from .catalog import Catalog
 from .holding import LeaseHolder
 from .layouts import choose_layout
-from .member import Attempt, Listing, Member, restore_first
+from .member import Member
 from .nodes import Nodes, committed_here, find_nodes, manifests_of, refill, sweep_probes
 from .records import CheckpointRecord
 from .replicas import Replicator
+from .restores import Attempt, Listing, restore_first
 from .retention import RetentionPolicy
 
 logger = logging.getLogger(__name__)

@@ -23,8 +23,8 @@ from .._base.errors import CheckpointError, CheckpointNotFoundError, RemoteStora
 from .._base.notice import notice
 from .._base.tasks import Failures, SaveFailure
 from .._save.handle import SaveHandle, skipped
-from .member import Attempt, Listing, restore_first
 from .records import CheckpointRecord
+from .restores import Attempt, Listing, restore_first
 from .site import Site
 from .tier import Tier
 
