@@ -244,6 +244,44 @@ def test_each_rank_s_file_has_a_replica_on_its_partner_node_which_a_restore_uses
     assert sorted(os.listdir(os.path.join(b, "snapshot_iter_3"))) == everyone
 
 
+async def _sharded(rank: int, world: int, root: str, save: bool) -> Any:
+    """FSDP-like state (each DTensor split over the group's ranks); ranks 0-1 on node A,
+    the others on node B, whatever the group's size."""
+    from tests.test_sharded import LAYOUTS, dtensors, target_spec, whole
+
+    names = [n for n, (_, _, spec) in LAYOUTS.items() if "," not in spec]  # a 1-D mesh of any size
+    if save:
+        state = {"dt": dtensors({n: LAYOUTS[n][2] for n in names}, world, fill=True)}
+    else:
+        state = {"dt": dtensors({n: target_spec(n).split(",")[0] for n in names}, world, fill=False)}
+    ranks = aiosnap.Ranks(timeout=60, replicas=1)
+    async with aiosnap.CheckpointManager(node_dir(root, rank), ranks=ranks) as mgr:
+        if save:
+            await (await mgr.save(5, state)).wait()
+            return None
+        restored = await mgr.restore(target=state)
+    wrong = [n for n, t in state["dt"].items() if not torch.equal(t.full_tensor(), whole(n))]
+    return {"step": restored.step, "path": restored.path, "wrong": wrong}
+
+
+def test_a_step_of_4_ranks_on_2_nodes_with_replicas_restores_at_2_and_at_8_ranks_from_the_nodes(
+    tmp_path: Path,
+) -> None:
+    """Each node holds every file (its ranks' and its partners' copies): a group of another
+    size, resharding, reads only its own node's directory, bit for bit."""
+    root = str(tmp_path)
+    ok(run_ranks(WORLD, _sharded, root, True), WORLD)
+    for world in (2, 8):  # 2: both on node A; 8: ranks 0-1 on A, 2-7 on B
+        results = run_ranks(world, _sharded, root, False)
+        ok(results, world)
+        for rank, r in results.items():
+            assert r == {
+                "step": 5,
+                "path": os.path.join(node_dir(root, rank), "snapshot_iter_5"),
+                "wrong": [],
+            }
+
+
 def test_a_partner_killed_while_taking_a_replica_fails_the_group_s_next_save_and_leaves_no_file(
     tmp_path: Path,
 ) -> None:
@@ -286,7 +324,9 @@ def test_partners_are_the_same_place_in_the_next_node_and_rank_0_plans_each_miss
         [1, 3, 3],
         [1, 3, 1],
     ]
-    assert covered([{"4": [0, 1, 2, 3], "3": [0, 1]}, {"3": [2]}], 4) == {4}
+    # [ranks that saved it (its manifest; 0: none there), *files held], per node.
+    assert covered([{"4": [4, 0, 1, 2, 3], "3": [4, 0, 1]}, {"3": [0, 2]}]) == {4}
+    assert covered([{"5": [4, 0, 1]}, {"5": [0, 2, 3]}]) == {5}  # at any size of the group
 
 
 @pytest.mark.slow

@@ -179,7 +179,7 @@ class Member:
         """Rank 0: the steps the nodes' ``_held`` let the group restore."""
         if self.replicator is None:
             return set.intersection(*(set(h) for h in held))
-        return covered(held, self.size)
+        return covered(held)
 
     def channel(self, control: bool) -> Channel:
         """The votes channel (turns in program order), or the control channel."""

@@ -25,11 +25,11 @@ from typing import Any, final
 import anyio
 
 from .._base import offload as _offload
-from .._base.errors import CheckpointError
+from .._base.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .._base.notice import notice
 from .._dist.channel import Channel
 from .._dist.peers import MAX_TAG, PeerLink, open_peer_link, recv_file, send_file
-from .._format.manifest import MANIFEST_NAME, Manifest, rank_file
+from .._format.manifest import MANIFEST_NAME, Manifest, rank_file, read_manifest
 from .._storage.protocol import Storage, get
 from .catalog import Catalog
 from .nodes import Nodes, refill
@@ -139,12 +139,18 @@ class Replicator:
 
     async def holds(self, steps: dict[int, str]) -> dict[str, list[int]]:
         """Which ranks' files this node holds of each step (step -> its name), own or
-        replicas: what a restore can have from it."""
-        return {str(s): await _offload.run_io(self._ranks_in, name) for s, name in steps.items()}
+        replicas, and (first) how many ranks saved it, from its manifest (0: none here):
+        what a restore can have from it."""
+        return {str(s): await _offload.run_io(self._held_in, name) for s, name in steps.items()}
 
-    def _ranks_in(self, name: str) -> list[int]:
-        found = self.storage.list(self.storage.join(self.directory, name))
-        return [int(e.name[5:]) for e in found if e.is_file and _RANK_FILE.fullmatch(e.name)]
+    def _held_in(self, name: str) -> list[int]:
+        step_dir = self.storage.join(self.directory, name)
+        found = self.storage.list(step_dir)
+        try:
+            world = read_manifest(self.storage, step_dir).world_size
+        except (CorruptCheckpointError, CheckpointNotFoundError):
+            world = 0  # the restore says what is wrong with it, if the group tries it
+        return [world, *(int(e.name[5:]) for e in found if e.is_file and _RANK_FILE.fullmatch(e.name))]
 
     # -- before a restore ----------------------------------------------------------------
     async def repair(self, votes: Channel, record: CheckpointRecord, catalog: Catalog | None) -> None:
@@ -223,8 +229,12 @@ def moves(lacks: Sequence[Sequence[int]], held: Sequence[Sequence[int]]) -> list
     return out
 
 
-def covered(held: Sequence[dict[str, list[int]]], size: int) -> set[int]:
-    """The steps whose every rank's file some node holds (``Replicator.holds`` of each)."""
-    steps = {s for h in held for s in h}
-    whole = set(range(size))
-    return {int(s) for s in steps if whole <= {r for h in held for r in h.get(s, [])}}
+def covered(held: Sequence[dict[str, list[int]]]) -> set[int]:
+    """The steps each of whose files (one per rank that saved it) some node holds
+    (``Replicator.holds`` of each node: [ranks that saved it, or 0, *files held])."""
+    out = set()
+    for s in {s for h in held for s in h}:
+        world = max(h[s][0] for h in held if s in h)
+        if world and set(range(world)) <= {r for h in held for r in h.get(s, [0])[1:]}:
+            out.add(int(s))
+    return out
