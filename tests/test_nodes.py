@@ -282,6 +282,28 @@ def test_a_step_of_4_ranks_on_2_nodes_with_replicas_restores_at_2_and_at_8_ranks
             }
 
 
+def test_a_file_that_fails_its_checksum_is_read_from_its_replica_on_the_partner_node(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    ok(run_ranks(WORLD, _replicated, root, [1, 2]), WORLD)
+    damaged = Path(root, "node-b", "snapshot_iter_2", "rank_00002")
+    good = Path(root, "node-a", "snapshot_iter_2", "rank_00002").read_bytes()
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 0x01  # a flipped bit in rank 2's last tensor, on node B only
+    damaged.write_bytes(bytes(data))
+    results = run_ranks(WORLD, _replicated, root, [])
+    ok(results, WORLD)
+    for rank, r in results.items():  # not an older step, nor another tier: its copy on node A
+        assert r == [2, os.path.join(node_dir(root, rank), "snapshot_iter_2"), rank * 100 + 2], results
+    assert damaged.read_bytes() == good
+    # Both copies damaged: the group falls back to step 1, as without replicas.
+    for node in ("node-a", "node-b"):
+        path = Path(root, node, "snapshot_iter_2", "rank_00002")
+        path.write_bytes(bytes(data))
+    results = run_ranks(WORLD, _replicated, root, [])
+    ok(results, WORLD)
+    assert all(r[0] == 1 for r in results.values()), results
+
+
 def test_a_partner_killed_while_taking_a_replica_fails_the_group_s_next_save_and_leaves_no_file(
     tmp_path: Path,
 ) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Any, final
@@ -50,6 +51,7 @@ logger = logging.getLogger(__name__)
 #: Errors of a restore that say the caller asked for what the step does not hold as
 #: asked: every member raises, and no older step is tried (none would fit better).
 _MISMATCH = (StateMismatchError, CheckpointKeyError, PickleNotAllowedError)
+_RANK_FILE = re.compile(r"rank_\d{5}")
 #: A report of fewer boxes and leaves than this is encoded and hashed on the loop.
 _SMALL_REPORT = 256
 #: Rank 0 settles the reports of up to 64 ranks with fewer boxes and leaves than this in
@@ -363,11 +365,42 @@ class Member:
         self, record: CheckpointRecord, target: Any, keys: Sequence[str] | None, strict: bool
     ) -> Attempt:
         """Every member loads its part of ``record``'s step; rank 0 judges the whole (and
-        marks a corrupt or unreadable step in its catalog); every member gets the verdict."""
+        marks a corrupt or unreadable step in its catalog); every member gets the verdict.
+        With replicas, what a node lacks is fetched from another first, and a file that
+        fails its checksum is fetched again from another node's copy, then read once more
+        (a load fills the target only once every checksum passed)."""
         loaded: list[tuple[str, Any]] = []
         mine: list[Exception] = []
+        bad: list[int] = []  # the ranks whose files, on this node, failed their checksums
         if self.replicator is not None:  # a file its node lost, from a partner's replica
             await self.replicator.repair(self.votes, record, self.catalog)
+        verdict = await self._load(
+            record, target, keys, strict, loaded, mine, bad, last=self.replicator is None
+        )
+        if verdict.outcome == "corrupt" and self.replicator is not None:
+            await self.replicator.repair(self.votes, record, self.catalog, bad=bad)
+            verdict = await self._load(record, target, keys, strict, loaded, mine, bad, last=True)
+        where = self.layout.path(record)
+        if verdict.outcome == "ok":
+            path, state = loaded[0]
+            return Attempt(record, "ok", "", where, path, state)
+        return Attempt(record, verdict.outcome, verdict.reason, where, error=mine[0] if mine else None)
+
+    async def _load(
+        self,
+        record: CheckpointRecord,
+        target: Any,
+        keys: Sequence[str] | None,
+        strict: bool,
+        loaded: list[tuple[str, Any]],
+        mine: list[Exception],
+        bad: list[int],
+        *,
+        last: bool,
+    ) -> LoadReport:
+        """One load of ``record``'s step by every member, and the group's verdict; rank 0
+        marks a step that failed in its catalog only at the ``last`` try."""
+        step_dir = self.layout.storage.join(self.layout.directory, record.file)
 
         async def work() -> Any:
             try:
@@ -381,24 +414,22 @@ class Member:
             except (NotACheckpointError, CheckpointNotFoundError) as exc:
                 return encode(LoadReport("unreadable", str(exc)))
             except CorruptCheckpointError as exc:
+                folder, name = self.layout.storage.split(exc.path)
+                if folder == step_dir and _RANK_FILE.fullmatch(name):
+                    bad.append(int(name[5:]))
                 return encode(LoadReport("corrupt", str(exc)))
             return encode(LoadReport("ok"))
 
         async def decide(bodies: list[Any]) -> Any:
             verdict = judge_restore(decoded(LoadReport, bodies))
-            if verdict.outcome == "corrupt" and self.catalog is not None:
+            if last and verdict.outcome == "corrupt" and self.catalog is not None:
                 await self.catalog.mark_corrupt(record.step, verdict.reason)
-            elif verdict.outcome == "unreadable" and self.catalog is not None:
+            elif last and verdict.outcome == "unreadable" and self.catalog is not None:
                 await self.catalog.mark_unreadable(record.step, verdict.reason)
             return encode(verdict)
 
         async with self.votes.turn("load") as turn:
-            verdict = decode(LoadReport, await turn.agree(work, decide))
-        where = self.layout.path(record)
-        if verdict.outcome == "ok":
-            path, state = loaded[0]
-            return Attempt(record, "ok", "", where, path, state)
-        return Attempt(record, verdict.outcome, verdict.reason, where, error=mine[0] if mine else None)
+            return decode(LoadReport, await turn.agree(work, decide))
 
 
 def _manifest_bytes(manifest: Manifest) -> bytes:

@@ -153,12 +153,16 @@ class Replicator:
         return [world, *(int(e.name[5:]) for e in found if e.is_file and _RANK_FILE.fullmatch(e.name))]
 
     # -- before a restore ----------------------------------------------------------------
-    async def repair(self, votes: Channel, record: CheckpointRecord, catalog: Catalog | None) -> None:
+    async def repair(
+        self, votes: Channel, record: CheckpointRecord, catalog: Catalog | None, *, bad: Sequence[int] = ()
+    ) -> None:
         """Every member at once, before reading ``record``'s step: each rank gets the files
         its node should hold (its own, its sources' replicas) and lacks from a rank whose
         node holds them, and a node that lacks the manifest gets rank 0's once its ranks'
         files are there (a node that came back empty is whole again for this step). What
-        cannot be had that way is left to the restore (another tier, or an older step)."""
+        cannot be had that way is left to the restore (another tier, or an older step).
+        ``bad``: files this rank found corrupt, fetched again as if missing (the copy
+        replaces it, atomically, once whole and checked)."""
         count = self._repairs
         self._repairs += 1
         step_dir = self.storage.join(self.directory, record.file)
@@ -166,7 +170,7 @@ class Replicator:
         async def look() -> Any:
             names = {e.name for e in await _offload.run_io(self.storage.list, step_dir)}
             want = [self.rank, *self.sources]
-            held = [f for f in want if rank_file(f) in names]
+            held = [f for f in want if rank_file(f) in names and f not in bad]
             lacks = [f for f in want if f not in held]
             return {"held": held, "lacks": lacks, "manifest": MANIFEST_NAME in names}
 
