@@ -128,6 +128,16 @@ def test_each_node_holds_its_kept_steps_whole_and_a_resume_reads_nothing_remotel
     ok(results, WORLD)
     assert all(r["step"] == 4 and r["mine"] == rank * 100 + 4 for rank, r in results.items()), results
 
+    # A file on node B fails its checksum (no replica here): the same step, from the remote.
+    damaged = Path(root, "node-b", "snapshot_iter_4", "rank_00003")
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 0x01
+    damaged.write_bytes(bytes(data))
+    results = run_ranks(WORLD, _resume, root, remote, s3.env)
+    ok(results, WORLD)
+    for rank, r in results.items():
+        assert r["step"] == 4 and r["path"] == f"{remote}/snapshot_iter_4" and r["mine"] == rank * 100 + 4
+
 
 async def _local_run(rank: int, world: int, root: str, steps: list[int]) -> Any:
     async with aiosnap.CheckpointManager(
