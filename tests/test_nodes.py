@@ -250,8 +250,11 @@ def test_each_rank_s_file_has_a_replica_on_its_partner_node_which_a_restore_uses
     ok(results, WORLD)
     for rank, r in results.items():  # step 3, the newest, restored from the nodes all the same
         assert r == [3, os.path.join(node_dir(root, rank), "snapshot_iter_3"), rank * 100 + 3], results
-    # Node B holds step 3 whole again: its ranks' files, its partners' replicas, the manifest.
+    # Node B holds the kept steps whole again: its ranks' files, its partners' replicas, the
+    # manifest (step 3 to restore it, step 2 right after), and indexes them.
     assert sorted(os.listdir(os.path.join(b, "snapshot_iter_3"))) == everyone
+    assert sorted(os.listdir(os.path.join(b, "snapshot_iter_2"))) == everyone
+    assert '"step": 2' in Path(b, "aiosnap-index.json").read_text()
 
 
 async def _sharded(rank: int, world: int, root: str, save: bool) -> Any:

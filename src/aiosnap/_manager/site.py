@@ -460,8 +460,20 @@ class Site:
         relist = (lambda: self.listing(step)) if self.read_only else None
         found = await restore_first(await self.listing(step), target, keys, strict, relist=relist)
         if isinstance(found, Attempt):
+            await self.refill(found.record)
             return found
         raise found.error(self.directory, step)
+
+    async def refill(self, restored: CheckpointRecord) -> None:
+        """With replicas, after a restore: the other steps the nodes keep get back what a
+        node lacks (``Replicator.repair``), so a node whose disk came back empty holds
+        them again before the first save. Every member at once."""
+        replicator = self.member.replicator
+        if replicator is None or self.read_only:
+            return
+        for _, record in (await self.listing(None)).tries:
+            if record.step != restored.step:
+                await replicator.repair(self.member.votes, record, self.catalog)
 
     async def prune(self, *, dry_run: bool) -> list[CheckpointRecord]:
         if self.read_only and not dry_run:

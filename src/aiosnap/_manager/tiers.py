@@ -254,6 +254,7 @@ class TwoTiers(Tiers):
         relist = listing if site.read_only else None
         found = await restore_first(await listing(), target, keys, strict, relist=relist)
         if isinstance(found, Attempt):
+            await site.refill(found.record)
             return Restored(found.record.step, found.record.epoch, found.path, found.state)
         where = f"{site.directory!r} or {tier.directory!r}"
         if step is not None and step not in held:
