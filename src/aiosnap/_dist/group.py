@@ -89,7 +89,10 @@ class Transport(Protocol):
 
 def accept(envelope: Envelope, raw: dict[int, bytes]) -> tuple[dict[int, Any], dict[int, str]]:
     """Rank 0's check of what the other ranks sent for ``envelope``'s exchange: each
-    one's body, or why it failed (malformed, or out of step). Blocking (JSON)."""
+    one's body, or why it failed (malformed, or out of step). Blocking (JSON).
+
+    ``raw`` is emptied, each message freed once decoded: 1,024 first reports of ~160 KB
+    freed at once are one call that gives 160 MB back to the system, the GIL held."""
     if sum(len(data) for data in raw.values()) < _MANY_OBJECTS:
         return _accept(envelope, raw)
     with _offload.gc_paused(keep=True):  # the bodies are kept: rank 0 decides on them
@@ -99,8 +102,8 @@ def accept(envelope: Envelope, raw: dict[int, bytes]) -> tuple[dict[int, Any], d
 def _accept(envelope: Envelope, raw: dict[int, bytes]) -> tuple[dict[int, Any], dict[int, str]]:
     bodies: dict[int, Any] = {}
     failed: dict[int, str] = {}
-    for r, data in raw.items():
-        message = _message(Envelope, decode_json(data))
+    for r in list(raw):
+        message = _message(Envelope, decode_json(raw.pop(r)))
         if message is None or (message.seq, message.op) != (envelope.seq, envelope.op):
             sent = "a malformed message" if message is None else f"{message.op!r} #{message.seq}"
             failed[r] = f"is out of step: it sent {sent} while rank 0 is at {envelope.op!r} #{envelope.seq}"
@@ -184,6 +187,12 @@ class GroupChannel:
                     verdict = Outcome(failed=_named(exc.failed))
                 except Exception as exc:
                     verdict, cause = Outcome(failed={"0": describe(exc)}), exc
+            if len(bodies) > _FEW:
+                # The last reference to every rank's decoded message: freed in a worker, a
+                # rank at a time. On the loop, 1,024 ranks' first reports (a million
+                # objects, and the memory arenas they filled given back) stalled it 0.3 s.
+                # Before the verdict goes out: a cancellation here abandons the exchange.
+                await _offload.run_cpu(_offload.release_each, bodies)
             await self.transport.scatter(verdict, set(failed), self.timeout)
         else:
             try:

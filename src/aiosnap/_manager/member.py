@@ -283,11 +283,11 @@ class Member:
         """Rank 0: the verdict on a save from every member's report, the step committed if
         it is to be. Decoding, expanding and indexing the reports is one worker-thread
         call: at 1,024 ranks it is seconds of work the event loop must not do."""
-        step, epoch = record.step, record.epoch
-        if len(bodies) <= 64 and sum(_entries(body) for body in bodies) < _SMALL_GROUP:  # less than a hop
-            settled = self._keeper.settle(step, epoch, bodies, first, self.replicated, large=False)
+        step, epoch, keeper = record.step, record.epoch, self._keeper
+        small = len(bodies) <= 64 and sum(_entries(body) for body in bodies) < _SMALL_GROUP  # less than a hop
+        if small:
+            settled = keeper.settle(step, epoch, bodies, first, self.replicated, large=False)
         else:
-            keeper = self._keeper
             settled = await _offload.run_cpu(keeper.settle, step, epoch, bodies, first, self.replicated)
         if settled.resend:
             return encode(CommitVerdict(committed=False, resend=settled.resend))
@@ -304,7 +304,10 @@ class Member:
             kept = self.catalog.kept_after(record) if self.catalog is not None else []
         elif self.layout.manifests:
             await self.layout.commit(record, manifest)
-        self._keeper.adopt(settled.held)
+        if small:
+            keeper.adopt(settled.held)
+        else:  # it frees what the last commit held: a large group's is thousands of objects
+            await _offload.run_cpu(keeper.adopt, settled.held)
         per_rank = list(manifest.per_rank)
         verdict = CommitVerdict(True, sum(manifest.sizes), per_rank, manifest=copy, kept=kept)
         return encode(verdict)

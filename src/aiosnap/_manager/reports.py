@@ -85,11 +85,9 @@ class Sender:
 class Held:
     """What rank 0 holds after a commit: each rank's layout (digest, and its boxes as
     JSON text: one object, not a million for the collector to walk at 1,024 ranks), the
-    layouts of all ranks in order, the manifest's fields the boxes decide, and the
-    per-rank leaves."""
+    manifest's fields the boxes decide, and the per-rank leaves."""
 
     layouts: dict[int, tuple[str, str]]
-    order: tuple[str, ...]
     derived: dict[str, Any]
     per_rank: list[str]
 
@@ -130,9 +128,18 @@ class Keeper:
         self.held: Held | None = None
 
     def adopt(self, held: Held | None) -> None:
-        """The manifest built with ``held`` is durable: the next digests refer to it."""
-        if held is not None:
-            self.held = held
+        """The manifest built with ``held`` is durable: the next digests refer to it.
+
+        What the last commit held is freed here a rank at a time (``release``); a large
+        group's adopt runs in a worker thread. Its digests are the only objects left of
+        the first commit's reports in the memory arenas those filled: dropped at once on
+        the loop, at 1,024 ranks, they gave ~1 GiB of arenas back to the system in one
+        stall of ~100 ms."""
+        if held is None:
+            return
+        old, self.held = self.held, held
+        if old is not None and old is not held:
+            _offload.release(old.layouts, per=16)  # the new one's are other tuples
 
     def settle(
         self,
@@ -154,7 +161,12 @@ class Keeper:
         if not large:
             return self._settle(step, epoch, bodies, first, replicated)
         with _offload.gc_paused(keep=True):
-            return self._settle(step, epoch, bodies, first, replicated)
+            settled = self._settle(step, epoch, bodies, first, replicated)
+        if not settled.resend:
+            # The vote's reports are done with: freed here, a rank at a time, not at the
+            # vote's end on the loop (1,024 first reports: a million objects, ~0.3 s).
+            _offload.release_each(first.reports)
+        return settled
 
     def _settle(
         self,
@@ -211,10 +223,9 @@ class Keeper:
 
     def _build(self, step: int, epoch: int | None, got: Collected, replicated: Sequence[str]) -> Settled:
         reports = got.reports
-        order = tuple(x.layout for x in reports)
         bare = [replace(x, shards=[]) for x in reports]
         held = self.held
-        if held is not None and held.order == order and all(order):
+        if held is not None and _same_layouts(held, reports):
             # The same boxes as at the last commit: the same index, already checked.
             manifest = commit(step, epoch, bare, replicated)
             manifest = None if manifest is None else replace(manifest, **held.derived)
@@ -242,7 +253,15 @@ class Keeper:
             else got.texts
         )
         layouts = {r: (x.layout, texts[r]) for r, x in enumerate(reports)}
-        return Settled(manifest, held=Held(layouts, order, derived, list(manifest.per_rank)))
+        return Settled(manifest, held=Held(layouts, derived, list(manifest.per_rank)))
+
+
+def _same_layouts(held: Held, reports: list[FileReport]) -> bool:
+    """Whether every rank's boxes are those of the last commit (each digest is known)."""
+    kept = held.layouts
+    return len(kept) == len(reports) and all(
+        x.layout and r in kept and kept[r][0] == x.layout for r, x in enumerate(reports)
+    )
 
 
 def _boxes(text: str) -> list[ShardBox]:
