@@ -16,7 +16,7 @@ from typing import Any
 
 import anyio
 
-from aiosnap._base import offload
+from aiosnap._base import heap, offload
 from aiosnap._base.tasks import SaveFailure
 from aiosnap._dist.memory import ManualClock, MemoryGroup
 from aiosnap._dist.messages import FileReport
@@ -45,7 +45,7 @@ class ReportedLayout(StepDirectories):
     def _report(self, rank: int) -> FileReport:
         # Each rank's report is built in a heap of its own in a real group: here, the
         # collections its objects would set off would stall rank 0 as they do not there.
-        with offload.gc_paused(keep=True):
+        with heap.gc_paused(keep=True):
             return self.reports(rank)
 
 

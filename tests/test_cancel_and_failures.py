@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import aiosnap
-from aiosnap._base.offload import release
+from aiosnap._base.heap import release
 
 from .conftest import temp_files
 

@@ -82,7 +82,7 @@ def test_a_forked_child_gets_helpers_of_its_own(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("n", [0, 1, 4095, 4096, 4097, 10_000])
 def test_zip_dict_is_dict_of_zip(n: int) -> None:
-    from aiosnap._base.offload import zip_dict
+    from aiosnap._base.heap import zip_dict
 
     keys, values = [f"k{i % (n - 7)}" if n > 7 else f"k{i}" for i in range(n)], list(range(n))
     assert list(zip_dict(keys, values).items()) == list(dict(zip(keys, values, strict=True)).items())

@@ -30,6 +30,7 @@ from typing import Any, Protocol, TypeVar
 
 import anyio
 
+from .._base import heap as _heap
 from .._base import offload as _offload
 from .._base.errors import RankFailedError
 from .._base.typed import decode
@@ -95,7 +96,7 @@ def accept(envelope: Envelope, raw: dict[int, bytes]) -> tuple[dict[int, Any], d
     freed at once are one call that gives 160 MB back to the system, the GIL held."""
     if sum(len(data) for data in raw.values()) < _MANY_OBJECTS:
         return _accept(envelope, raw)
-    with _offload.gc_paused(keep=True):  # the bodies are kept: rank 0 decides on them
+    with _heap.gc_paused(keep=True):  # the bodies are kept: rank 0 decides on them
         return _accept(envelope, raw)
 
 
@@ -192,7 +193,7 @@ class GroupChannel:
                 # rank at a time. On the loop, 1,024 ranks' first reports (a million
                 # objects, and the memory arenas they filled given back) stalled it 0.3 s.
                 # Before the verdict goes out: a cancellation here abandons the exchange.
-                await _offload.run_cpu(_offload.release_each, bodies)
+                await _offload.run_cpu(_heap.release_each, bodies)
             await self.transport.scatter(verdict, set(failed), self.timeout)
         else:
             try:

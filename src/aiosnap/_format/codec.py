@@ -29,7 +29,7 @@ from typing import Any
 from .._base import json as _json
 from .._base.checksums import crc32c, is_content_hash
 from .._base.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
-from .._base.offload import gc_paused, release, zip_dict
+from .._base.heap import gc_paused, release, zip_dict
 from .._storage.protocol import Reader, ReaderFile
 from . import dtypes as _dtypes
 from . import tree as _tree

@@ -9,7 +9,7 @@ import base64
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from .._base.offload import release
+from .._base.heap import release
 
 Node = Any  # a JSON value, as described in tree's docstring
 #: At most this many containers nest, at capture and at load: every walk of a tree is

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pickle
 from dataclasses import dataclass
 
-from .._base import offload as _offload
+from .._base import heap as _heap
 from . import codec as _format
 from . import dtypes as _dtypes
 from .codec import EntryPieces, TensorInfo
@@ -76,7 +76,7 @@ class PlanCache:
         """Drop the kept layout (blocking: a large one is freed a slice at a time)."""
         last, self._last = self._last, None
         if last is not None:
-            _offload.release(last.described, last.tensors, last.laid.pieces, last.external)
+            _heap.release(last.described, last.tensors, last.laid.pieces, last.external)
 
 
 def plan(snapshot: Snapshot, cache: PlanCache | None = None) -> Plan:
@@ -110,8 +110,8 @@ def plan(snapshot: Snapshot, cache: PlanCache | None = None) -> Plan:
         )
         last.tree, last.external, last.metadata = snapshot.tree, external, snapshot.metadata
     else:
-        _offload.release(external)
-    _offload.release(described)  # equal to the kept one; freed a slice at a time
+        _heap.release(external)
+    _heap.release(described)  # equal to the kept one; freed a slice at a time
     return Plan(leaves, list(last.tensors), last.template, snapshot.tree)
 
 

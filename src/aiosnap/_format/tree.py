@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from .._base.errors import UnsupportedTypeError
-from .._base.offload import hand_over
+from .._base.heap import hand_over
 from .dtypes import is_storable_torch, numpy_file_dtype
 from .header import json_string
 

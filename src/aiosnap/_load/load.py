@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .._base import heap as _heap
 from .._base import offload as _offload
 from .._base.errors import (
     CheckpointError,
@@ -204,7 +205,7 @@ def read_blocking(storage: Storage, path: str, request: LoadRequest) -> Any:
     """``load``/``load_into`` of a file or a step directory. Blocking. The collector
     is held off throughout: the header and the tree are thousands of objects, freed by
     reference counting, and what is built is returned (see ``gc_paused``)."""
-    with _offload.gc_paused(keep=True):
+    with _heap.gc_paused(keep=True):
         if exists(storage, storage.join(path, MANIFEST_NAME)):
             manifest = read_manifest(storage, path)
             rank = request.rank
@@ -356,7 +357,7 @@ def load_file(
                 # What is known (see Destinations) comes back as the target's own dicts.
                 filled, loaded = False, rebuild(tree, reader.resolve, consume=True, known=dests.known)
             # Not at once: see release. The tree goes whole (~20 ms per 100,000 leaves).
-            _offload.release(header.tensors)
+            _heap.release(header.tensors)
         except CheckpointError:
             raise
         except ValueError as exc:
@@ -367,7 +368,7 @@ def load_file(
     if target is not None:
         if not filled:
             assign(target, loaded, (), strict, dests)
-        _offload.release(dests.direct, dests.held, dests.values, dests.known, dests.infos)
+        _heap.release(dests.direct, dests.held, dests.values, dests.known, dests.infos)
     return loaded
 
 

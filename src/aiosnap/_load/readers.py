@@ -20,10 +20,11 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from .._base import heap as _heap
 from .._base import offload as _offload
 from .._base.checksums import crc32c
 from .._base.errors import CorruptCheckpointError, PickleNotAllowedError
-from .._base.offload import hand_over
+from .._base.heap import hand_over
 from .._format import dtypes as _dtypes
 from .._format.codec import Header, TensorInfo
 from .._format.manifest import SavedTensor
@@ -184,7 +185,7 @@ class EntryReader:
                 )
             wanted[name] = info
             by_source[src].append(info)
-        _offload.release(leaves)  # not at once: see release
+        _heap.release(leaves)  # not at once: see release
         if guard is not None:
             guard.before_read()
         direct = dests.direct
@@ -227,7 +228,7 @@ class EntryReader:
         """``self.made``: what was read, as the tree asks for it (``others``: leaves that
         are not plain tensors, which change)."""
         if self.map_location is None and not others:  # only tensors, as they were made
-            self.made = _offload.zip_dict(list(made), list(map(_OBJECT, made.values())))
+            self.made = _heap.zip_dict(list(made), list(map(_OBJECT, made.values())))
         elif self.map_location is None:  # a tensor is what was made: only the others change
             self.made = {
                 name: obj if wanted[name].kind == "tensor" else self.finish(wanted[name], obj)
@@ -235,7 +236,7 @@ class EntryReader:
             }
         else:
             self.made = {name: self.finish(wanted[name], obj) for name, (obj, _) in made.items()}
-        _offload.release(made)  # its pairs and arrays (the rest only refers to what lives on)
+        _heap.release(made)  # its pairs and arrays (the rest only refers to what lives on)
 
     def _read_placed(
         self,

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .._base.errors import CheckpointError, StateMismatchError
-from .._base.offload import hand_over
+from .._base.heap import hand_over
 from .._format import dtypes as _dtypes
 from .._format.codec import TensorInfo
 from .._format.shards import is_dtensor

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any, Protocol
 
+from .._base import heap as _heap
 from .._base import offload as _offload
 from .._base.errors import (
     CheckpointError,
@@ -276,7 +277,7 @@ class StepDirectories:
 
 
 def _put_manifest(storage: Storage, path: str, manifest: Manifest) -> None:
-    with _offload.gc_paused():  # its JSON is as many objects as the manifest's boxes
+    with _heap.gc_paused():  # its JSON is as many objects as the manifest's boxes
         data = manifest.to_bytes()
     put(storage, path, data)
 

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Any, final
 
+from .._base import heap as _heap
 from .._base import offload as _offload
 from .._base.errors import (
     CheckpointError,
@@ -436,7 +437,7 @@ class Member:
 
 
 def _manifest_bytes(manifest: Manifest) -> bytes:
-    with _offload.gc_paused():  # its JSON is as many objects as the manifest's boxes
+    with _heap.gc_paused():  # its JSON is as many objects as the manifest's boxes
         return manifest.to_bytes()
 
 

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, final
 
-from .._base import offload as _offload
+from .._base import heap as _heap
 from .._base.typed import decode, encode
 from .._dist.decisions import Refused, commit, decoded
 from .._dist.messages import FileReport, ShardBox
@@ -60,7 +60,7 @@ class Sender:
     def prepare(self, report: FileReport, whole: bool) -> tuple[Any, str]:
         """The body to send of ``report`` (encoded; ``whole``: not compacted, as rank 0's
         own, which it needs whole), and its layout's digest. Blocking (hashing)."""
-        with _offload.gc_paused():
+        with _heap.gc_paused():
             return self._prepare(report, whole)
 
     def _prepare(self, report: FileReport, whole: bool) -> tuple[Any, str]:
@@ -139,7 +139,7 @@ class Keeper:
             return
         old, self.held = self.held, held
         if old is not None and old is not held:
-            _offload.release(old.layouts, per=16)  # the new one's are other tuples
+            _heap.release(old.layouts, per=16)  # the new one's are other tuples
 
     def settle(
         self,
@@ -160,12 +160,12 @@ class Keeper:
         few objects of a small group's are left to it)."""
         if not large:
             return self._settle(step, epoch, bodies, first, replicated)
-        with _offload.gc_paused(keep=True):
+        with _heap.gc_paused(keep=True):
             settled = self._settle(step, epoch, bodies, first, replicated)
         if not settled.resend:
             # The vote's reports are done with: freed here, a rank at a time, not at the
             # vote's end on the loop (1,024 first reports: a million objects, ~0.3 s).
-            _offload.release_each(first.reports)
+            _heap.release_each(first.reports)
         return settled
 
     def _settle(

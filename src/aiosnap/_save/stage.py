@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._base import heap as _heap
 from .._base import offload as _offload
 from .._base.errors import SaveCancelledError
 from .._format import dtypes as _dtypes
@@ -269,7 +270,7 @@ def _fill(
     small = SmallCopy(arena, data_start)
     with _offload.side_thread() as side:
         for i in todo:
-            _offload.hand_over()
+            _heap.hand_over()
             if i in on_device or small.add(leaves[i], infos[i]):
                 continue
             if copies is None:
@@ -352,7 +353,7 @@ def stage_or_plan(target: object, request: StageRequest) -> StagedImage | Plan:
     left young, 100,000 entries cost the next young collections 40-50 ms each, in
     whichever thread set them off. A lazy capture's copies run after the pause: they run
     beside the training step, whose garbage must not wait for them."""
-    with _offload.gc_paused(keep=request.plans is not None):
+    with _heap.gc_paused(keep=request.plans is not None):
         snapshot = capture(target, allow_pickle=request.allow_pickle)
         optimizers, snapshot.optimizers = snapshot.optimizers, []
         layout = plan(snapshot, request.plans)
@@ -369,7 +370,7 @@ def stage_or_plan(target: object, request: StageRequest) -> StagedImage | Plan:
 def _stage_once(layout: Plan, request: StageRequest, optimizers: Sequence[Any]) -> StagedImage:
     staged = stage(layout, request, optimizers)
     # Not at once: a plan of 100,000 leaves freed in one cascade held the GIL 15-25 ms.
-    _offload.release(layout.leaves, *([] if request.keep_tree else [layout.tensors]))
+    _heap.release(layout.leaves, *([] if request.keep_tree else [layout.tensors]))
     return staged
 
 
