@@ -36,6 +36,7 @@ def test_benchmark_suite_runs_small(tmp_path: Path) -> None:
     assert (out / "latest.png").stat().st_size > 1000
 
 
+@pytest.mark.slow  # CI's budget: test_benchmark_suite_runs_small stands for the scripts
 def test_multi_rank_benchmark_runs_small(tmp_path: Path) -> None:
     out = run_bench("bench_ranks.py", tmp_path, "--size", "32MiB", "--reps", "1")
     data = json.loads((out / "ranks.json").read_text())
@@ -46,6 +47,7 @@ def test_multi_rank_benchmark_runs_small(tmp_path: Path) -> None:
     assert all(row["total"] > 0 for row in data["summary"].values())
 
 
+@pytest.mark.slow  # CI's budget, as above
 def test_sharded_benchmark_runs_small(tmp_path: Path) -> None:
     out = run_bench("bench_sharded.py", tmp_path, "--size", "32MiB", "--reps", "1")
     data = json.loads((out / "sharded.json").read_text())
@@ -103,6 +105,7 @@ def test_publishing_replaces_only_its_own_section(tmp_path: Path) -> None:
     assert page.index("main table, run 2") < page.index("ranks table")  # kept in its place
 
 
+@pytest.mark.slow  # CI's budget, as above
 def test_incremental_benchmark_runs_small(tmp_path: Path) -> None:
     out = run_bench("bench_incremental.py", tmp_path, "--size", "16MiB", "--saves", "3", "--rows", "20000")
     data = json.loads((out / "incremental.json").read_text())

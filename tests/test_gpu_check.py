@@ -101,6 +101,7 @@ async def test_a_stager_that_fails_its_reuse_gets_a_fresh_one_per_save(
     assert len(used) == 3  # a new stager for each save after the failed reuse
 
 
+@pytest.mark.slow  # CI's budget: the dry run above runs every part of the script
 async def test_a_failing_dcp_leaves_aiosnaps_rows_and_says_why(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

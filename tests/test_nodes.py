@@ -203,14 +203,14 @@ def test_ranks_sharing_a_directory_by_another_path_are_one_node(tmp_path: Path) 
 # -- replicas on a partner node ---------------------------------------------------------------
 async def _replicated(rank: int, world: int, root: str, steps: list[int], victim: int = -1) -> Any:
     if rank == victim:  # dies in the middle of taking its partner's replica
-        from aiosnap._manager import replicas
+        from aiosnap._dist import peers
 
-        taking = replicas.recv_file
+        taking = peers.recv_file
 
         async def dying(*args: Any, **kwargs: Any) -> int:
             return await taking(*args, **kwargs, on_piece=lambda _: os.kill(os.getpid(), signal.SIGKILL))
 
-        replicas.recv_file = dying  # type: ignore[assignment]
+        peers.recv_file = dying  # type: ignore[assignment]
     ranks = aiosnap.Ranks(replicated=["model"], timeout=20, replicas=1)
     async with aiosnap.CheckpointManager(
         node_dir(root, rank), ranks=ranks, keep=aiosnap.retention.KeepLast(2)

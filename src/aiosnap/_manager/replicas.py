@@ -20,7 +20,8 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Sequence
-from typing import Any, final
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, final
 
 import anyio
 
@@ -28,14 +29,25 @@ from .._base import offload as _offload
 from .._base.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .._base.notice import notice
 from .._dist.channel import Channel
-from .._dist.peers import MAX_TAG, PeerLink, open_peer_link, recv_file, send_file
 from .._format.manifest import MANIFEST_NAME, Manifest, rank_file, read_manifest
 from .._storage.protocol import Storage, get
 from .catalog import Catalog
 from .nodes import Nodes, refill
 from .records import CheckpointRecord
 
+if TYPE_CHECKING:
+    from .._dist.peers import PeerLink
+
 logger = logging.getLogger(__name__)
+
+
+def _peers() -> ModuleType:
+    """``_dist.peers``, imported when a group first asks for replicas: it imports
+    torch.distributed, which a process on its own never loads (``tests/test_shards.py``)."""
+    from .._dist import peers
+
+    return peers
+
 
 _RANK_FILE = re.compile(r"rank_\d{5}")
 
@@ -81,7 +93,7 @@ class Replicator:
         connected now, so a partner that dies is seen gone at once."""
         mates = partners(nodes)
         near = {mates[rank], *(s for s, p in enumerate(mates) if p == rank)} - {rank, -1}
-        link = await open_peer_link(parent, silence, partners=sorted(near))
+        link = await _peers().open_peer_link(parent, silence, partners=sorted(near))
         return cls(link, storage, directory, nodes)
 
     def close(self) -> None:
@@ -96,7 +108,7 @@ class Replicator:
         rank) and repairs (the move's place in the plan) apart, each numbered in the order
         every rank makes them."""
         span = 2 * self.link.size  # a repair plans at most two files per rank
-        return ((2 * count + kind) * span + index) % (MAX_TAG + 1)
+        return ((2 * count + kind) * span + index) % (int(_peers().MAX_TAG) + 1)
 
     # -- after a commit ------------------------------------------------------------------
     def ticket(self) -> int:
@@ -131,11 +143,12 @@ class Replicator:
 
     async def _send(self, record: CheckpointRecord, count: int) -> None:
         tag = self._tag(0, count, self.rank)
-        await send_file(self.link, self.partner, tag, self.storage, self._path(record, self.rank))
+        await _peers().send_file(self.link, self.partner, tag, self.storage, self._path(record, self.rank))
 
     async def _receive(self, record: CheckpointRecord, count: int, src: int, size: int) -> None:
         tag = self._tag(0, count, src)
-        await recv_file(self.link, src, tag, self.storage, self._path(record, src), expected_size=size)
+        path = self._path(record, src)
+        await _peers().recv_file(self.link, src, tag, self.storage, path, expected_size=size)
 
     async def holds(self, steps: dict[int, str]) -> dict[str, list[int]]:
         """Which ranks' files this node holds of each step (step -> its name), own or
@@ -201,7 +214,7 @@ class Replicator:
                     tag = self._tag(1, count, i)
                     path = self._path(record, f)
                     if holder == self.rank:
-                        tg.start_soon(send_file, self.link, rank, tag, self.storage, path)
+                        tg.start_soon(_peers().send_file, self.link, rank, tag, self.storage, path)
                     elif rank == self.rank:
                         tg.start_soon(_fetch, self.link, holder, tag, self.storage, path, sizes[f])
         except* (CheckpointError, OSError) as group:
@@ -217,7 +230,7 @@ class Replicator:
 
 
 async def _fetch(link: PeerLink, holder: int, tag: int, storage: Storage, path: str, size: int) -> None:
-    await recv_file(link, holder, tag, storage, path, expected_size=size)
+    await _peers().recv_file(link, holder, tag, storage, path, expected_size=size)
     logger.info("%s: taken from rank %d's node", path, holder)
 
 

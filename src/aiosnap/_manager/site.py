@@ -294,7 +294,7 @@ class Site:
             if not lead:
                 return {"config": encode(config), "committed": None}
             await self._lock()
-            names = await _offload.run_io(self.storage_names)
+            names = await _offload.run_io(self._step_dir_names)
             here = await _offload.run_io(committed_here, self.storage, self.directory, names)
             return {"config": encode(config), "committed": here}
 
@@ -329,7 +329,7 @@ class Site:
         async with channel.turn("open nodes") as turn:
             await turn.agree(tidy, nothing)
 
-    def storage_names(self) -> list[str]:
+    def _step_dir_names(self) -> list[str]:
         """The step directories in the directory (committed or not). Blocking."""
         return [
             e.name
