@@ -191,7 +191,10 @@ class Replicator:
             planned = moves([list(b["lacks"]) for b in bodies], [list(b["held"]) for b in bodies])
             if not planned and all(b["manifest"] for b in bodies):
                 return None
-            text = await _offload.run_io(get, self.storage, self.storage.join(step_dir, MANIFEST_NAME))
+            try:
+                text = await _offload.run_io(get, self.storage, self.storage.join(step_dir, MANIFEST_NAME))
+            except CheckpointNotFoundError:
+                return None  # gone from rank 0's node since it was listed: the load says so
             return {"moves": planned, "manifest": text.decode()}
 
         async def done(_: list[Any]) -> Any:
@@ -207,8 +210,8 @@ class Replicator:
                 await turn.exchange(None, done)
 
     async def _move(self, record: CheckpointRecord, count: int, planned: list[Any], manifest: str) -> None:
-        sizes = Manifest.parse(record.file, manifest.encode()).sizes
         try:
+            sizes = Manifest.parse(record.file, manifest.encode()).sizes
             async with anyio.create_task_group() as tg:
                 for i, (holder, rank, f) in enumerate(planned):
                     tag = self._tag(1, count, i)
