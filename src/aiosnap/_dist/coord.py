@@ -71,6 +71,14 @@ def new_group(parent: dist.ProcessGroup | None, timeout: float) -> dist.ProcessG
     a group is named after its ranks, and a name freed by destroying it would be reused
     with the rendezvous keys of the old group still in the store (the next creation
     hangs). So only groups over all ranks are destroyed at close (see ``Channel.close``)."""
+    group = lazy_group(parent, timeout)
+    _connect_to_rank_0(group, timeout)
+    return group
+
+
+def lazy_group(parent: dist.ProcessGroup | None, timeout: float) -> dist.ProcessGroup:
+    """A gloo group over the ranks of ``parent``, its pairs connected at their first
+    message (``_lazy_connections``): ``new_group``'s, and ``peers``' links'. Blocking."""
     ranks = None if parent is None else dist.get_process_group_ranks(parent)
     with _lazy_connections():
         group = dist.new_group(
@@ -80,7 +88,6 @@ def new_group(parent: dist.ProcessGroup | None, timeout: float) -> dist.ProcessG
             use_local_synchronization=parent is not None,
         )
     assert isinstance(group, dist.ProcessGroup)  # this rank is a member
-    _connect_to_rank_0(group, timeout)
     return group
 
 

@@ -44,7 +44,7 @@ from .._base import offload as _offload
 from .._base.checksums import crc32c
 from .._base.errors import PeerTransferError
 from .._storage.protocol import ALIGN, Reader, Storage, Upload
-from .coord import _lazy_connections
+from .coord import lazy_group
 from .group import DeadlineMissed, reason
 
 logger = logging.getLogger(__name__)
@@ -70,7 +70,8 @@ async def open_peer_link(
     name this rank too). A pair connects at its first message otherwise, and a first
     message to a rank that died meanwhile waits out gloo's own connect deadline (5 times
     ``silence`` here), where a connection made before is seen closed at once."""
-    group = await _offload.run_peer(_new_group, parent, silence)
+    # Destroyed at close only over all ranks, as ``coord.new_group``'s, for its reason.
+    group = await _offload.run_peer(lazy_group, parent, silence)
     link = PeerLink(group, timeout=silence, destroy=parent is None)
     try:
         await _offload.run_peer(link.greet, sorted(set(partners)))
@@ -78,22 +79,6 @@ async def open_peer_link(
         link.close()
         raise
     return link
-
-
-def _new_group(parent: dist.ProcessGroup | None, timeout: float) -> dist.ProcessGroup:
-    """A gloo group over the ranks of ``parent``, its pairs connected at their first
-    message (see ``coord.new_group`` for why only a group over all ranks is destroyed).
-    Blocking."""
-    ranks = None if parent is None else dist.get_process_group_ranks(parent)
-    with _lazy_connections():
-        group = dist.new_group(
-            ranks=ranks,
-            backend="gloo",
-            timeout=datetime.timedelta(seconds=timeout),
-            use_local_synchronization=parent is not None,
-        )
-    assert isinstance(group, dist.ProcessGroup)  # this rank is a member
-    return group
 
 
 @final
