@@ -20,6 +20,7 @@ import fnmatch
 import json
 import logging
 import math
+import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, final
@@ -45,6 +46,15 @@ _OLD_FORMATS = ("aiosnap-manifest/1", "aiosnap-manifest/2")
 
 def rank_file(rank: int) -> str:
     return f"rank_{rank:05d}"
+
+
+_RANK_FILE = re.compile(r"rank_(\d{5})")
+
+
+def rank_of(name: str) -> int | None:
+    """The rank whose file ``name`` is (``rank_file``'s inverse), or None for another name."""
+    m = _RANK_FILE.fullmatch(name)
+    return None if m is None else int(m.group(1))
 
 
 def replicated_matcher(patterns: Sequence[str]) -> Callable[[str], bool]:

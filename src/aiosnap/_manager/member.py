@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Any, final
@@ -36,7 +35,7 @@ from .._base.typed import decode, encode
 from .._dist.channel import Channel, Turn
 from .._dist.decisions import agree_on_config, decoded, judge_restore
 from .._dist.messages import CommitVerdict, FileReport, LoadReport, OpenReport
-from .._format.manifest import Manifest, rank_file, replicated_matcher
+from .._format.manifest import Manifest, rank_file, rank_of, replicated_matcher
 from .._save.handle import Resolver, SaveHandle, SaveStats
 from .blobs import collect
 from .catalog import Catalog
@@ -52,7 +51,6 @@ logger = logging.getLogger(__name__)
 #: Errors of a restore that say the caller asked for what the step does not hold as
 #: asked: every member raises, and no older step is tried (none would fit better).
 _MISMATCH = (StateMismatchError, CheckpointKeyError, PickleNotAllowedError)
-_RANK_FILE = re.compile(r"rank_\d{5}")
 #: A report of fewer boxes and leaves than this is encoded and hashed on the loop.
 _SMALL_REPORT = 256
 #: Rank 0 settles the reports of up to 64 ranks with fewer boxes and leaves than this in
@@ -419,8 +417,8 @@ class Member:
                 return encode(LoadReport("unreadable", str(exc)))
             except CorruptCheckpointError as exc:
                 folder, name = self.layout.storage.split(exc.path)
-                if folder == step_dir and _RANK_FILE.fullmatch(name):
-                    bad.append(int(name[5:]))
+                if folder == step_dir and (rank := rank_of(name)) is not None:
+                    bad.append(rank)
                 return encode(LoadReport("corrupt", str(exc)))
             return encode(LoadReport("ok"))
 

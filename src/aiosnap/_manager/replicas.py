@@ -18,7 +18,6 @@ restores from its partner, not from the remote tier or an older step.
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, final
@@ -29,7 +28,7 @@ from .._base import offload as _offload
 from .._base.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .._base.notice import notice
 from .._dist.channel import Channel
-from .._format.manifest import MANIFEST_NAME, Manifest, rank_file, read_manifest
+from .._format.manifest import MANIFEST_NAME, Manifest, rank_file, rank_of, read_manifest
 from .._storage.protocol import Storage, get
 from .catalog import Catalog
 from .nodes import Nodes, refill
@@ -47,9 +46,6 @@ def _peers() -> ModuleType:
     from .._dist import peers
 
     return peers
-
-
-_RANK_FILE = re.compile(r"rank_\d{5}")
 
 
 def partners(nodes: Nodes) -> list[int]:
@@ -163,7 +159,8 @@ class Replicator:
             world = read_manifest(self.storage, step_dir).world_size
         except (CorruptCheckpointError, CheckpointNotFoundError):
             world = 0  # the restore says what is wrong with it, if the group tries it
-        return [world, *(int(e.name[5:]) for e in found if e.is_file and _RANK_FILE.fullmatch(e.name))]
+        ranks = [rank_of(e.name) if e.is_file else None for e in found]
+        return [world, *(r for r in ranks if r is not None)]
 
     # -- before a restore ----------------------------------------------------------------
     async def repair(

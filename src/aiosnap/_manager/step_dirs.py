@@ -23,7 +23,7 @@ from .._base.checksums import crc32c
 from .._base.errors import CheckpointNotFoundError, CorruptCheckpointError
 from .._dist.messages import FileReport, ShardBox
 from .._format.codec import Header, read_header, written_by_aiosnap
-from .._format.manifest import MANIFEST_NAME, read_manifest, replicated_matcher
+from .._format.manifest import MANIFEST_NAME, rank_of, read_manifest, replicated_matcher
 from .._format.tree import format_path, walk_nodes
 from .._storage.protocol import TEMP_PREFIX, Storage, describe, lstat
 
@@ -83,9 +83,6 @@ def _digest(header: Header, node: Any) -> str:
             return "missing"
         return f"{info.kind}:{info.dtype}:{list(info.shape)}:{info.crc:08x}"
     return f"{crc32c(json.dumps(node, sort_keys=True).encode()):08x}"
-
-
-_RANK_FILE = re.compile(r"rank_\d{5}")
 
 
 @final
@@ -202,7 +199,7 @@ class StepDirs:
     def _own(self, step_dir: str, name: str, files: set[str]) -> bool:
         if name.startswith(TEMP_PREFIX) or name in files:
             return True
-        if not _RANK_FILE.fullmatch(name):
+        if rank_of(name) is None:
             return False
         try:
             reader = self.storage.open_read(self.storage.join(step_dir, name))
