@@ -24,7 +24,7 @@ import torch
 import aiosnap
 from aiosnap._dist.decisions import Refused
 from aiosnap._format.manifest import MANIFEST_NAME
-from aiosnap._manager.nodes import Nodes, decide_nodes
+from aiosnap._manager.nodes import PROBE_PREFIX, Nodes, _write_probe, decide_nodes, sweep_probes
 from aiosnap._manager.replicas import Replicator, covered, moves, partners
 from aiosnap._storage.local import LocalStorage
 
@@ -336,6 +336,22 @@ def test_a_partner_killed_while_taking_a_replica_fails_the_group_s_next_save_and
     assert len(restored) == 1 and restored <= {1, 2}, results
     assert all(r[2] == rank * 100 + r[0] for rank, r in results.items()), results
     assert not [n for n in os.listdir(step_dir) if n.startswith(".aiosnap-tmp")]
+
+
+def test_the_sweep_of_crashed_probes_removes_only_probes_aiosnap_wrote(tmp_path: Path) -> None:
+    """A crashed open's probe goes; a user's file, directory or link under a probe's name
+    stays, and the link's target is untouched."""
+    storage = LocalStorage()
+    _write_probe(storage, str(tmp_path), "crashed")
+    (tmp_path / f"{PROBE_PREFIX}mine").write_bytes(b"a user's notes")
+    (tmp_path / f"{PROBE_PREFIX}dir").mkdir()
+    target = tmp_path / "elsewhere"
+    target.write_bytes(Path(tmp_path, f"{PROBE_PREFIX}crashed").read_bytes())  # a probe's very bytes
+    (tmp_path / f"{PROBE_PREFIX}link").symlink_to(target)
+    assert sweep_probes(storage, str(tmp_path)) == [f"{PROBE_PREFIX}crashed"]
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted(["elsewhere", *(f"{PROBE_PREFIX}{n}" for n in ("dir", "link", "mine"))])
+    assert target.read_bytes().startswith(b"aiosnap:")
 
 
 def test_rank_0_groups_ranks_by_the_probes_they_see() -> None:

@@ -81,10 +81,12 @@ def decide_nodes(seen: Sequence[Sequence[int]]) -> list[int]:
     return [min(mine) for mine in seen]
 
 
+#: What a probe holds: a file under a probe's name that holds anything else is not one.
+_PROBE = b"aiosnap: which ranks share this directory\n"
+
+
 def _write_probe(storage: Storage, directory: str, token: str) -> None:
-    put(
-        storage, storage.join(directory, PROBE_PREFIX + token), b"aiosnap: which ranks share this directory\n"
-    )
+    put(storage, storage.join(directory, PROBE_PREFIX + token), _PROBE)
 
 
 def _seen(storage: Storage, directory: str, tokens: list[str]) -> list[int]:
@@ -140,10 +142,15 @@ def _remove(storage: Storage, path: str) -> None:
 
 def sweep_probes(storage: Storage, directory: str) -> list[str]:
     """Remove the probes of opens that crashed (at an open, under the lease: every probe
-    of this group's open is done with by then). Blocking."""
-    gone = [e.name for e in storage.list(directory) if e.is_file and e.name.startswith(PROBE_PREFIX)]
-    for name in gone:
-        _remove(storage, storage.join(directory, name))
+    of this group's open is done with by then): regular files of a probe's name and
+    bytes, nothing else (a directory or a link is not listed as a file). Blocking."""
+    gone = []
+    for e in storage.list(directory):
+        if e.is_file and e.name.startswith(PROBE_PREFIX) and e.size == len(_PROBE):
+            path = storage.join(directory, e.name)
+            if get(storage, path) == _PROBE:
+                _remove(storage, path)
+                gone.append(e.name)
     return gone
 
 
