@@ -414,6 +414,11 @@ async def test_small_device_tensors_are_copied_and_the_callers_stream_held_befor
         await handle.wait()
     on_device = [t for t in want["model"].values() if t.nbytes < 256 << 10]  # cloned: same sizes
     assert len(on_device) == 7  # biases, BatchNorm's weight, bias and 3 statistics
-    assert [c[0] for c in returned].count("copy") == len(on_device)
-    assert returned[-1][0] == "hold_producers"
+    names = [c[0] for c in returned]
+    assert names.count("copy") == len(on_device)
+    # The caller's stream is held last in the call; only the arena's pinning for the large
+    # copies, in a worker thread of its own, may be recorded after it by the time the call
+    # returns (seen with a CPU hog beside the suite).
+    held = names.index("hold_producers")
+    assert set(names[held + 1 :]) <= {"pin"}, names
     await assert_saved(tmp_path / "c", want)
