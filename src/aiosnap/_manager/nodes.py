@@ -143,12 +143,19 @@ def _remove(storage: Storage, path: str) -> None:
 def sweep_probes(storage: Storage, directory: str) -> list[str]:
     """Remove the probes of opens that crashed (at an open, under the lease: every probe
     of this group's open is done with by then): regular files of a probe's name and
-    bytes, nothing else (a directory or a link is not listed as a file). Blocking."""
+    bytes, nothing else (a directory or a link is not listed as a file). A probe of this
+    open may still be listed, its rank removing it as the leader sweeps (each rank
+    removes its own after the grouping, unordered with the leader's open): one gone
+    between the listing and the read is skipped. Blocking."""
     gone = []
     for e in storage.list(directory):
         if e.is_file and e.name.startswith(PROBE_PREFIX) and e.size == len(_PROBE):
             path = storage.join(directory, e.name)
-            if get(storage, path) == _PROBE:
+            try:
+                held = get(storage, path)
+            except CheckpointNotFoundError:
+                continue
+            if held == _PROBE:
                 _remove(storage, path)
                 gone.append(e.name)
     return gone
