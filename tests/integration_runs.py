@@ -32,10 +32,17 @@ ROOT = Path(__file__).resolve().parent.parent
 MARK = "@aiosnap-test "
 
 
+#: Set for a ``Child``: after each ``saved`` report it waits for the parent's answer, which
+#: is a go-ahead or a SIGKILL, so a kill after a save lands before anything else happens.
+HOLD_SAVES = "AIOSNAP_TEST_HOLD_SAVES"
+
+
 def report(kind: str, *values: object) -> None:
     """From a child: one line for the parent (``loss STEP HEX``, ``saved WHAT``, ``resumed STEP``...)."""
     sys.stdout.write("\n" + MARK + " ".join([kind, *map(str, values)]) + "\n")  # one write: see pause
     sys.stdout.flush()
+    if kind == "saved" and os.environ.get(HOLD_SAVES) and not sys.stdin.readline():
+        os._exit(3)  # the parent is gone: make nothing more
 
 
 def loss(step: int, value: float) -> None:
@@ -106,13 +113,15 @@ class Run:
 
 
 class Child:
-    """A child running ``module.function(*args)``, started at once. ``paused``: it may
-    call ``pause_at_file_ops`` (its stdin is a pipe from the parent)."""
+    """A child running ``module.function(*args)``, started at once; its stdin is a pipe
+    from the parent, which answers each ``saved`` report (``HOLD_SAVES``) and, where the
+    child calls ``pause_at_file_ops``, each file operation."""
 
-    def __init__(self, function: str, *args: object, log: Path, paused: bool = False) -> None:
+    def __init__(self, function: str, *args: object, log: Path) -> None:
         module, name = function.rsplit(".", 1)
         code = f"import sys; from {module} import {name}; {name}(*sys.argv[1:])"
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONHASHSEED": "0"}
+        env[HOLD_SAVES] = "1"
         self.log = log
         self._stderr = open(log, "w")  # noqa: SIM115 - closed in finish()
         # A session of its own: the kill takes any process it started too.
@@ -120,7 +129,7 @@ class Child:
             [sys.executable, "-c", code, *map(str, args)],
             cwd=ROOT,
             env=env,
-            stdin=subprocess.PIPE if paused else None,
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._stderr,
             text=True,
@@ -131,8 +140,9 @@ class Child:
         self, *, kill_after_save: int | None = None, kill_before: Callable[[list[Op]], bool] | None = None
     ) -> Run:
         """Read the child's reports until it exits, or until its ``kill_after_save``-th
-        save call returned, or until ``kill_before(ops)`` is true of the calls it reported
-        (the last one about to be made): then SIGKILL it."""
+        save call returned (the child waits for the answer: it is killed right there), or
+        until ``kill_before(ops)`` is true of the calls it reported (the last one about to
+        be made): then SIGKILL it."""
         run = Run()
         assert self.proc.stdout is not None
         try:
@@ -147,9 +157,7 @@ class Child:
                         os.killpg(self.proc.pid, signal.SIGKILL)
                         run.killed = True
                         break
-                    assert self.proc.stdin is not None, "a child that pauses needs Child(paused=True)"
-                    self.proc.stdin.write("go\n")
-                    self.proc.stdin.flush()
+                    self._go()
                 elif kind == "loss":
                     run.losses[int(values[0])] = values[1]
                 elif kind == "saved":
@@ -158,6 +166,7 @@ class Child:
                         os.killpg(self.proc.pid, signal.SIGKILL)
                         run.killed = True
                         break
+                    self._go()
                 else:
                     run.other.setdefault(kind, []).extend(values)
         finally:
@@ -173,6 +182,12 @@ class Child:
         if not run.killed:
             assert self.proc.returncode == 0, f"the run failed:\n{self.log.read_text()[-6000:]}"
         return run
+
+    def _go(self) -> None:
+        """Let the child go on past what it reported and waits on."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
 
 
 @dataclass
@@ -217,7 +232,7 @@ def kill_points(
 
     def run(name: str, kill: Callable[[list[Op]], bool] | None) -> Killed:
         case = cases / name
-        child = Child(function, *prepare(case), log=cases / f"{name}.log", paused=True)
+        child = Child(function, *prepare(case), log=cases / f"{name}.log")
         done = child.finish(kill_before=kill)
         if not done.killed:
             return Killed(case, done.ops, None)

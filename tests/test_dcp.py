@@ -319,9 +319,7 @@ def _valued(value: float) -> dict[str, Any]:
 
 def _killed_resave(case: Path, kill: Any) -> tuple[list[Op], Op | None]:
     dcp.save(_valued(1.0), checkpoint_id=case, storage_writer=AiosnapStorageWriter())
-    run = Child("tests.test_dcp.resave_child", case, log=case.with_suffix(".log"), paused=True).finish(
-        kill_before=kill
-    )
+    run = Child("tests.test_dcp.resave_child", case, log=case.with_suffix(".log")).finish(kill_before=kill)
     return (run.ops[:-1], run.ops[-1]) if run.killed else (run.ops, None)
 
 
