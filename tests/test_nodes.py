@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -23,7 +24,7 @@ import torch
 
 import aiosnap
 from aiosnap._dist.decisions import Refused
-from aiosnap._format.manifest import MANIFEST_NAME
+from aiosnap._format.manifest import MANIFEST_NAME, Manifest, node_runs, read_manifest
 from aiosnap._manager.nodes import PROBE_PREFIX, Nodes, _write_probe, decide_nodes, sweep_probes
 from aiosnap._manager.replicas import Replicator, covered, moves, partners
 from aiosnap._storage.local import LocalStorage
@@ -82,6 +83,28 @@ async def _resume(
     return {"steps": steps, "step": restored.step, "path": restored.path, "mine": mine}
 
 
+async def _while_down(rank: int, world: int, root: str, remote: str, env: dict[str, str], up: bool) -> Any:
+    """Saves with the remote tier down (``up`` False: its close gives up on the uploads), or
+    an open with it up again, which catches up and restores from the nodes."""
+    os.environ.update(env)
+    async with aiosnap.CheckpointManager(
+        node_dir(root, rank),
+        remote=aiosnap.Remote(remote, timeout=1.0),
+        ranks=aiosnap.Ranks(replicated=["model"], timeout=60),
+        keep=aiosnap.retention.KeepLast(2),
+    ) as mgr:
+        if not up:
+            for step in (5, 6):
+                await (await mgr.save(step, state_of(rank, step))).wait()
+            steps = await mgr.steps()
+            with pytest.raises(aiosnap.errors.RemoteStorageError):
+                await mgr.aclose(upload_timeout=1.0)
+            return {"steps": steps}
+        await mgr.flush()  # the catch-up: the newest local step, uploaded
+        restored = await mgr.restore()
+        return {"remote": await mgr.remote_steps(), "step": restored.step, "path": restored.path}
+
+
 def _listing(directory: str) -> dict[str, list[str]]:
     return {
         name: sorted(os.listdir(os.path.join(directory, name)))
@@ -93,6 +116,18 @@ def _listing(directory: str) -> dict[str, list[str]]:
 def _read_remotely(since: int) -> list[str]:
     """The checkpoint objects (rank files, manifests) the remote served since ``since``."""
     return [p for m, p in servers.REQUESTS[since:] if m == "GET" and ("/rank_" in p or MANIFEST_NAME in p)]
+
+
+def _cli(*args: str) -> tuple[int, str, str]:
+    """The ``aiosnap`` command in a process of its own: (exit code, stdout, stderr)."""
+    env = {**os.environ, "COLUMNS": "200"}
+    done = subprocess.run([sys.executable, "-m", "aiosnap", *args], capture_output=True, text=True, env=env)
+    return done.returncode, done.stdout, done.stderr
+
+
+def _files_read_remotely(since: int) -> set[str]:
+    """``_read_remotely``'s objects, as "step directory/file"."""
+    return {"/".join(p.rsplit("/", 2)[-2:]) for p in _read_remotely(since)}
 
 
 def test_each_node_holds_its_kept_steps_whole_and_a_resume_reads_nothing_remotely(
@@ -113,6 +148,18 @@ def test_each_node_holds_its_kept_steps_whole_and_a_resume_reads_nothing_remotel
         }, (node, held)
         assert not [n for n in os.listdir(os.path.join(root, node)) if n.startswith(".aiosnap-tmp")], node
 
+    # Each node's directory holds its ranks' files: the CLI verifies and shows those.
+    for node, ranks in (("node-a", "0-1"), ("node-b", "2-3")):
+        step_dir = os.path.join(root, node, "snapshot_iter_4")
+        assert read_manifest(LocalStorage(), step_dir).nodes == [[0, 2], [2, 2]]
+        code, out, _ = _cli("verify", step_dir)
+        assert code == 0 and f"the node of ranks {ranks}: 2 of the step's 4 files" in out, out
+        code, out, _ = _cli("inspect", step_dir)
+        assert code == 0 and f"the node of ranks {ranks}" in out and "mine" in out, out
+        assert ("rank_00001" in out, "rank_00002" in out) == (
+            (True, False) if ranks == "0-1" else (False, True)
+        )
+
     since = len(servers.REQUESTS)
     results = run_ranks(WORLD, _resume, root, remote, s3.env)
     ok(results, WORLD)
@@ -129,15 +176,46 @@ def test_each_node_holds_its_kept_steps_whole_and_a_resume_reads_nothing_remotel
     ok(results, WORLD)
     assert all(r["step"] == 4 and r["mine"] == rank * 100 + 4 for rank, r in results.items()), results
 
-    # A file on node B fails its checksum (no replica here): the same step, from the remote.
+    # A file on node B fails its checksum (no replica here): the same step from the nodes,
+    # that file alone read from the remote, and node B's copy mended.
     damaged = Path(root, "node-b", "snapshot_iter_4", "rank_00003")
-    data = bytearray(damaged.read_bytes())
+    good = damaged.read_bytes()
+    data = bytearray(good)
     data[-1] ^= 0x01
     damaged.write_bytes(bytes(data))
+    since = len(servers.REQUESTS)
     results = run_ranks(WORLD, _resume, root, remote, s3.env)
     ok(results, WORLD)
     for rank, r in results.items():
-        assert r["step"] == 4 and r["path"] == f"{remote}/snapshot_iter_4" and r["mine"] == rank * 100 + 4
+        assert r["step"] == 4 and r["path"] == os.path.join(node_dir(root, rank), "snapshot_iter_4"), results
+        assert r["mine"] == rank * 100 + 4, results
+    assert _files_read_remotely(since) == {"snapshot_iter_4/rank_00003"}
+    assert damaged.read_bytes() == good
+
+    # A file node A lost: the same, from the remote (no older step, no other file read).
+    lost = Path(root, "node-a", "snapshot_iter_4", "rank_00001")
+    kept = lost.read_bytes()
+    lost.unlink()
+    since = len(servers.REQUESTS)
+    results = run_ranks(WORLD, _resume, root, remote, s3.env)
+    ok(results, WORLD)
+    assert all(r["step"] == 4 and r["path"].startswith(root) for r in results.values()), results
+    assert _files_read_remotely(since) == {"snapshot_iter_4/rank_00001"}
+    assert lost.read_bytes() == kept
+
+    # The remote tier down while the group saves: the saves go on on the nodes; when it
+    # answers again, the next open uploads the newest step from the nodes' files.
+    results = run_ranks(WORLD, _while_down, root, remote, down, False)
+    ok(results, WORLD)
+    assert all(r == {"steps": [5, 6]} for r in results.values()), results
+    results = run_ranks(WORLD, _while_down, root, remote, s3.env, True)
+    ok(results, WORLD)
+    for rank, r in results.items():
+        assert r == {
+            "remote": [3, 4, 6],
+            "step": 6,
+            "path": os.path.join(node_dir(root, rank), "snapshot_iter_6"),
+        }
 
 
 async def _local_run(rank: int, world: int, root: str, steps: list[int]) -> Any:
@@ -202,7 +280,10 @@ def test_ranks_sharing_a_directory_by_another_path_are_one_node(tmp_path: Path) 
 
 
 # -- replicas on a partner node ---------------------------------------------------------------
-async def _replicated(rank: int, world: int, root: str, steps: list[int], victim: int = -1) -> Any:
+async def _replicated(
+    rank: int, world: int, root: str, steps: list[int], victim: int = -1, remote: str = "", env: Any = None
+) -> Any:
+    os.environ.update(env or {})
     if rank == victim:  # dies in the middle of taking its partner's replica
         from aiosnap._dist import peers
 
@@ -214,7 +295,7 @@ async def _replicated(rank: int, world: int, root: str, steps: list[int], victim
         peers.recv_file = dying  # type: ignore[assignment]
     ranks = aiosnap.Ranks(replicated=["model"], timeout=20, replicas=1)
     async with aiosnap.CheckpointManager(
-        node_dir(root, rank), ranks=ranks, keep=aiosnap.retention.KeepLast(2)
+        node_dir(root, rank), ranks=ranks, keep=aiosnap.retention.KeepLast(2), remote=remote or None
     ) as mgr:
         restored = await mgr.restore() if await mgr.steps() else None
         try:
@@ -237,9 +318,18 @@ def test_each_rank_s_file_has_a_replica_on_its_partner_node_which_a_restore_uses
         )
         for r in range(WORLD):
             assert Path(a, name, f"rank_{r:05d}").read_bytes() == Path(b, name, f"rank_{r:05d}").read_bytes()
+    # The manifest records the nodes and the copies; each node's directory verifies whole.
+    manifest = read_manifest(LocalStorage(), os.path.join(b, "snapshot_iter_2"))
+    assert (manifest.nodes, manifest.copies) == ([[0, 2], [2, 2]], 1)
+    assert manifest.holdings() == {0: [0, 1, 2, 3], 2: [0, 1, 2, 3]}
+    for node in (a, b):
+        assert aiosnap.verify_sync(os.path.join(node, "snapshot_iter_2")).tensors > 0
+
     lost = Path(b, "snapshot_iter_2", "rank_00002")
     kept = lost.read_bytes()
     lost.unlink()  # node B lost rank 2's file of the newest step
+    with pytest.raises(aiosnap.errors.CheckpointNotFoundError, match="rank_00002 as well: not there"):
+        aiosnap.verify_sync(os.path.join(b, "snapshot_iter_2"))
     results = run_ranks(WORLD, _replicated, root, [3])
     ok(results, WORLD)
     for rank, r in results.items():  # step 2 restored from the nodes: rank 2's file from node A
@@ -257,19 +347,36 @@ def test_each_rank_s_file_has_a_replica_on_its_partner_node_which_a_restore_uses
     assert sorted(os.listdir(os.path.join(b, "snapshot_iter_2"))) == everyone
     assert '"step": 2' in Path(b, "aiosnap-index.json").read_text()
 
+    shutil.rmtree(a)  # rank 0's node replaced: its index is gone with it; node B lists the steps
+    results = run_ranks(WORLD, _replicated, root, [])
+    ok(results, WORLD)
+    for rank, r in results.items():
+        assert r == [3, os.path.join(node_dir(root, rank), "snapshot_iter_3"), rank * 100 + 3], results
+    for step in (2, 3):
+        name = f"snapshot_iter_{step}"
+        assert sorted(os.listdir(os.path.join(a, name))) == everyone
+        for f in everyone:
+            assert Path(a, name, f).read_bytes() == Path(b, name, f).read_bytes(), (name, f)
+    index = Path(a, "aiosnap-index.json").read_text()
+    assert '"step": 2' in index and '"step": 3' in index
 
-async def _sharded(rank: int, world: int, root: str, save: bool) -> Any:
+
+async def _sharded(
+    rank: int, world: int, root: str, save: bool, replicas: int = 1, remote: str = "", env: Any = None
+) -> Any:
     """FSDP-like state (each DTensor split over the group's ranks); ranks 0-1 on node A,
     the others on node B, whatever the group's size."""
     from tests.test_sharded import LAYOUTS, dtensors, target_spec, whole
+
+    os.environ.update(env or {})
 
     names = [n for n, (_, _, spec) in LAYOUTS.items() if "," not in spec]  # a 1-D mesh of any size
     if save:
         state = {"dt": dtensors({n: LAYOUTS[n][2] for n in names}, world, fill=True)}
     else:
         state = {"dt": dtensors({n: target_spec(n).split(",")[0] for n in names}, world, fill=False)}
-    ranks = aiosnap.Ranks(timeout=60, replicas=1)
-    async with aiosnap.CheckpointManager(node_dir(root, rank), ranks=ranks) as mgr:
+    ranks = aiosnap.Ranks(timeout=60, replicas=replicas)
+    async with aiosnap.CheckpointManager(node_dir(root, rank), ranks=ranks, remote=remote or None) as mgr:
         if save:
             await (await mgr.save(5, state)).wait()
             return None
@@ -296,6 +403,21 @@ def test_a_step_of_4_ranks_on_2_nodes_with_replicas_restores_at_2_and_at_8_ranks
             }
 
 
+def test_a_reshard_without_replicas_copies_only_the_other_node_s_files_from_the_remote(
+    s3: Any, tmp_path: Path
+) -> None:
+    """Saved at 4 ranks on 2 nodes without replicas, restored at 2 ranks on node A: node A
+    holds ranks 0-1's files; ranks 2-3's alone come from the remote tier, bit for bit."""
+    root, remote = str(tmp_path), f"s3://{s3.bucket()}/run"
+    ok(run_ranks(WORLD, _sharded, root, True, 0, remote, s3.env), WORLD)
+    since = len(servers.REQUESTS)
+    results = run_ranks(2, _sharded, root, False, 0, remote, s3.env)
+    ok(results, 2)
+    for rank, r in results.items():
+        assert r == {"step": 5, "path": os.path.join(node_dir(root, rank), "snapshot_iter_5"), "wrong": []}
+    assert _files_read_remotely(since) == {"snapshot_iter_5/rank_00002", "snapshot_iter_5/rank_00003"}
+
+
 def test_a_file_that_fails_its_checksum_is_read_from_its_replica_on_the_partner_node(tmp_path: Path) -> None:
     root = str(tmp_path)
     ok(run_ranks(WORLD, _replicated, root, [1, 2]), WORLD)
@@ -316,6 +438,27 @@ def test_a_file_that_fails_its_checksum_is_read_from_its_replica_on_the_partner_
     results = run_ranks(WORLD, _replicated, root, [])
     ok(results, WORLD)
     assert all(r[0] == 1 for r in results.values()), results
+
+
+def test_a_file_damaged_on_its_node_and_on_its_partner_s_comes_from_the_remote_alone(
+    s3: Any, tmp_path: Path
+) -> None:
+    """Both copies of rank 2's file fail their checksums: that file is read from the remote
+    tier, the step is not skipped, and nothing else is read from the remote."""
+    root, remote = str(tmp_path), f"s3://{s3.bucket()}/run"
+    ok(run_ranks(WORLD, _replicated, root, [1, 2], -1, remote, s3.env), WORLD)
+    good = Path(root, "node-b", "snapshot_iter_2", "rank_00002").read_bytes()
+    data = bytearray(good)
+    data[-1] ^= 0x01
+    for node in ("node-a", "node-b"):
+        Path(root, node, "snapshot_iter_2", "rank_00002").write_bytes(bytes(data))
+    since = len(servers.REQUESTS)
+    results = run_ranks(WORLD, _replicated, root, [], -1, remote, s3.env)
+    ok(results, WORLD)
+    for rank, r in results.items():
+        assert r == [2, os.path.join(node_dir(root, rank), "snapshot_iter_2"), rank * 100 + 2], results
+    assert _files_read_remotely(since) == {"snapshot_iter_2/rank_00002"}
+    assert Path(root, "node-b", "snapshot_iter_2", "rank_00002").read_bytes() == good
 
 
 def test_a_partner_killed_while_taking_a_replica_fails_the_group_s_next_save_and_leaves_no_file(
@@ -382,6 +525,34 @@ def test_rank_0_groups_ranks_by_the_probes_they_see() -> None:
         decide_nodes([[0], [0]])
     with pytest.raises(Refused, match="rank 1 sees those of ranks"):  # not mutual: refused, never guessed
         decide_nodes([[0, 1], [1], [2]])
+
+
+def test_a_manifest_s_record_of_nodes_and_copies_is_checked_and_tells_what_each_node_holds() -> None:
+    files = [f"rank_{r:05d}" for r in range(5)]
+    base = Manifest(3, None, 5, files, ["0" * 8] * 5, [1] * 5, [], "rank_00000")
+    assert b'"nodes"' not in base.to_bytes() and b'"copies"' not in base.to_bytes()  # as before
+    nodes = replace(base, nodes=node_runs([0, 0, 2, 2, 2]), copies=1)
+    assert nodes.nodes == [[0, 2], [2, 3]] and Manifest.parse("m", nodes.to_bytes()) == nodes
+    # Partners: 0->2, 1->3, 2->0, 3->1, 4->1 (node A is smaller: its last rank takes place 2).
+    assert nodes.holdings() == {0: [0, 1, 2, 3, 4], 2: [0, 1, 2, 3, 4]}
+    assert replace(nodes, copies=0).holdings() == {0: [0, 1], 2: [2, 3, 4]}
+    hostile = [
+        [[0, 2], [2, 2]],  # short of the world size
+        [[0, 2], [2, 4]],  # beyond it
+        [[0, 2], [1, 3]],  # a node named by a rank that is not its lowest
+        [[0, 2], [3, 3]],  # ... nor in it
+        [[0, 0], [0, 5]],  # an empty run
+        [[0, 2, 1], [2, 3]],  # not a pair
+        [[-1, 5]],
+    ]
+    for runs in hostile:
+        with pytest.raises(aiosnap.errors.CorruptCheckpointError, match="bad manifest"):
+            Manifest.parse("m", replace(nodes, nodes=runs).to_bytes())
+    for copies in (2, -1):
+        with pytest.raises(aiosnap.errors.CorruptCheckpointError, match="bad manifest"):
+            Manifest.parse("m", replace(nodes, copies=copies).to_bytes())
+    with pytest.raises(aiosnap.errors.CorruptCheckpointError, match="bad manifest"):  # copies without nodes
+        Manifest.parse("m", replace(base, copies=1).to_bytes())
 
 
 def test_partners_are_the_same_place_in_the_next_node_and_rank_0_plans_each_missing_file() -> None:

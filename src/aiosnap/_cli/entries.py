@@ -26,6 +26,7 @@ from .._format.tree import (
     walk_leaves,
 )
 from .._load.load import load_blocking
+from .._load.verify import on_this_node
 from .._storage.protocol import Storage
 from .dirs import Located
 from .safetensors import TREE_KEY, saved_tree
@@ -129,13 +130,25 @@ def describe(place: Located, allow_pickle: bool) -> Described:
 
 
 def _describe_step(place: Located) -> Described:
+    """A step directory: every rank's file, or on one node of a group of several, the
+    files that node holds (``on_this_node``), its tree from its file of the replicated
+    entries."""
     manifest = read_manifest(place.storage, place.path)
-    headers = [_header(place.storage, place.storage.join(place.path, name)) for name in manifest.files]
-    files = list(zip(manifest.files, manifest.sizes, manifest.checksums, strict=True))
+    chosen, node = list(range(manifest.world_size)), ""
+    if manifest.nodes or manifest.node_replicas:
+        chosen, node = on_this_node(place.storage, place.path, manifest)
+    headers = {
+        manifest.files[r]: _header(place.storage, place.storage.join(place.path, manifest.files[r]))
+        for r in chosen
+    }
+    files = [(manifest.files[r], manifest.sizes[r], manifest.checksums[r]) for r in chosen]
     fmt = f"aiosnap step ({manifest.world_size} rank{'s' * (manifest.world_size > 1)})"
-    entries = header_entries(headers[0], manifest)
-    stored, data = _data_section(headers)
-    return Described(place.path, fmt, sum(manifest.sizes), None, entries, files, manifest.step, stored, data)
+    fmt += f"; {node}" if node else ""
+    holder = next((f for f in (manifest.replicas, *manifest.node_replicas) if f in headers), files[0][0])
+    entries = header_entries(headers[holder], manifest)
+    stored, data = _data_section(list(headers.values()))
+    size = sum(f[1] for f in files)
+    return Described(place.path, fmt, size, None, entries, files, manifest.step, stored, data)
 
 
 def _header(storage: Storage, path: str) -> Header:

@@ -140,8 +140,10 @@ def verified(report: VerifyReport) -> str:
             f"a torch.save file, not an aiosnap checkpoint: {what}; its zip CRC-32s match; "
             "loading it unpickles (runs code from the file): only with --allow-pickle"
         )
-    return what + (
-        "; checksums match" if report.checksummed else "; plain safetensors, no checksums to match"
+    return (
+        what
+        + ("; checksums match" if report.checksummed else "; plain safetensors, no checksums to match")
+        + (f"; {report.node}" if report.node else "")
     )
 
 

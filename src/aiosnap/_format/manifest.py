@@ -57,6 +57,38 @@ def rank_of(name: str) -> int | None:
     return None if m is None else int(m.group(1))
 
 
+def partners(of: Sequence[int]) -> list[int]:
+    """Each rank's partner, whose node keeps a copy of its file (``copies``), given each
+    rank's node (``of[rank]``: the node's lowest rank): the rank at its place in the next
+    node, nodes in the order of their lowest ranks, the last one's partners in the first
+    (the same index, or the next node's last rank if that node is smaller); -1 for every
+    rank of one node."""
+    leaders = sorted(set(of))
+    if len(leaders) < 2:
+        return [-1] * len(of)
+    members: dict[int, list[int]] = {lead: [] for lead in leaders}
+    for rank, lead in enumerate(of):
+        members[lead].append(rank)
+    out = []
+    for rank, lead in enumerate(of):
+        place = members[lead].index(rank)
+        following = members[leaders[(leaders.index(lead) + 1) % len(leaders)]]
+        out.append(following[min(place, len(following) - 1)])
+    return out
+
+
+def node_runs(of: Sequence[int]) -> list[list[int]]:
+    """``of`` (each rank's node) as runs of [node, ranks]: a node's ranks are usually
+    consecutive, so a group of 10,000 ranks on 1,250 nodes is 1,250 pairs."""
+    runs: list[list[int]] = []
+    for lead in of:
+        if runs and runs[-1][0] == lead:
+            runs[-1][1] += 1
+        else:
+            runs.append([lead, 1])
+    return runs
+
+
 def replicated_matcher(patterns: Sequence[str]) -> Callable[[str], bool]:
     """Whether a dotted tree path is replicated: a glob matches it or one of its parents."""
     pats = list(patterns)
@@ -149,11 +181,34 @@ class Manifest:
     #: of the group (their leaders', ``_manager.nodes``): each node restores from its
     #: own. Left out of the JSON when empty: a shared directory's manifest is as before.
     node_replicas: list[str] = field(default_factory=list)
+    #: In a group of several nodes, each rank's node as runs of [node, ranks] (a node is
+    #: named by its lowest rank: ``node_runs``), and ``copies``: 1 if each file is also
+    #: copied to its partner's node (``partners``), once the step is committed. Left out
+    #: of the JSON when empty / 0. Which files a node's directory holds: ``holdings``.
+    nodes: list[list[int]] = field(default_factory=list)
+    copies: int = 0
+
+    def node_of(self) -> list[int]:
+        """Each rank's node (its lowest rank); [] if the manifest records none."""
+        return [lead for lead, count in self.nodes for _ in range(count)]
+
+    def holdings(self) -> dict[int, list[int]]:
+        """Each node's (by its lowest rank) ranks whose files its directory holds once
+        the step is replicated: its ranks', and with ``copies``, those whose partner is
+        on it. {} if the manifest records no nodes."""
+        of = self.node_of()
+        out: dict[int, set[int]] = {lead: set() for lead in of}
+        for rank, mate in enumerate(partners(of) if self.copies else [-1] * len(of)):
+            out[of[rank]].add(rank)
+            if mate >= 0:
+                out[of[mate]].add(rank)
+        return {lead: sorted(ranks) for lead, ranks in out.items()}
 
     def to_bytes(self) -> bytes:
         encoded = encode(self)
-        if not self.node_replicas:
-            del encoded["node_replicas"]
+        for key in ("node_replicas", "nodes", "copies"):  # a shared directory's manifest is as before
+            if not encoded[key]:
+                del encoded[key]
         body = json.dumps(encoded, sort_keys=True, separators=(",", ":"))
         return json.dumps(
             {"format": MANIFEST_FORMAT, "body": json.loads(body), "crc32c": f"{crc32c(body.encode()):08x}"},
@@ -192,6 +247,9 @@ class Manifest:
             return "a file name leaves the step directory or is not one"
         if not {self.replicas, *self.node_replicas} <= set(self.files):  # no checksum would vouch for it
             return "a file of the replicated entries is not one of the step's"
+        problem = _nodes_problem(self)
+        if problem:
+            return problem
         for path, saved in self.shards.items():
             dtype = TORCH_DTYPES.get(saved.dtype)
             # A shape torch cannot hold would fail inside torch.empty, with its own error.
@@ -213,6 +271,22 @@ class Manifest:
             if not tiles(saved.shape, [b.box for b in saved.boxes]):
                 return f"DTensor {path!r}: its boxes do not cover it exactly once"
         return ""
+
+
+def _nodes_problem(manifest: Manifest) -> str:
+    """What is wrong with a manifest's ``nodes`` and ``copies`` ("" if nothing)."""
+    if manifest.copies not in (0, 1) or (manifest.copies and not manifest.nodes):
+        return "copies is not 0, or 1 with nodes"
+    if not manifest.nodes:
+        return ""
+    if not all(len(run) == 2 and run[1] > 0 for run in manifest.nodes):
+        return "a run of nodes is not [node, ranks > 0]"
+    if sum(run[1] for run in manifest.nodes) != manifest.world_size:
+        return "the runs of nodes do not cover the world size"
+    of = manifest.node_of()
+    if any(not 0 <= lead <= r or of[lead] != lead for r, lead in enumerate(of)):
+        return "a node that is not its lowest rank's"
+    return ""
 
 
 def _decode(cls: type[Manifest], body: Any) -> Manifest:

@@ -106,8 +106,10 @@ async def verify(
 ) -> VerifyReport:
     """Recompute every checksum; raise CorruptCheckpointError on any mismatch, naming
     every entry that failed. A step directory is verified whole: its manifest, and every
-    rank's file against it. ``progress(done, total)`` is called with the bytes read so
-    far, from the worker thread that reads them."""
+    rank's file against it (on one node of a group of several, the files that node
+    holds, each it should hold: ``node`` in the report names the node).
+    ``progress(done, total)`` is called with the bytes read so far, from the worker
+    thread that reads them."""
     return await _offload.run_io(verify_now, path, storage, progress)
 
 

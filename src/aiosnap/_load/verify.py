@@ -10,7 +10,7 @@ from typing import Any, final
 import numpy as np
 
 from .._base.checksums import crc32c, crc32c_combine
-from .._base.errors import CorruptCheckpointError, NotACheckpointError
+from .._base.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
 from .._format.codec import Header, TensorInfo, how_to_read, read_header, sniff, tree_of
 from .._format.header import BLOCK
 from .._format.manifest import MANIFEST_NAME, Manifest, SavedTensor, holds_box, indexed, read_manifest
@@ -39,22 +39,31 @@ class VerifyReport:
     #: a zip, whose members' CRC-32s were checked: loading it runs code from the file); a
     #: step directory is "aiosnap".
     format: str = "aiosnap"
+    #: A node's directory of a group of several nodes: which of the step's files it holds
+    #: (the others are on other nodes), in words; "" otherwise.
+    node: str = ""
 
 
 def verify_blocking(storage: Storage, path: str, progress: Progress | None = None) -> VerifyReport:
     """Verify a file, or a step directory with every rank's file against its manifest.
-    Every entry is checked: the error names all those that failed, and every bad file."""
+    Every entry is checked: the error names all those that failed, and every bad file.
+    A node's directory of a group of several nodes holds only some of the step's files:
+    those it should hold (``Manifest.holdings``) must be there, and those it holds are
+    verified."""
     if not exists(storage, storage.join(path, MANIFEST_NAME)):
         return _verify_file(storage, path, None, _Tally(progress))[0]
     manifest = read_manifest(storage, path)
-    files = [storage.join(path, name) for name in manifest.files]
-    tally = _Tally(progress, sum(manifest.sizes))
+    chosen, node = list(range(manifest.world_size)), ""
+    if manifest.nodes or manifest.node_replicas:
+        chosen, node = on_this_node(storage, path, manifest)
+    tally = _Tally(progress, sum(manifest.sizes[r] for r in chosen))
     tensors = total = 0
     headers: dict[str, Header] = {}
     failures: list[str] = []
-    for name, file, checksum in zip(manifest.files, files, manifest.checksums, strict=True):
+    for r in chosen:
+        name, checksum = manifest.files[r], manifest.checksums[r]
         try:
-            report, header = _verify_file(storage, file, checksum, tally)
+            report, header = _verify_file(storage, storage.join(path, name), checksum, tally)
         except CorruptCheckpointError as exc:
             failures.append(str(exc))
             continue
@@ -64,24 +73,75 @@ def verify_blocking(storage: Storage, path: str, progress: Progress | None = Non
     if failures:
         raise CorruptCheckpointError(path, "; ".join(failures))
     _verify_step(storage, path, manifest, headers)
-    return VerifyReport(path, tensors, total, True)
+    return VerifyReport(path, tensors, total, True, node=node)
+
+
+def on_this_node(storage: Storage, path: str, manifest: Manifest) -> tuple[list[int], str]:
+    """Of a step directory on one node of a group of several: the ranks whose files it
+    holds, and which node's it is, in words. With the nodes recorded (``nodes``), the
+    directory is the node's whose files it holds most of, and every file that node
+    should hold must be there; a manifest without them (written before they were) names
+    no node, and the files found are taken. Blocking."""
+    present = {e.name for e in storage.list(path) if e.is_file}
+    found = {r for r, name in enumerate(manifest.files) if name in present}
+    n = manifest.world_size
+    if not manifest.nodes:
+        if not found:
+            raise CheckpointNotFoundError(storage.join(path, manifest.files[0]), "no file of the step here")
+        return sorted(found), f"{len(found)} of the step's {n} files, the others on other nodes"
+    of, holds = manifest.node_of(), manifest.holdings()
+    node = max(sorted(holds), key=lambda lead: sum(r in found for r in holds[lead]))
+    ranks = _spans([r for r, lead in enumerate(of) if lead == node])
+    missing = [manifest.files[r] for r in holds[node] if r not in found]
+    if missing:
+        raise CheckpointNotFoundError(
+            storage.join(path, missing[0]),
+            f"{path} is the directory of the node of ranks {ranks}, which should hold "
+            f"{', '.join(missing)} as well: not there",
+        )
+    chosen = sorted(set(holds[node]) | found)
+    return (
+        chosen,
+        f"the node of ranks {ranks}: {len(chosen)} of the step's {n} files (the others on other nodes)",
+    )
+
+
+def _spans(ranks: list[int]) -> str:
+    """Ranks in words, runs joined: "0-3, 8"."""
+    out: list[str] = []
+    for r in ranks:
+        if out and r == int(out[-1].split("-")[-1]) + 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{r}"
+        else:
+            out.append(str(r))
+    return ", ".join(out)
 
 
 def _verify_step(storage: Storage, path: str, manifest: Manifest, headers: dict[str, Header]) -> None:
     """What a restore of the step relies on beyond each file: every box the manifest
     indexes is the entry it names, every DTensor of every rank's tree is indexed (or
     empty) and read the same at each of its paths, and every replicated entry a rank's
-    file describes is in the file of them. A step verify accepts, a restore reads."""
+    file describes is in the file of them. A step verify accepts, a restore reads. Of a
+    node's directory, the files it holds (``headers``): their boxes, and the replicated
+    entries in the node's file of them (rank 0's, or its leader's: ``node_replicas``)."""
     for where, saved in manifest.shards.items():
         for box in saved.every_box():
             name = manifest.files[box.file]
-            if not holds_box(headers[name].tensors.get(box.name), saved, box):
+            if name in headers and not holds_box(headers[name].tensors.get(box.name), saved, box):
                 raise CorruptCheckpointError(
                     storage.join(path, name), f"does not hold the box of {where} its manifest says"
                 )
+    holder = next((f for f in (manifest.replicas, *manifest.node_replicas) if f in headers), None)
     for name, header in headers.items():
         _verify_dtensors(storage, path, manifest, name, header)
-        _verify_replicated(storage.join(path, manifest.replicas), headers[manifest.replicas], name, header)
+        if holder is None:
+            if any(info.shard is None for info in header.external.values()):
+                raise CheckpointNotFoundError(
+                    storage.join(path, manifest.replicas),
+                    f"no file of the replicated entries of {name} is here",
+                )
+            continue
+        _verify_replicated(storage.join(path, holder), headers[holder], name, header)
 
 
 def _verify_dtensors(storage: Storage, path: str, manifest: Manifest, name: str, header: Header) -> None:

@@ -30,12 +30,13 @@ from .._base.errors import (
     RankFailedError,
     StateMismatchError,
 )
+from .._base.notice import notice
 from .._base.tasks import SaveFailure
 from .._base.typed import decode, encode
 from .._dist.channel import Channel, Turn
 from .._dist.decisions import agree_on_config, decoded, judge_restore
 from .._dist.messages import CommitVerdict, FileReport, LoadReport, OpenReport
-from .._format.manifest import Manifest, rank_file, rank_of, replicated_matcher
+from .._format.manifest import Manifest, node_runs, rank_file, rank_of, replicated_matcher
 from .._save.handle import Resolver, SaveHandle, SaveStats
 from .blobs import collect
 from .catalog import Catalog
@@ -44,7 +45,7 @@ from .nodes import Nodes
 from .records import CheckpointRecord
 from .replicas import Replicator, covered
 from .reports import Collected, Keeper, Sender
-from .restores import Attempt, Listing
+from .restores import Attempt, Backup, Listing
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,9 @@ class Member:
         self.holders: tuple[int, ...] = (0,)
         #: Copies on partner nodes (``replicas``), if asked for and the group has nodes.
         self.replicator: Replicator | None = None
+        #: Where a rank file that a node lacks, or holds damaged, is had last before the
+        #: step is given up: the remote tier of a manager with one (``TwoTiers.restore``).
+        self.backup: Backup | None = None
 
     @property
     def stores_replicas(self) -> bool:
@@ -165,22 +169,38 @@ class Member:
         node holds or, with replicas, whose every file some node holds."""
 
         def answer(held: list[Any]) -> list[int]:
-            assert self.catalog is not None
-            return sorted(set(self.catalog.steps()) & self._restorable(held))
+            return sorted(set(self._records(held)) & self._restorable(held))
 
         return list(await self.ask_nodes("steps", self._held, answer, on_control=on_control))
 
     async def _held(self, catalog: Catalog) -> Any:
-        """What this node holds: its committed steps, or with replicas, each one's files."""
+        """What this node holds: its committed steps, or with replicas, each one's files
+        and (another node's leader) its records of them: rank 0 lists the steps its own
+        node has no record of from them (its node replaced: its index is gone too)."""
         if self.replicator is None:
             return sorted(catalog.records)
-        return await self.replicator.holds({s: r.file for s, r in catalog.records.items()})
+        holds = await self.replicator.holds({s: r.file for s, r in catalog.records.items()})
+        if self.rank == 0:
+            return {"holds": holds}
+        records = {str(s): r.to_json() for s, r in catalog.records.items() if r.corrupt is None}
+        return {"holds": holds, "records": records}
 
     def _restorable(self, held: list[Any]) -> set[int]:
         """Rank 0: the steps the nodes' ``_held`` let the group restore."""
         if self.replicator is None:
             return set.intersection(*(set(h) for h in held))
-        return covered(held)
+        return covered([h["holds"] for h in held])
+
+    def _records(self, held: list[Any], *, marked: bool = False) -> dict[int, CheckpointRecord]:
+        """Rank 0: the records of its valid steps (``marked``: also of those that failed),
+        and with replicas, other nodes' records of the steps it has none of."""
+        assert self.catalog is not None
+        out = {s: r for s, r in self.catalog.records.items() if marked or r.corrupt is None}
+        for h in held[1:] if self.replicator is not None else ():
+            for s, raw in h["records"].items():
+                if int(s) not in self.catalog.records and int(s) not in out:
+                    out[int(s)] = CheckpointRecord.from_json(raw)
+        return out
 
     def channel(self, control: bool) -> Channel:
         """The votes channel (turns in program order), or the control channel."""
@@ -297,6 +317,9 @@ class Member:
         if self.replicated and len(self.holders) > 1:
             manifest = replace(manifest, node_replicas=[rank_file(r) for r in self.holders[1:]])
         if self.layout.manifests and self.nodes.many:  # the other nodes' leaders write it too
+            # Where the step's files are kept: each rank's node, and its partner's with replicas.
+            copies = 1 if self.replicator is not None else 0
+            manifest = replace(manifest, nodes=node_runs(self.nodes.of), copies=copies)
             data = await _offload.run_cpu(_manifest_bytes, manifest)
             await self.layout.commit_copy(record, data)
             copy = data.decode()
@@ -356,8 +379,9 @@ class Member:
         def answer(held: list[Any]) -> dict[str, Any]:
             assert self.catalog is not None
             everywhere = self._restorable(held)
-            steps = [step] if step is not None else sorted(self.catalog.steps(), reverse=True)
-            records = [self.catalog.records[s].to_json() for s in steps if s in everywhere]
+            known = self._records(held, marked=step is not None)
+            steps = [step] if step is not None else sorted(known, reverse=True)
+            records = [known[s].to_json() for s in steps if s in everywhere and s in known]
             return {"records": records, "mark": self.catalog.mark()}
 
         listed = await self.ask_nodes("restore", self._held, answer)
@@ -370,23 +394,82 @@ class Member:
         marks a corrupt or unreadable step in its catalog); every member gets the verdict.
         With replicas, what a node lacks is fetched from another first, and a file that
         fails its checksum is fetched again from another node's copy, then read once more
-        (a load fills the target only once every checksum passed)."""
+        (a load fills the target only once every checksum passed). A file still missing
+        or damaged then is copied from the ``backup`` (the remote tier), only that file,
+        and the step read once more: a step is not given up for one file the remote has."""
         loaded: list[tuple[str, Any]] = []
         mine: list[Exception] = []
-        bad: list[int] = []  # the ranks whose files, on this node, failed their checksums
+        bad: list[int] = []  # the ranks whose files, on this node, are missing or damaged
+        backup = self.backup if self.manifests else None
         if self.replicator is not None:  # a file its node lost, from a partner's replica
             await self.replicator.repair(self.votes, record, self.catalog)
         verdict = await self._load(
-            record, target, keys, strict, loaded, mine, bad, last=self.replicator is None
+            record, target, keys, strict, loaded, mine, bad, last=self.replicator is None and backup is None
         )
         if verdict.outcome == "corrupt" and self.replicator is not None:
             await self.replicator.repair(self.votes, record, self.catalog, bad=bad)
-            verdict = await self._load(record, target, keys, strict, loaded, mine, bad, last=True)
+            verdict = await self._load(record, target, keys, strict, loaded, mine, bad, last=backup is None)
+        had: set[int] = set()  # the files this rank copied from the backup: once each
+        while verdict.outcome in ("corrupt", "unreadable") and backup is not None:
+            # A load stops at the first file it misses: as many rounds as files missing.
+            if not await self._from_backup(backup, record, [f for f in bad if f not in had]):
+                await self._mark(record, verdict)
+                break
+            had.update(bad)
+            verdict = await self._load(record, target, keys, strict, loaded, mine, bad, last=False)
         where = self.layout.path(record)
         if verdict.outcome == "ok":
             path, state = loaded[0]
             return Attempt(record, "ok", "", where, path, state)
         return Attempt(record, verdict.outcome, verdict.reason, where, error=mine[0] if mine else None)
+
+    async def _from_backup(self, backup: Backup, record: CheckpointRecord, bad: Sequence[int]) -> bool:
+        """Every member at once: the rank files the last load found missing or damaged on
+        its node (``bad``) are copied from ``backup``, each once per node (by the first of
+        its ranks that found it), a damaged one replaced only once the copy is whole.
+        Whether any member had one: then the step is read again."""
+        if not await backup.available():
+            return False
+        step_dir = self.layout.path(record)
+
+        async def plan(bodies: list[Any]) -> Any:
+            taken: set[tuple[int, int]] = set()
+            out: list[list[int]] = []
+            for r, files in enumerate(bodies):
+                out.append([f for f in files if (self.nodes.of[r], f) not in taken])
+                taken.update((self.nodes.of[r], f) for f in files)
+            return out
+
+        async def total(bodies: list[Any]) -> Any:
+            return sum(bodies)
+
+        async with self.votes.turn("backup") as turn:
+            got = 0
+            for f in (await turn.exchange(sorted(set(bad)), plan))[self.rank]:
+                path = self.layout.storage.join(step_dir, rank_file(f))
+                try:
+                    await backup.fetch(record, f, self.layout.storage, path)
+                except (CheckpointError, OSError) as exc:
+                    notice(
+                        logger,
+                        f"{path} is missing or damaged, and the remote tier's copy could not be had ({exc})",
+                    )
+                else:
+                    got += 1
+                    notice(
+                        logger,
+                        f"{path} was missing or damaged: copied from the remote tier {backup.directory}",
+                    )
+            return bool(await turn.exchange(got, total))
+
+    async def _mark(self, record: CheckpointRecord, verdict: LoadReport) -> None:
+        """Rank 0 marks a step that failed for good in its catalog (``_load``'s ``last``)."""
+        if self.rank != 0 or self.catalog is None:
+            return
+        if verdict.outcome == "corrupt":
+            await self.catalog.mark_corrupt(record.step, verdict.reason)
+        elif verdict.outcome == "unreadable":
+            await self.catalog.mark_unreadable(record.step, verdict.reason)
 
     async def _load(
         self,
@@ -405,6 +488,7 @@ class Member:
         step_dir = self.layout.storage.join(self.layout.directory, record.file)
 
         async def work() -> Any:
+            bad.clear()
             try:
                 near = self.nodes.of[self.rank]
                 loaded.append(
@@ -413,21 +497,21 @@ class Member:
             except _MISMATCH as exc:
                 mine.append(exc)
                 return encode(LoadReport("mismatch", str(exc)))
-            except (NotACheckpointError, CheckpointNotFoundError) as exc:
+            except NotACheckpointError as exc:
                 return encode(LoadReport("unreadable", str(exc)))
-            except CorruptCheckpointError as exc:
+            except (CheckpointNotFoundError, CorruptCheckpointError) as exc:
                 folder, name = self.layout.storage.split(exc.path)
                 if folder == step_dir and (rank := rank_of(name)) is not None:
-                    bad.append(rank)
-                return encode(LoadReport("corrupt", str(exc)))
+                    bad.append(rank)  # a rank file missing or damaged (not the manifest)
+                if isinstance(exc, CorruptCheckpointError):
+                    return encode(LoadReport("corrupt", str(exc)))
+                return encode(LoadReport("unreadable", str(exc)))
             return encode(LoadReport("ok"))
 
         async def decide(bodies: list[Any]) -> Any:
             verdict = judge_restore(decoded(LoadReport, bodies))
-            if last and verdict.outcome == "corrupt" and self.catalog is not None:
-                await self.catalog.mark_corrupt(record.step, verdict.reason)
-            elif last and verdict.outcome == "unreadable" and self.catalog is not None:
-                await self.catalog.mark_unreadable(record.step, verdict.reason)
+            if last:
+                await self._mark(record, verdict)
             return encode(verdict)
 
         async with self.votes.turn("load") as turn:

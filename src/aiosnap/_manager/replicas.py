@@ -29,6 +29,7 @@ from .._base.errors import CheckpointError, CheckpointNotFoundError, CorruptChec
 from .._base.notice import notice
 from .._dist.channel import Channel
 from .._format.manifest import MANIFEST_NAME, Manifest, rank_file, rank_of, read_manifest
+from .._format.manifest import partners as partners_of
 from .._storage.protocol import Storage, get
 from .catalog import Catalog
 from .nodes import Nodes, refill
@@ -49,18 +50,9 @@ def _peers() -> ModuleType:
 
 
 def partners(nodes: Nodes) -> list[int]:
-    """Each rank's partner: the rank at its place in the next node (the same index, or
-    the last one's if that node is smaller); -1 for every rank of a group of one node."""
-    leaders = nodes.leaders
-    if len(leaders) < 2:
-        return [-1] * len(nodes.of)
-    members = {lead: nodes.members(lead) for lead in leaders}
-    out = []
-    for rank, lead in enumerate(nodes.of):
-        place = members[lead].index(rank)
-        following = members[leaders[(leaders.index(lead) + 1) % len(leaders)]]
-        out.append(following[min(place, len(following) - 1)])
-    return out
+    """Each rank's partner (``_format.manifest.partners``); -1 for every rank of a group
+    of one node."""
+    return partners_of(nodes.of)
 
 
 @final
@@ -171,8 +163,9 @@ class Replicator:
         node holds them, and a node that lacks the manifest gets rank 0's once its ranks'
         files are there (a node that came back empty is whole again for this step). What
         cannot be had that way is left to the restore (another tier, or an older step).
-        ``bad``: files this rank found corrupt, fetched again as if missing (the copy
-        replaces it, atomically, once whole and checked)."""
+        The manifest is rank 0's node's or, if that node lacks it (replaced), that of the
+        first node that holds it. ``bad``: files this rank found corrupt, fetched again as
+        if missing (the copy replaces it, atomically, once whole and checked)."""
         count = self._repairs
         self._repairs += 1
         step_dir = self.storage.join(self.directory, record.file)
@@ -188,23 +181,40 @@ class Replicator:
             planned = moves([list(b["lacks"]) for b in bodies], [list(b["held"]) for b in bodies])
             if not planned and all(b["manifest"] for b in bodies):
                 return None
-            try:
-                text = await _offload.run_io(get, self.storage, self.storage.join(step_dir, MANIFEST_NAME))
-            except CheckpointNotFoundError:
+            if not bodies[0]["manifest"]:  # rank 0's node replaced: another node's
+                source = next((r for r, b in enumerate(bodies) if b["manifest"]), None)
+                return None if source is None else {"moves": planned, "manifest": None, "from": source}
+            text = await self._manifest(step_dir)
+            if text is None:
                 return None  # gone from rank 0's node since it was listed: the load says so
-            return {"moves": planned, "manifest": text.decode()}
+            return {"moves": planned, "manifest": text}
 
         async def done(_: list[Any]) -> Any:
             return None
 
         async with votes.turn("repair") as turn:
             planned = await turn.agree(look, plan)
+            if planned is not None and planned["manifest"] is None:
+                source = int(planned["from"])
+                text = await self._manifest(step_dir) if source == self.rank else None
+                planned["manifest"] = await turn.exchange(text, lambda bodies: _first(bodies, source))
+                if planned["manifest"] is None:
+                    planned = None  # gone from that node since: every rank leaves the moves
             if planned is not None:  # every rank waits for the moves: a rank reads another's file too
                 await self._move(record, count, planned["moves"], planned["manifest"])
                 await turn.exchange(None, done)  # all moved: the leaders may commit the step
                 if catalog is not None and await self._refill(record, planned["manifest"]):
                     await catalog.load()
                 await turn.exchange(None, done)
+
+    async def _manifest(self, step_dir: str) -> str | None:
+        """This node's manifest of a step, as text (None: gone)."""
+        try:
+            return (
+                await _offload.run_io(get, self.storage, self.storage.join(step_dir, MANIFEST_NAME))
+            ).decode()
+        except CheckpointNotFoundError:
+            return None
 
     async def _move(self, record: CheckpointRecord, count: int, planned: list[Any], manifest: str) -> None:
         try:
@@ -232,6 +242,10 @@ class Replicator:
 async def _fetch(link: PeerLink, holder: int, tag: int, storage: Storage, path: str, size: int) -> None:
     await _peers().recv_file(link, holder, tag, storage, path, expected_size=size)
     logger.info("%s: taken from rank %d's node", path, holder)
+
+
+async def _first(bodies: list[Any], source: int) -> Any:
+    return bodies[source]
 
 
 def moves(lacks: Sequence[Sequence[int]], held: Sequence[Sequence[int]]) -> list[list[int]]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, final
+from typing import TYPE_CHECKING, Any, Protocol, final
 
 from .._base.errors import (
     CheckpointError,
@@ -22,6 +22,7 @@ from .._base.notice import notice
 from .records import CheckpointRecord
 
 if TYPE_CHECKING:
+    from .._storage.protocol import Storage
     from .member import Member
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,23 @@ class Attempt:
     state: Any = None
     #: This member's own error of a "mismatch", raised as itself.
     error: Exception | None = None
+
+
+class Backup(Protocol):
+    """Where a step directory's rank file that a node lacks or holds damaged is had from
+    last, before the step is given up: the remote tier (``Tier``), one file at a time."""
+
+    @property
+    def directory(self) -> str: ...
+
+    async def available(self) -> bool:
+        """Whether it can be read now; every member at once, and the same on every one."""
+        ...
+
+    async def fetch(self, record: CheckpointRecord, rank: int, storage: Storage, path: str) -> None:
+        """Copy ``rank``'s file of ``record``'s step to ``path`` in ``storage``, committed
+        only once whole (the load that follows checks every byte)."""
+        ...
 
 
 #: Times a reader lists its directory again within one restore. It does only when the

@@ -41,6 +41,7 @@ from .._base.errors import RemoteStorageError
 from .._base.notice import notice
 from .._base.tasks import SaveFailure
 from .._save.handle import SaveHandle, skipped
+from .._save.transfer import copy_checkpoint
 from .._storage.protocol import Storage
 from .records import CheckpointRecord
 from .site import Site
@@ -265,6 +266,17 @@ class Tier:
             raise RemoteStorageError(f"{self.directory}: {self.unavailable()}")
         with _offload.remote_io(f"reading the remote tier {self.directory}"):
             return await fn(self.site)
+
+    async def fetch(self, record: CheckpointRecord, rank: int, storage: Storage, path: str) -> None:
+        """Copy ``rank``'s file of ``record``'s step from the remote directory to ``path``
+        (``restores.Backup``): the remote's copy is the local file's bytes (an upload copies
+        it as it is), with the blobs it refers to that ``storage`` lacks."""
+        folder, name = self.site.member.place(record, rank)
+        src = self.site.storage
+        with _offload.remote_io(
+            f"reading {name} of step {record.step} from the remote tier {self.directory}"
+        ):
+            await _offload.run_io(copy_checkpoint, src, src.join(folder, name), storage, path)
 
     def unavailable(self) -> str:
         """Why the remote tier cannot be read, and what to do about it."""

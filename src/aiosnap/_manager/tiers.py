@@ -234,10 +234,14 @@ class TwoTiers(Tiers):
         self, step: int | None, target: Any, keys: Sequence[str] | None, strict: bool
     ) -> Restored:
         """The newest valid step of either tier, the local copy first: a step corrupt
-        in one tier is tried in the other, then older steps are. A reader lists both
-        again when what it chose went away as it read it (``restore_first``)."""
+        in one tier is tried in the other, then older steps are. A local step with a rank
+        file missing or damaged takes that file from the remote tier and is read again
+        (``Member.attempt``), unless the manager is read-only (it writes nothing locally).
+        A reader lists both again when what it chose went away as it read it
+        (``restore_first``)."""
         tier, site = self.tier, self.site
         near = site.member
+        near.backup = None if site.read_only else tier
         held: set[int] = set()  # the steps either tier held, at the last listing
 
         async def listing() -> Listing:
