@@ -323,7 +323,8 @@ def test_each_rank_s_file_has_a_replica_on_its_partner_node_which_a_restore_uses
     assert (manifest.nodes, manifest.copies) == ([[0, 2], [2, 2]], 1)
     assert manifest.holdings() == {0: [0, 1, 2, 3], 2: [0, 1, 2, 3]}
     for node in (a, b):
-        assert aiosnap.verify_sync(os.path.join(node, "snapshot_iter_2")).tensors > 0
+        report = aiosnap.verify_sync(os.path.join(node, "snapshot_iter_2"))
+        assert report.tensors > 0 and report.node == "a node's directory holding every file of the step"
 
     lost = Path(b, "snapshot_iter_2", "rank_00002")
     kept = lost.read_bytes()

@@ -81,10 +81,13 @@ def on_this_node(storage: Storage, path: str, manifest: Manifest) -> tuple[list[
     holds, and which node's it is, in words. With the nodes recorded (``nodes``), the
     directory is the node's whose files it holds most of, and every file that node
     should hold must be there; a manifest without them (written before they were) names
-    no node, and the files found are taken. Blocking."""
+    no node, and the files found are taken. A directory holding every file (the remote
+    tier's; a node's with copies of every other's) is taken whole. Blocking."""
     present = {e.name for e in storage.list(path) if e.is_file}
     found = {r for r, name in enumerate(manifest.files) if name in present}
     n = manifest.world_size
+    if len(found) == n:  # the remote tier's copy; or copies on two nodes: no telling which
+        return sorted(found), "a node's directory holding every file of the step" if manifest.nodes else ""
     if not manifest.nodes:
         if not found:
             raise CheckpointNotFoundError(storage.join(path, manifest.files[0]), "no file of the step here")
@@ -102,7 +105,7 @@ def on_this_node(storage: Storage, path: str, manifest: Manifest) -> tuple[list[
     chosen = sorted(set(holds[node]) | found)
     return (
         chosen,
-        f"the node of ranks {ranks}: {len(chosen)} of the step's {n} files (the others on other nodes)",
+        f"the node of ranks {ranks}: {len(chosen)} of the step's {n} files, the others on other nodes",
     )
 
 
