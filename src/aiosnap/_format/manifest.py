@@ -67,13 +67,15 @@ def partners(of: Sequence[int]) -> list[int]:
     if len(leaders) < 2:
         return [-1] * len(of)
     members: dict[int, list[int]] = {lead: [] for lead in leaders}
+    place = []  # O(ranks) in all: a manifest's record of 10,000 one-rank nodes is cheap too
     for rank, lead in enumerate(of):
+        place.append(len(members[lead]))
         members[lead].append(rank)
+    following = {lead: members[leaders[(i + 1) % len(leaders)]] for i, lead in enumerate(leaders)}
     out = []
     for rank, lead in enumerate(of):
-        place = members[lead].index(rank)
-        following = members[leaders[(leaders.index(lead) + 1) % len(leaders)]]
-        out.append(following[min(place, len(following) - 1)])
+        mates = following[lead]
+        out.append(mates[min(place[rank], len(mates) - 1)])
     return out
 
 
