@@ -608,3 +608,25 @@ def test_a_header_written_otherwise_is_read_by_the_general_parse(good_file: Path
     fast, general, took = headers_both_ways(good_file)
     assert not took and fast == general
     assert_tree_equal(aiosnap.load_sync(str(good_file)), want)
+
+
+def test_a_load_whose_read_buffer_is_still_viewed_elsewhere_goes_through(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A view of the header's buffer that outlives the read (a stack sampler holding the
+    reader's frame: ``benchmarks/loop_stalls.py``'s watchdog did) made the header's
+    decode fail with BufferError, when it freed the raw bytes: the load must not care."""
+    from aiosnap._storage.local import _LocalReader
+
+    path = str(tmp_path / "ckpt")
+    aiosnap.save_sync(path, {"w": torch.arange(8.0)})
+    kept: list[memoryview] = []
+    reading = _LocalReader.readinto
+
+    def holding(self: _LocalReader, offset: int, buf: memoryview) -> None:
+        reading(self, offset, buf)
+        kept.append(buf[:1])  # what a held frame keeps: a view of the buffer read into
+
+    monkeypatch.setattr(_LocalReader, "readinto", holding)
+    assert torch.equal(aiosnap.load_sync(path)["w"], torch.arange(8.0))
+    assert kept

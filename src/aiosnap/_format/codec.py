@@ -360,7 +360,8 @@ class _Parser:
                 )
             raise self.fail(f"header length {n} does not fit a file of {size} bytes")
         raw = bytearray(8 + n)
-        self.f.readinto(0, memoryview(raw))
+        with memoryview(raw) as view:  # released here, even if something holds the reader's frame
+            self.f.readinto(0, view)
         # The checksum is taken before the text is decoded, so that the raw bytes are
         # freed before the text is joined: the parse never holds more than two copies of
         # the header (a hostile one can be 1 GiB).
@@ -754,7 +755,13 @@ def _decode(raw: bytearray) -> str:
     with memoryview(raw) as data:
         parts = [decoder.decode(data[i : i + _DECODE_SLICE]) for i in range(8, len(data), _DECODE_SLICE)]
     parts.append(decoder.decode(b"", final=True))
-    raw.clear()
+    try:
+        raw.clear()
+    except BufferError:
+        # A view of ``raw`` outlived its call: a frame of the read that made it is held
+        # by a profiler or a stack sampler (``benchmarks/loop_stalls.py``'s watchdog did:
+        # the load failed). Only the memory bound is lost: ``raw`` goes with its caller.
+        pass
     return "".join(parts)
 
 
