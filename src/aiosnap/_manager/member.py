@@ -403,20 +403,18 @@ class Member:
         backup = self.backup if self.manifests else None
         if self.replicator is not None:  # a file its node lost, from a partner's replica
             await self.replicator.repair(self.votes, record, self.catalog)
-        verdict = await self._load(
-            record, target, keys, strict, loaded, mine, bad, last=self.replicator is None and backup is None
-        )
+        verdict = await self._load(record, target, keys, strict, loaded, mine, bad)
         if verdict.outcome == "corrupt" and self.replicator is not None:
             await self.replicator.repair(self.votes, record, self.catalog, bad=bad)
-            verdict = await self._load(record, target, keys, strict, loaded, mine, bad, last=backup is None)
+            verdict = await self._load(record, target, keys, strict, loaded, mine, bad)
         had: set[int] = set()  # the files this rank copied from the backup: once each
         while verdict.outcome in ("corrupt", "unreadable") and backup is not None:
             # A load stops at the first file it misses: as many rounds as files missing.
             if not await self._from_backup(backup, record, [f for f in bad if f not in had]):
-                await self._mark(record, verdict)
                 break
             had.update(bad)
-            verdict = await self._load(record, target, keys, strict, loaded, mine, bad, last=False)
+            verdict = await self._load(record, target, keys, strict, loaded, mine, bad)
+        await self._mark(record, verdict)  # failed for good (rank 0's catalog): after the last try
         where = self.layout.path(record)
         if verdict.outcome == "ok":
             path, state = loaded[0]
@@ -463,7 +461,7 @@ class Member:
             return bool(await turn.exchange(got, total))
 
     async def _mark(self, record: CheckpointRecord, verdict: LoadReport) -> None:
-        """Rank 0 marks a step that failed for good in its catalog (``_load``'s ``last``)."""
+        """Rank 0 marks a step whose load failed (corrupt or unreadable) in its catalog."""
         if self.rank != 0 or self.catalog is None:
             return
         if verdict.outcome == "corrupt":
@@ -480,12 +478,10 @@ class Member:
         loaded: list[tuple[str, Any]],
         mine: list[Exception],
         bad: list[int],
-        *,
-        last: bool,
     ) -> LoadReport:
-        """One load of ``record``'s step by every member, and the group's verdict; rank 0
-        marks a step that failed in its catalog only at the ``last`` try."""
-        step_dir = self.layout.storage.join(self.layout.directory, record.file)
+        """One load of ``record``'s step by every member, and the group's verdict; ``bad``:
+        this rank's files of the step it found missing or damaged."""
+        step_dir = self.layout.path(record)
 
         async def work() -> Any:
             bad.clear()
@@ -509,10 +505,7 @@ class Member:
             return encode(LoadReport("ok"))
 
         async def decide(bodies: list[Any]) -> Any:
-            verdict = judge_restore(decoded(LoadReport, bodies))
-            if last:
-                await self._mark(record, verdict)
-            return encode(verdict)
+            return encode(judge_restore(decoded(LoadReport, bodies)))
 
         async with self.votes.turn("load") as turn:
             return decode(LoadReport, await turn.agree(work, decide))
