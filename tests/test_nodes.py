@@ -441,6 +441,41 @@ def test_a_file_that_fails_its_checksum_is_read_from_its_replica_on_the_partner_
     assert all(r[0] == 1 for r in results.values()), results
 
 
+def test_a_user_s_file_directory_or_link_in_place_of_a_rank_file_is_never_replaced(tmp_path: Path) -> None:
+    """A copy (from the remote tier, or a partner) replaces only a rank file aiosnap wrote
+    (damaged) or none: a user's file, a directory, a link to a checkpoint file of the
+    user's, or a link to nothing in its place stays as it is (the link's target too), and
+    the step is read from the remote tier instead (its whole step: the local one fails).
+    A load follows links, so the links were taken for a damaged or missing file and
+    replaced. Each case in a run of its own: a step that failed is marked in the index."""
+    strays: dict[str, Any] = {
+        "a user's file": lambda place, theirs: place.write_bytes(b"a user's notes"),
+        "a directory": lambda place, theirs: place.mkdir(),
+        "a link to the user's checkpoint": lambda place, theirs: place.symlink_to(theirs),
+        "a link to nothing": lambda place, theirs: place.symlink_to(theirs.with_name("nowhere")),
+    }
+    for i, (what, make) in enumerate(strays.items()):
+        case = tmp_path / str(i)
+        root, remote = str(case / "nodes"), str(case / "remote")
+        ok(run_ranks(WORLD, _train, root, remote, {}), WORLD)
+        place = Path(root, "node-b", "snapshot_iter_4", "rank_00003")
+        theirs = case / "theirs"  # a checkpoint file of the user's: not the step's bytes
+        theirs.write_bytes(Path(root, "node-b", "snapshot_iter_3", "rank_00003").read_bytes())
+        kept = theirs.read_bytes()
+        place.unlink()
+        make(place, theirs)
+        before = os.readlink(place) if place.is_symlink() else None
+        results = run_ranks(WORLD, _resume, root, remote, {})
+        ok(results, WORLD)
+        want = {rank: (4, f"{remote}/snapshot_iter_4", rank * 100 + 4) for rank in range(WORLD)}
+        assert {rank: (r["step"], r["path"], r["mine"]) for rank, r in results.items()} == want, what
+        assert place.is_dir() == (what == "a directory"), what
+        assert (os.readlink(place) if place.is_symlink() else None) == before, what
+        if what == "a user's file":
+            assert place.read_bytes() == b"a user's notes"
+        assert theirs.read_bytes() == kept, what
+
+
 def test_a_file_damaged_on_its_node_and_on_its_partner_s_comes_from_the_remote_alone(
     s3: Any, tmp_path: Path
 ) -> None:

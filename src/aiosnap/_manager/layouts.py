@@ -307,6 +307,16 @@ def _still_own(storage: Storage, path: str, size: int) -> bool:
     return (size > 0 and entry.size == size) or _written_by_aiosnap(storage, path)
 
 
+def replaceable(storage: Storage, path: str) -> bool:
+    """Whether a step's rank file at ``path``, which a load found missing or damaged, may
+    be replaced by a copy (a partner's, the remote tier's): nothing is there, or a regular
+    file aiosnap wrote (a damaged checkpoint still begins as one). A user's file, a
+    directory or a link in its place (a load follows links) is left as it is, and the
+    step fails. Blocking."""
+    entry = lstat(storage, path)
+    return entry is None or (entry.is_file and _written_by_aiosnap(storage, path))
+
+
 def _written_by_aiosnap(storage: Storage, path: str) -> bool:
     """Whether the file at ``path`` is one aiosnap wrote (False if it is gone). Blocking."""
     return bool(_ownership(storage, path))

@@ -40,7 +40,7 @@ from .._format.manifest import Manifest, node_runs, rank_file, rank_of, replicat
 from .._save.handle import Resolver, SaveHandle, SaveStats
 from .blobs import collect
 from .catalog import Catalog
-from .layouts import Layout
+from .layouts import Layout, replaceable
 from .nodes import Nodes
 from .records import CheckpointRecord
 from .replicas import Replicator, covered
@@ -496,9 +496,12 @@ class Member:
             except NotACheckpointError as exc:
                 return encode(LoadReport("unreadable", str(exc)))
             except (CheckpointNotFoundError, CorruptCheckpointError) as exc:
-                folder, name = self.layout.storage.split(exc.path)
-                if folder == step_dir and (rank := rank_of(name)) is not None:
-                    bad.append(rank)  # a rank file missing or damaged (not the manifest)
+                storage = self.layout.storage
+                folder, name = storage.split(exc.path)
+                # A rank file missing or damaged (not the manifest), which a copy may replace.
+                rank = rank_of(name) if folder == step_dir else None
+                if rank is not None and await _offload.run_io(replaceable, storage, exc.path):
+                    bad.append(rank)
                 if isinstance(exc, CorruptCheckpointError):
                     return encode(LoadReport("corrupt", str(exc)))
                 return encode(LoadReport("unreadable", str(exc)))
